@@ -1,0 +1,8 @@
+"""kvtool: an inference-level toolkit for small local models and their KV cache."""
+
+from kvtool.config import EngineConfig, SamplingParams
+from kvtool.errors import KvtoolError
+from kvtool.models.loading import LoadedModel, load
+
+__all__ = ["EngineConfig", "SamplingParams", "KvtoolError", "LoadedModel", "load"]
+__version__ = "0.1.0"

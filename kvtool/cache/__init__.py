@@ -1,0 +1,1 @@
+"""KV storage and prefix-cache bookkeeping."""

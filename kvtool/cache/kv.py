@@ -1,0 +1,159 @@
+"""Per-layer KV containers with one small interface.
+
+LayerKV keeps keys (post-RoPE) and values in buffers shaped [1, H_kv, capacity, D]
+that grow by doubling, so a decode step appends in place instead of re-concatenating.
+Slot i of every layer holds the token at sequence index i.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtool.errors import CacheFormatError
+
+MIN_CAPACITY = 256
+
+
+class LayerKV:
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 capacity: int = MIN_CAPACITY):
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self._k = torch.empty(1, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self._v = torch.empty_like(self._k)
+        self.offset = 0  # tokens stored
+
+    @property
+    def capacity(self) -> int:
+        return self._k.shape[2]
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._k[:, :, : self.offset]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._v[:, :, : self.offset]
+
+    def reserve(self, total: int) -> None:
+        if total <= self.capacity:
+            return
+        new_cap = max(total, 2 * self.capacity)
+        k = torch.empty(1, self.num_kv_heads, new_cap, self.head_dim, dtype=self.dtype, device=self.device)
+        v = torch.empty_like(k)
+        k[:, :, : self.offset] = self.keys
+        v[:, :, : self.offset] = self.values
+        self._k, self._v = k, v
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v [1, H, T, D]; return views of all keys and values so far."""
+        n = k.shape[2]
+        self.reserve(self.offset + n)
+        self._k[:, :, self.offset : self.offset + n] = k
+        self._v[:, :, self.offset : self.offset + n] = v
+        self.offset += n
+        return self.keys, self.values
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens."""
+        if not 0 <= length <= self.offset:
+            raise ValueError(f"cannot truncate a cache of {self.offset} tokens to {length}")
+        self.offset = length
+
+    def trim(self, n: int) -> int:
+        """Drop the last n tokens (fewer if the cache is shorter); return how many were dropped."""
+        n = max(0, min(n, self.offset))
+        self.offset -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored tokens (not of the reserved capacity)."""
+        return 2 * self.offset * self.num_kv_heads * self.head_dim * self._k.element_size()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"keys": self.keys.clone(), "values": self.values.clone()}
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]) -> "LayerKV":
+        try:
+            k, v = state["keys"], state["values"]
+        except KeyError as exc:
+            raise CacheFormatError(f"layer state is missing {exc.args[0]!r}") from None
+        if k.dim() != 4 or k.shape != v.shape or k.shape[0] != 1:
+            raise CacheFormatError(f"layer state keys {tuple(k.shape)} / values {tuple(v.shape)} are not [1, H, T, D]")
+        layer = cls(k.shape[1], k.shape[3], k.dtype, k.device, capacity=max(MIN_CAPACITY, k.shape[2]))
+        layer.append(k, v)
+        return layer
+
+
+class KVCache:
+    """The KV of one sequence: a LayerKV per layer, all of the same length."""
+
+    def __init__(self, layers: list[LayerKV]):
+        self.layers = layers
+
+    @classmethod
+    def empty(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device, capacity: int = MIN_CAPACITY):
+        return cls([LayerKV(num_kv_heads, head_dim, dtype, device, capacity) for _ in range(num_layers)])
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> LayerKV:
+        return self.layers[i]
+
+    @property
+    def offset(self) -> int:
+        return self.layers[0].offset if self.layers else 0
+
+    def reserve(self, total: int) -> None:
+        for layer in self.layers:
+            layer.reserve(total)
+
+    def truncate(self, length: int) -> None:
+        for layer in self.layers:
+            layer.truncate(length)
+
+    def trim(self, n: int) -> int:
+        return [layer.trim(n) for layer in self.layers][0] if self.layers else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def append_all(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append stacked per-layer KV shaped [L, H, T, D] (e.g. from a prefix-cache hit)."""
+        if keys.shape[0] != len(self.layers):
+            raise ValueError(f"got KV for {keys.shape[0]} layers, cache has {len(self.layers)}")
+        for layer, k, v in zip(self.layers, keys, values):
+            layer.append(k.unsqueeze(0), v.unsqueeze(0))
+
+    def stacked(self, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of tokens [start, end) as [L, H, T, D] copies."""
+        end = self.offset if end is None else end
+        ks = torch.stack([layer.keys[0, :, start:end] for layer in self.layers])
+        vs = torch.stack([layer.values[0, :, start:end] for layer in self.layers])
+        return ks, vs
+
+    def state(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for i, layer in enumerate(self.layers):
+            for name, t in layer.state().items():
+                out[f"layers.{i}.{name}"] = t
+        return out
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]) -> "KVCache":
+        n = len({key.split(".")[1] for key in state if key.startswith("layers.")})
+        try:
+            layers = [LayerKV.from_state({"keys": state[f"layers.{i}.keys"], "values": state[f"layers.{i}.values"]})
+                      for i in range(n)]
+        except KeyError as exc:
+            raise CacheFormatError(f"cache state is missing {exc.args[0]!r}") from None
+        if len({layer.offset for layer in layers}) > 1:
+            raise CacheFormatError("cache state layers have different lengths")
+        return cls(layers)
+
+    def clone(self) -> "KVCache":
+        return KVCache.from_state(self.state()) if self.layers else KVCache([])

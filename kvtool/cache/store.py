@@ -1,0 +1,116 @@
+"""KV storage for prefix-cache blocks, addressed by the ids PrefixIndex hands out.
+
+The index decides which blocks exist; this store only holds their tensors. Each block is one
+contiguous allocation shaped [2, L, H, B, D] (keys then values), written once by put() and
+immutable afterwards, so a block can be shared by any number of requests without copies
+until gather() concatenates a prefix for a cache hit.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+# keys/values for one block: a tensor [L, H, B, D] or a sequence of L tensors [H, B, D]
+BlockKV = torch.Tensor | Sequence[torch.Tensor]
+
+
+class BlockStore:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float16,
+        device: torch.device | str = "cpu",
+    ):
+        for name, value in [
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("block_size", block_size),
+        ]:
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"BlockStore: {name} must be a positive int, got {value!r}")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = torch.empty(0, device=device).device  # resolves "cuda" to "cuda:0"
+        self._blocks: dict[int, torch.Tensor] = {}  # id -> [2, L, H, B, D]
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        return (2, self.num_layers, self.num_kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        n = 1
+        for dim in self.block_shape:
+            n *= dim
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._blocks) * self.bytes_per_block
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._blocks
+
+    def ids(self) -> set[int]:
+        return set(self._blocks)
+
+    def put(self, block_id: int, keys: BlockKV, values: BlockKV) -> None:
+        """Store one block's KV (cast to the store's dtype/device). Ids are write-once."""
+        if block_id in self._blocks:
+            raise ValueError(f"BlockStore.put: block {block_id} is already stored; free it first")
+        block = torch.empty(self.block_shape, dtype=self.dtype, device=self.device)
+        for i, (name, kv) in enumerate([("keys", keys), ("values", values)]):
+            per_layer = [kv[layer] for layer in range(kv.shape[0])] if isinstance(kv, torch.Tensor) else list(kv)
+            if len(per_layer) != self.num_layers or any(t.shape != self.block_shape[2:] for t in per_layer):
+                got = [tuple(t.shape) for t in per_layer]
+                raise ValueError(
+                    f"BlockStore.put: {name} for block {block_id} must be {self.num_layers} layers of "
+                    f"[H={self.num_kv_heads}, B={self.block_size}, D={self.head_dim}], got {got}"
+                )
+            for layer, t in enumerate(per_layer):
+                block[i, layer].copy_(t)
+        self._blocks[block_id] = block
+
+    def gather(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV of a chain of blocks: (keys, values), each [L, H, len(block_ids) * B, D]."""
+        missing = [i for i in block_ids if i not in self._blocks]
+        if missing:
+            raise KeyError(f"BlockStore.gather: blocks {missing} are not stored (freed or never put)")
+        if not block_ids:
+            empty = torch.empty(self.block_shape[:3] + (0, self.head_dim), dtype=self.dtype, device=self.device)
+            return empty[0], empty[1]
+        kv = torch.cat([self._blocks[i] for i in block_ids], dim=3)  # [2, L, H, n*B, D]
+        return kv[0], kv[1]
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        block_ids = list(block_ids)
+        missing = [i for i in block_ids if i not in self._blocks]
+        if missing:
+            raise KeyError(f"BlockStore.free: blocks {missing} are not stored (freed twice?)")
+        if len(set(block_ids)) != len(block_ids):
+            raise KeyError(f"BlockStore.free: a block is listed twice in {block_ids}")
+        for block_id in block_ids:
+            del self._blocks[block_id]
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if a stored block has the wrong layout or shares memory."""
+        pointers = set()
+        for block_id, block in self._blocks.items():
+            assert tuple(block.shape) == self.block_shape, f"block {block_id} has shape {tuple(block.shape)}"
+            assert block.dtype == self.dtype and block.device == self.device, f"block {block_id} dtype/device"
+            assert block.is_contiguous(), f"block {block_id} is not contiguous"
+            assert block.nbytes == self.bytes_per_block
+            pointers.add(block.data_ptr())
+        assert len(pointers) == len(self._blocks), "two blocks share storage"

@@ -1,0 +1,48 @@
+"""`kvtool <subcommand>`: one module per capability registers its subcommands.
+
+Each module in SUBCOMMAND_MODULES exposes `register(subparsers)`; heavy imports
+happen inside the handlers so `kvtool --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvtool.errors import KvtoolError
+
+SUBCOMMAND_MODULES = [
+    "kvtool.cli.generate",
+    "kvtool.cli.info",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtool",
+        description="Inference-level toolkit for small local models and their KV cache.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="<command>")
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KvtoolError as exc:
+        print(f"kvtool: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

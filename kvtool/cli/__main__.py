@@ -1,0 +1,5 @@
+import sys
+
+from kvtool.cli import main
+
+sys.exit(main())

@@ -1,0 +1,41 @@
+"""`kvtool generate "prompt"`: stream text, then one line of TTFT and speeds."""
+
+from __future__ import annotations
+
+import sys
+
+from kvtool.cli.common import add_model_args, add_sampling_args, load_from_args, sampling_from_args
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="generate text from a prompt, streaming")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--raw", action="store_true", help="show special tokens verbatim")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from kvtool.engine import Engine
+
+    params = sampling_from_args(args)
+    model = load_from_args(args)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        prompt = model.render(messages)
+    else:
+        prompt = args.prompt
+    engine = Engine(model)
+    gen = engine.generate(model.encode(prompt), params, skip_special_tokens=not args.raw)
+    for event in gen:
+        sys.stdout.write(event.piece if args.raw else event.text)
+        sys.stdout.flush()
+    t = gen.timings
+    print(f"\n[{gen.finish_reason}] TTFT {t.ttft_ms:.1f} ms | prefill {t.prefill_tokens} tok at "
+          f"{t.prefill_tokens_per_s:.1f} tok/s | decode {t.decode_tokens} tok at {t.decode_tokens_per_s:.1f} tok/s",
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,39 @@
+"""`kvtool info`: model shape, dtype, device, KV bytes per token."""
+
+from __future__ import annotations
+
+from kvtool.cli.common import add_model_args, load_from_args
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("info", help="print model shape, dtype, device and KV bytes per token")
+    add_model_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+
+
+def describe(model) -> dict:
+    s = model.spec
+    params = sum(p.numel() for p in model.runner.parameters())
+    return {
+        "model": model.name, "folder": str(model.folder), "family": s.model_type,
+        "parameters": params, "layers": s.num_layers, "hidden": s.hidden_size,
+        "intermediate": s.intermediate_size, "q_heads": s.num_heads, "kv_heads": s.num_kv_heads,
+        "head_dim": s.head_dim, "vocab": s.vocab_size, "context_window": s.max_position,
+        "rope_theta": s.rope_theta, "rope_type": s.rope.get("rope_type", "default"), "qk_norm": s.qk_norm,
+        "tied_embeddings": s.tie_word_embeddings, "dtype": model.info["dtype"], "device": model.info["device"],
+        "kv_bytes_per_token": model.kv_bytes_per_token, "chat_template": bool(model.chat_template),
+    }
+
+
+def run(args) -> int:
+    import json
+
+    info = describe(load_from_args(args))
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        width = max(map(len, info))
+        for key, value in info.items():
+            print(f"{key:<{width}}  {value}")
+    return 0

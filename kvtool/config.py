@@ -1,0 +1,82 @@
+"""Engine and sampling configuration: the one place where defaults live.
+
+The CLI and the server read their defaults from these dataclasses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+from kvtool.errors import InvalidParameterError
+
+DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    device: str = "auto"  # auto: cuda, then mps, then cpu
+    dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU; or float32/bfloat16/float16
+    prefill_chunk: int = 512  # tokens per prefill forward; bounds activation memory
+    cache_bytes: int | None = None  # prefix-cache byte budget; None = a fraction of free memory
+    prefix_block: int = 16  # tokens per prefix-cache block
+    enable_prefix_cache: bool = True
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = None  # None: up to the context window
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF-style multiplicative, 1 = off
+    presence_penalty: float = 0.0  # OpenAI-style additive
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: chosen token + top k
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> "SamplingParams":
+        """Raise InvalidParameterError naming the first bad value; return self."""
+        def bad(name: str, why: str) -> None:
+            raise InvalidParameterError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                bad(f.name, "must be a finite number")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", "must be in [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "must be an integer >= 0 (0 disables it)")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", "must be in (0, 10]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of token ids >= 0")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            bad("logprobs", "must be an integer in [0, 20]")
+        return self

@@ -1,0 +1,173 @@
+"""Engine.generate(): prefill, then decode token by token, streaming TokenEvents.
+
+The returned Generation is an iterator; when it is exhausted (or closed early, e.g.
+by a disconnected client) its finish_reason, timings, text and token ids are final.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import torch
+
+from kvtool.config import EngineConfig, SamplingParams
+from kvtool.engine.detok import IncrementalDetokenizer, StopStringMatcher
+from kvtool.engine.sampling import Sampler
+from kvtool.errors import ContextWindowError, InvalidParameterError
+
+
+@dataclass
+class TokenEvent:
+    index: int  # position in the output
+    token_id: int
+    piece: str  # this token alone, decoded verbatim (special tokens included)
+    text: str  # visible text released by this token (may be "" while held back)
+    t_ms: float  # since the request started
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class Timings:
+    queue_ms: float = 0.0
+    ttft_ms: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_tokens: int = 0
+    prefill_ms: float = 0.0
+    decode_tokens: int = 0
+    decode_ms: float = 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return 1000.0 * (self.decode_tokens - 1) / self.decode_ms if self.decode_tokens > 1 and self.decode_ms else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return 1000.0 * self.prefill_tokens / self.prefill_ms if self.prefill_ms else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["decode_tokens_per_s"] = round(self.decode_tokens_per_s, 2)
+        out["prefill_tokens_per_s"] = round(self.prefill_tokens_per_s, 2)
+        return out
+
+
+@dataclass
+class Generation:
+    """A streaming generation. Iterate for TokenEvents; read the results afterwards."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # stop | length | abort
+    timings: Timings = field(default_factory=Timings)
+    _events: Iterator[TokenEvent] | None = None
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        return self._events
+
+    def close(self) -> None:
+        """Stop generating now (client went away); frees the request's KV."""
+        if self._events is not None:
+            self._events.close()
+        if self.finish_reason is None:
+            self.finish_reason = "abort"
+
+    def run(self) -> "Generation":
+        for _ in self:
+            pass
+        return self
+
+
+class Engine:
+    """One model, one request at a time; the server's worker owns it."""
+
+    def __init__(self, model, config: EngineConfig | None = None, prefix_cache=None):
+        self.model = model
+        self.runner = model.runner
+        self.config = config or EngineConfig()
+        self.prefix_cache = prefix_cache  # optional: prepare(prompt, runner) / commit(handle, ids, cache)
+        self._eot = set(model.end_of_turn_ids())
+
+    def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Validate sizes; return the effective max_tokens."""
+        window = self.model.context_window
+        if not prompt_ids:
+            raise InvalidParameterError("the prompt is empty; give at least one token")
+        vocab = self.runner.spec.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidParameterError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        if len(prompt_ids) >= window:
+            raise ContextWindowError(f"the prompt has {len(prompt_ids)} tokens; the model's context window is "
+                                     f"{window} tokens and must leave room for at least 1 new token")
+        max_tokens = params.max_tokens if params.max_tokens is not None else window - len(prompt_ids)
+        if len(prompt_ids) + max_tokens > window:
+            raise ContextWindowError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) = "
+                                     f"{len(prompt_ids) + max_tokens} exceeds the context window of {window} tokens")
+        return max_tokens
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                 skip_special_tokens: bool = True) -> Generation:
+        params = (params or SamplingParams()).validate()
+        prompt_ids = [int(t) for t in prompt_ids]
+        max_tokens = self.check_prompt(prompt_ids, params)
+        gen = Generation(prompt_ids=prompt_ids, params=params)
+        gen._events = self._run(gen, max_tokens, skip_special_tokens)
+        return gen
+
+    def _start(self, prompt_ids: list[int]):
+        if self.prefix_cache is not None:
+            return self.prefix_cache.prepare(prompt_ids, self.runner)
+        return self.runner.new_cache(len(prompt_ids) + 64), 0, None
+
+    def _run(self, gen: Generation, max_tokens: int, skip_special_tokens: bool) -> Iterator[TokenEvent]:
+        params, runner, tm = gen.params, self.runner, gen.timings
+        t0 = time.perf_counter()
+        ms = lambda: (time.perf_counter() - t0) * 1000.0  # noqa: E731
+        cache, cached, handle = self._start(gen.prompt_ids)
+        # Always run at least the last prompt token to get its logits.
+        cached = min(cached, len(gen.prompt_ids) - 1)
+        cache.truncate(cached)
+        tm.prompt_tokens, tm.cached_tokens = len(gen.prompt_ids), cached
+        tm.prefill_tokens = len(gen.prompt_ids) - cached
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eot)
+        sampler = Sampler(params, runner.spec.vocab_size, gen.prompt_ids, runner.device)
+        detok = IncrementalDetokenizer(self.model.tokenizer, skip_special_tokens)
+        matcher = StopStringMatcher(params.stop)
+        try:
+            logits = runner.prefill(gen.prompt_ids[cached:], cache, chunk=self.config.prefill_chunk)
+            tm.prefill_ms = ms()
+            t_first = None
+            for i in range(max_tokens):
+                sample = sampler(logits)
+                tok = sample.token
+                gen.token_ids.append(tok)
+                sampler.observe(tok)
+                now = ms()
+                if t_first is None:
+                    t_first = tm.ttft_ms = now
+                tm.decode_tokens, tm.decode_ms = i + 1, now - t_first
+                is_stop = tok in stops
+                text = "" if is_stop else matcher.feed(detok.add(tok))
+                if is_stop or matcher.stopped:
+                    text += matcher.finish() if not matcher.stopped else ""
+                    gen.finish_reason = "stop"
+                elif i == max_tokens - 1:
+                    text += matcher.feed(detok.flush()) + matcher.finish()
+                    gen.finish_reason = "stop" if matcher.stopped else "length"
+                gen.text += text
+                yield TokenEvent(i, tok, self.model.tokenizer.decode([tok]), text, now, sample.logprob, sample.top)
+                if gen.finish_reason:
+                    break
+                logits = runner.forward(torch.tensor([tok]), cache)
+        finally:
+            if gen.finish_reason is None:
+                gen.finish_reason = "abort"
+            if self.prefix_cache is not None:
+                # The last sampled token has no KV yet; the cache holds prompt + all but the last.
+                self.prefix_cache.commit(handle, (gen.prompt_ids + gen.token_ids)[: cache.offset], cache)

@@ -1,0 +1,198 @@
+"""`kvtool.load(model)`: a hub id, a local HF folder, or a GGUF file -> LoadedModel."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtool.errors import ModelLoadError
+from kvtool.models import gguf
+from kvtool.models.runner import ModelRunner
+from kvtool.models.spec import ModelSpec
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model"]
+# Tokens that end a turn in the chat formats kvtool serves.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device != "auto":
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r} was asked for but CUDA is not available")
+        if device == "mps" and not torch.backends.mps.is_available():
+            raise ModelLoadError("device 'mps' was asked for but MPS is not available")
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    folder: Path  # HF folder the weights came from (the converted one for GGUF)
+    runner: ModelRunner
+    tokenizer: Any
+    hf_config: Any
+    source: str = ""
+    info: dict = field(default_factory=dict)
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.runner.spec
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None)
+
+    @property
+    def context_window(self) -> int:
+        return self.spec.max_position
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.spec.kv_bytes_per_token(torch.tensor([], dtype=self.runner.dtype).element_size())
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+               **template_kwargs) -> str:
+        if not self.chat_template:
+            raise ModelLoadError(f"model {self.name} has no chat template; use a raw prompt")
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **template_kwargs)
+
+    def end_of_turn_ids(self) -> list[int]:
+        ids = set()
+        eos = self.hf_config.eos_token_id if hasattr(self.hf_config, "eos_token_id") else None
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        vocab = self.tokenizer.get_vocab()
+        ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+        return sorted(ids)
+
+    def fingerprint(self) -> dict:
+        tok = hashlib.sha256(json.dumps(self.tokenizer.get_vocab(), sort_keys=True).encode()).hexdigest()[:16]
+        return {"model": self.name, "config_hash": self.spec.config_hash(), "tokenizer_hash": tok,
+                "dtype": str(self.runner.dtype).replace("torch.", "")}
+
+
+def resolve_folder(model: str) -> tuple[Path, str]:
+    """(HF folder, display name) for a hub id, a local folder, or a GGUF file."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"folder {path} has no config.json; expected a Hugging Face model folder")
+        return path, path.name
+    if path.is_file():
+        if not gguf.is_gguf(path):
+            raise ModelLoadError(f"{path} is neither a model folder nor a GGUF file (no GGUF magic bytes)")
+        name = path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.name
+        return gguf.converted_folder(path), name
+    if model.endswith(".gguf") or model.startswith(("/", ".", "~")) or model.count("/") != 1:
+        raise ModelLoadError(f"model {model!r} not found: no such file or folder, and not a hub id like 'org/name'")
+    return hub_folder(model), model
+
+
+def hub_folder(repo_id: str, local_only: bool = False) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=local_only))
+    except Exception as exc:
+        where = "in the local Hugging Face cache" if local_only else "locally or on the Hugging Face hub"
+        raise ModelLoadError(f"model {repo_id!r} could not be found {where}: {type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0]}") from None
+
+
+def load(model: str | None = None, device: str = "auto", dtype: str = "auto", progress: bool = True) -> LoadedModel:
+    """Load a model for kvtool: runner (weights on device), tokenizer, chat template."""
+    from kvtool.config import DEFAULT_MODEL
+
+    model = model or DEFAULT_MODEL
+    folder, name = resolve_folder(str(model))
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        hf_config = AutoConfig.from_pretrained(str(folder))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:
+        raise ModelLoadError(f"could not read config/tokenizer in {folder}: {exc}") from None
+    spec = ModelSpec.from_hf_config(hf_config)
+    runner = build_runner(spec, hf_config, folder, dev, dt, progress)
+    return LoadedModel(name=name, folder=folder, runner=runner, tokenizer=tokenizer, hf_config=hf_config,
+                       source=str(model), info={"device": str(dev), "dtype": str(dt).replace("torch.", "")})
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no .safetensors weights in {folder}")
+    return files
+
+
+def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device, dtype: torch.dtype,
+                 progress: bool = True) -> ModelRunner:
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    with torch.device("meta"):
+        runner = ModelRunner(spec, hf_config)
+    expected = dict(runner.named_parameters())
+    state: dict[str, torch.Tensor] = {}
+    files = weight_files(folder)
+    with tqdm(desc=f"loading {folder.name}", unit="tensor", total=len(expected), disable=not progress,
+              file=sys.stderr, leave=False) as bar:
+        for file in files:
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as fh:
+                    for key in fh.keys():
+                        if key in expected:
+                            state[key] = fh.get_tensor(key).to(device=device, dtype=dtype)
+                            bar.update(1)
+            except Exception as exc:
+                raise ModelLoadError(f"could not read weights {file}: {exc}") from None
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ModelLoadError(f"{folder} lacks {len(missing)} weights the model needs, e.g. {missing[:3]}")
+    for key, tensor in state.items():
+        if tensor.shape != expected[key].shape:
+            raise ModelLoadError(f"weight {key} has shape {tuple(tensor.shape)}, config says {tuple(expected[key].shape)}")
+    runner.load_state_dict(state, strict=False, assign=True)
+    from kvtool.models.rope import inv_frequencies
+
+    inv_freq, runner.rope_scaling = inv_frequencies(spec.rope, spec.head_dim, hf_config)
+    runner.inv_freq = inv_freq.to(device)
+    runner.requires_grad_(False)
+    runner.eval()
+    runner.fuse()
+    return runner

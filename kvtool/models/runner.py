@@ -1,0 +1,226 @@
+"""A lean forward pass for Qwen3, Qwen2/Qwen2.5 and Llama with an explicit KV cache.
+
+Module and parameter names match the Hugging Face checkpoints, so weights load by
+name. Batch size is 1: tensors are [1, T, hidden] and the cache is one sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtool.cache.kv import KVCache
+from kvtool.models.rope import apply_rope, cos_sin, inv_frequencies
+from kvtool.models.spec import ModelSpec
+
+
+@dataclass
+class AttentionTap:
+    """What one layer's attention saw; passed to a tap callback (viz, skill relocation)."""
+
+    layer: int
+    positions: torch.Tensor  # [T]
+    q: torch.Tensor  # [1, Hq, T, D] after q_norm, before RoPE
+    k: torch.Tensor  # [1, Hkv, T, D] after k_norm, before RoPE
+    q_rot: torch.Tensor
+    k_rot: torch.Tensor
+    v: torch.Tensor
+    cache: KVCache  # holds this layer's keys/values including the current chunk
+
+
+Tap = Callable[[AttentionTap], None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and scale after casting back, as HF does (matters in bf16).
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor | None:
+    """Boolean [T, S] mask for q_len new tokens appended after kv_len - q_len cached ones."""
+    if q_len == 1:
+        return None
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=kv_len - q_len)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        d, hq, hkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
+        self.head_dim, self.num_heads, self.num_kv_heads = d, hq, hkv
+        self.q_proj = nn.Linear(spec.hidden_size, hq * d, bias=spec.attention_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, hkv * d, bias=spec.attention_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, hkv * d, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(hq * d, spec.hidden_size, bias=False)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+        self._wqkv: torch.Tensor | None = None
+        self._bqkv: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """One matmul for q, k and v; the HF-named weights become views into it."""
+        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).contiguous()
+        splits = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
+        for proj, part in zip((self.q_proj, self.k_proj, self.v_proj), w.split(splits)):
+            proj.weight = nn.Parameter(part, requires_grad=False)
+        self._wqkv = w
+        if self.q_proj.bias is not None:
+            b = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]).contiguous()
+            for proj, part in zip((self.q_proj, self.k_proj, self.v_proj), b.split(splits)):
+                proj.bias = nn.Parameter(part, requires_grad=False)
+            self._bqkv = b
+
+    def forward(self, x, cos, sin, layer_idx: int, cache: KVCache, positions, tap: Tap | None):
+        b, t, _ = x.shape
+        d = self.head_dim
+        if self._wqkv is not None:
+            q, k, v = F.linear(x, self._wqkv, self._bqkv).split(
+                [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.num_heads, d).transpose(1, 2)
+        k = k.view(b, t, self.num_kv_heads, d).transpose(1, 2)
+        v = v.view(b, t, self.num_kv_heads, d).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache[layer_idx].append(k_rot, v)
+        if tap is not None:
+            tap(AttentionTap(layer_idx, positions, q, k, q_rot, k_rot, v, cache))
+        mask = causal_mask(t, keys.shape[2], x.device)
+        out = F.scaled_dot_product_attention(q_rot, keys, values, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self._wgu: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        w = torch.cat([self.gate_proj.weight, self.up_proj.weight]).contiguous()
+        gate, up = w.split(self.gate_proj.out_features)
+        self.gate_proj.weight = nn.Parameter(gate, requires_grad=False)
+        self.up_proj.weight = nn.Parameter(up, requires_grad=False)
+        self._wgu = w
+
+    def forward(self, x):
+        if self._wgu is not None:
+            gate, up = F.linear(x, self._wgu).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.self_attn = Attention(spec)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, x, cos, sin, layer_idx, cache, positions, tap):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_idx, cache, positions, tap)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class ModelRunner(nn.Module):
+    """Forward pass over a KVCache. `model.*` and `lm_head` match HF parameter names."""
+
+    def __init__(self, spec: ModelSpec, hf_config=None):
+        super().__init__()
+        self.spec = spec
+        self.model = Backbone(spec)
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        inv_freq, self.rope_scaling = inv_frequencies(spec.rope, spec.head_dim, hf_config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+
+    def fuse(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        s = self.spec
+        return KVCache.empty(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.device, capacity)
+
+    def rope_cos_sin(self, positions: torch.Tensor):
+        return cos_sin(self.inv_freq, positions, self.rope_scaling, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, cache: KVCache, positions=None, logits: str = "last", tap: Tap | None = None):
+        """Run tokens [T] through the model, appending their KV to `cache`.
+
+        logits: "last" -> [1, V], "all" -> [T, V] (fp32), "none" -> None.
+        positions default to the cache slots they occupy (cache.offset + arange(T)).
+        """
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)
+        t = ids.shape[0]
+        if positions is None:
+            positions = torch.arange(cache.offset, cache.offset + t, device=self.device)
+        else:
+            positions = torch.as_tensor(positions, dtype=torch.long, device=self.device).reshape(-1)
+        cos, sin = self.rope_cos_sin(positions)
+        x = self.model.embed_tokens(ids)[None]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, i, cache, positions, tap)
+        if logits == "none":
+            return None
+        h = x[0, -1:] if logits == "last" else x[0]
+        return F.linear(self.model.norm(h), self.output_weight).float()
+
+    def prefill(self, input_ids: Iterable[int] | torch.Tensor, cache: KVCache, chunk: int = 512,
+                logits: str = "last", tap: Tap | None = None):
+        """Forward in chunks of `chunk` tokens; returns the logits of the last chunk (or all, concatenated)."""
+        ids = torch.as_tensor(input_ids if isinstance(input_ids, torch.Tensor) else list(input_ids),
+                              dtype=torch.long).reshape(-1)
+        cache.reserve(cache.offset + ids.shape[0] + 1)
+        outs = []
+        for start in range(0, ids.shape[0], chunk):
+            part = ids[start : start + chunk]
+            is_last = start + chunk >= ids.shape[0]
+            mode = logits if (logits == "all" or is_last) else "none"
+            out = self.forward(part, cache, logits=mode, tap=tap)
+            if out is not None:
+                outs.append(out)
+        if not outs:
+            return None
+        return torch.cat(outs) if logits == "all" else outs[-1]

@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks: offline real models and tiny random ones."""

@@ -1,0 +1,127 @@
+"""BlockStore: put/gather round trip, free, byte accounting, and the index+store protocol."""
+
+import random
+
+import pytest
+import torch
+
+from kvtool.cache.index import PrefixIndex
+from kvtool.cache.store import BlockStore
+
+L, H, B, D = 2, 3, 4, 5
+
+
+def make_store(dtype=torch.float32):
+    return BlockStore(num_layers=L, num_kv_heads=H, head_dim=D, block_size=B, dtype=dtype, device="cpu")
+
+
+def random_kv(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(L, H, B, D, generator=g), torch.randn(L, H, B, D, generator=g)
+
+
+def test_put_gather_round_trip_concatenates_along_the_sequence():
+    store = make_store()
+    kvs = {i: random_kv(i) for i in (7, 3, 9)}
+    store.put(7, *kvs[7])
+    store.put(3, list(kvs[3][0]), list(kvs[3][1]))  # per-layer lists work too
+    store.put(9, *kvs[9])
+    keys, values = store.gather([9, 7, 3])
+    assert keys.shape == values.shape == (L, H, 3 * B, D)
+    assert torch.equal(keys, torch.cat([kvs[i][0] for i in (9, 7, 3)], dim=2))
+    assert torch.equal(values, torch.cat([kvs[i][1] for i in (9, 7, 3)], dim=2))
+    empty_k, empty_v = store.gather([])
+    assert empty_k.shape == empty_v.shape == (L, H, 0, D)
+    store.check_integrity()
+
+
+def test_stored_blocks_are_copies_in_the_store_dtype():
+    store = make_store(dtype=torch.float16)
+    k, v = random_kv(0)
+    store.put(0, k, v)
+    k.zero_()  # the caller's buffer is reused for the next request
+    keys, _ = store.gather([0])
+    assert keys.dtype == torch.float16
+    assert torch.equal(keys, random_kv(0)[0].half())
+
+
+def test_free_contains_and_byte_accounting():
+    store = make_store(dtype=torch.bfloat16)
+    assert store.bytes_per_block == 2 * L * H * B * D * 2
+    assert store.nbytes == 0
+    for i in range(3):
+        store.put(i, *random_kv(i))
+    assert 1 in store and 5 not in store and len(store) == 3
+    assert store.nbytes == 3 * store.bytes_per_block
+    store.free([0, 2])
+    assert store.ids() == {1} and store.nbytes == store.bytes_per_block
+    store.check_integrity()
+
+
+def test_misuse_raises_clear_errors():
+    store = make_store()
+    store.put(0, *random_kv(0))
+    with pytest.raises(ValueError, match="already stored"):
+        store.put(0, *random_kv(0))
+    with pytest.raises(ValueError, match=r"2 layers of \[H=3, B=4, D=5\]"):
+        store.put(1, torch.zeros(L, H, B + 1, D), torch.zeros(L, H, B + 1, D))
+    with pytest.raises(KeyError, match="not stored"):
+        store.gather([0, 1])
+    with pytest.raises(KeyError, match="listed twice"):
+        store.free([0, 0])
+    store.free([0])
+    with pytest.raises(KeyError, match="freed twice"):
+        store.free([0])
+    with pytest.raises(ValueError, match="block_size"):
+        BlockStore(L, H, D, 0, torch.float32, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_round_trip():
+    store = BlockStore(L, H, D, B, torch.float16, "cuda")
+    k, v = random_kv(0)
+    store.put(0, k, v)  # CPU input is copied to the device
+    keys, _ = store.gather([0])
+    assert keys.device.type == "cuda" and torch.equal(keys.cpu(), k.half())
+    store.check_integrity()
+
+
+def fake_kv(tokens, start):
+    """Deterministic KV for tokens[start:start+B]: each position depends on its whole prefix,
+    like real attention KV does, so a wrongly shared block shows up as a mismatch."""
+    keys = torch.empty(L, H, B, D)
+    for p in range(start, start + B):
+        keys[:, :, p - start, :] = float(hash(tuple(tokens[: p + 1])) % 10007)
+    return keys, -keys
+
+
+def test_index_and_store_together_serve_correct_kv():
+    rng = random.Random(1)
+    index = PrefixIndex(block_size=B, capacity_blocks=12)
+    store = make_store()
+    docs = [[rng.randrange(5) for _ in range(40)] for _ in range(3)]
+    running = []
+    for step in range(400):
+        tokens = rng.choice(docs)[: rng.randrange(0, 40)] + [rng.randrange(5) for _ in range(rng.randrange(0, 6))]
+        hit = index.match(tokens)
+        if hit:  # what a cache hit copies into the request's KV cache
+            keys, values = store.gather(hit)
+            expected = [fake_kv(tokens, i * B) for i in range(len(hit))]
+            assert torch.equal(keys, torch.cat([k for k, _ in expected], dim=2))
+            assert torch.equal(values, torch.cat([v for _, v in expected], dim=2))
+        result = index.insert(tokens)
+        store.free(result.evicted)
+        for i, block_id in result.new:
+            store.put(block_id, *fake_kv(tokens, i * B))
+        index.acquire(result.block_ids)
+        running.append(result.block_ids)
+        if len(running) > 3:
+            store.free(index.release(running.pop(0)))
+        if step % 150 == 149:
+            store.free(index.reset())
+        assert store.ids() == index.resident_ids()
+        assert store.nbytes <= index.capacity_blocks * store.bytes_per_block
+    store.check_integrity()
+    index.check_integrity()
+    assert index.stats.hit_tokens > 0

@@ -1,0 +1,92 @@
+"""Parity and generation on the real offline GGUF models (SmolLM2 and Qwen2.5-Coder)."""
+
+import pytest
+import torch
+
+from kvtool import SamplingParams
+from kvtool.engine import Engine
+
+pytestmark = pytest.mark.real_model
+
+TEXT = ("The history of the city begins with a small fishing village on the river. Over centuries, merchants "
+        "arrived, bridges were built, and the markets grew into one of the busiest trading hubs in the region. "
+        "Today the old town keeps its narrow streets, while the new districts host universities, parks and a "
+        "harbour that handles ships from every continent. Visitors often ask which season is best for a trip; ") * 3
+
+
+def prompt_200(model):
+    ids = model.encode(TEXT)
+    assert len(ids) >= 200
+    return ids[:200]
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen25"])
+def test_logits_match_transformers(name, request):
+    model, hf = request.getfixturevalue(name), request.getfixturevalue(f"{name}_hf")
+    ids = prompt_200(model)
+    ours = torch.log_softmax(model.runner.prefill(ids, model.runner.new_cache(), chunk=64, logits="all"), -1)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    diff = (ours - ref).abs().max().item()
+    assert diff <= 1e-3, f"max |log-softmax diff| = {diff}"
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen25"])
+def test_greedy_64_tokens_match_transformers_generate(name, request):
+    model, hf = request.getfixturevalue(name), request.getfixturevalue(f"{name}_hf")
+    prompt = model.encode(model.render([{"role": "user", "content": "Write a long story about a lighthouse keeper."}]))
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=64, do_sample=False)[0, len(prompt):].tolist()
+    gen = Engine(model).generate(prompt, SamplingParams(temperature=0, max_tokens=64)).run()
+    assert gen.token_ids == ref
+    assert len(ref) == 64, "the prompt should keep the model talking for 64 tokens"
+
+
+def test_smollm2_knows_paris(smollm2):
+    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "What is the capital of France?"}]))
+    gen = Engine(smollm2).generate(prompt, SamplingParams(temperature=0, max_tokens=40)).run()
+    assert "Paris" in gen.text
+    assert gen.finish_reason == "stop"
+    t = gen.timings
+    assert t.prompt_tokens == len(prompt) and t.ttft_ms > 0 and t.decode_tokens == len(gen.token_ids)
+
+
+def test_streaming_equals_non_streaming_for_a_seed(smollm2):
+    engine = Engine(smollm2)
+    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "Tell me a joke about cats."}]))
+    params = dict(temperature=0.9, top_p=0.95, top_k=40, seed=1234, max_tokens=40)
+    streamed = [ev.token_id for ev in engine.generate(prompt, SamplingParams(**params))]
+    whole = engine.generate(prompt, SamplingParams(**params)).run()
+    assert streamed == whole.token_ids
+    other = engine.generate(prompt, SamplingParams(**{**params, "seed": 99})).run()
+    assert other.token_ids != whole.token_ids
+
+
+def test_stream_text_deltas_rebuild_the_text(qwen25):
+    engine = Engine(qwen25)
+    prompt = qwen25.encode(qwen25.render([{"role": "user", "content": "Say 'naïve café 日本' and nothing else."}]))
+    gen = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=30))
+    events = list(gen)
+    assert "".join(e.text for e in events) == gen.text
+    assert gen.text == qwen25.decode(gen.token_ids[:-1] if gen.finish_reason == "stop" else gen.token_ids,
+                                     skip_special_tokens=True)
+    assert events[-1].piece == "<|im_end|>" and gen.finish_reason == "stop"
+
+
+def test_stop_string_and_max_tokens(smollm2):
+    engine = Engine(smollm2)
+    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "What is the capital of France?"}]))
+    gen = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop=["Paris"])).run()
+    assert gen.finish_reason == "stop" and "Paris" not in gen.text and gen.text.strip()
+    gen = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=3)).run()
+    assert gen.finish_reason == "length" and len(gen.token_ids) == 3
+
+
+def test_closing_a_stream_early_aborts(smollm2):
+    engine = Engine(smollm2)
+    gen = engine.generate(smollm2.encode("Once upon a time"), SamplingParams(temperature=0, max_tokens=50))
+    it = iter(gen)
+    next(it), next(it)
+    gen.close()
+    assert gen.finish_reason == "abort" and len(gen.token_ids) == 2
