@@ -126,48 +126,66 @@ class Engine:
         return self.runner.new_cache(len(prompt_ids) + 64), 0, None
 
     def _run(self, gen: Generation, max_tokens: int, skip_special_tokens: bool) -> Iterator[TokenEvent]:
-        params, runner, tm = gen.params, self.runner, gen.timings
+        runner, tm = self.runner, gen.timings
         t0 = time.perf_counter()
-        ms = lambda: (time.perf_counter() - t0) * 1000.0  # noqa: E731
         cache, cached, handle = self._start(gen.prompt_ids)
         # Always run at least the last prompt token to get its logits.
         cached = min(cached, len(gen.prompt_ids) - 1)
         cache.truncate(cached)
         tm.prompt_tokens, tm.cached_tokens = len(gen.prompt_ids), cached
         tm.prefill_tokens = len(gen.prompt_ids) - cached
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eot)
-        sampler = Sampler(params, runner.spec.vocab_size, gen.prompt_ids, runner.device)
-        detok = IncrementalDetokenizer(self.model.tokenizer, skip_special_tokens)
-        matcher = StopStringMatcher(params.stop)
+        state = OutputState(self, gen, max_tokens, skip_special_tokens, t0)
         try:
             logits = runner.prefill(gen.prompt_ids[cached:], cache, chunk=self.config.prefill_chunk)
-            tm.prefill_ms = ms()
-            t_first = None
-            for i in range(max_tokens):
-                sample = sampler(logits)
-                tok = sample.token
-                gen.token_ids.append(tok)
-                sampler.observe(tok)
-                now = ms()
-                if t_first is None:
-                    t_first = tm.ttft_ms = now
-                tm.decode_tokens, tm.decode_ms = i + 1, now - t_first
-                is_stop = tok in stops
-                text = "" if is_stop else matcher.feed(detok.add(tok))
-                if is_stop or matcher.stopped:
-                    text += matcher.finish() if not matcher.stopped else ""
-                    gen.finish_reason = "stop"
-                elif i == max_tokens - 1:
-                    text += matcher.feed(detok.flush()) + matcher.finish()
-                    gen.finish_reason = "stop" if matcher.stopped else "length"
-                gen.text += text
-                yield TokenEvent(i, tok, self.model.tokenizer.decode([tok]), text, now, sample.logprob, sample.top)
+            tm.prefill_ms = state.ms()
+            while True:
+                event = state.accept(logits)
+                yield event
                 if gen.finish_reason:
                     break
-                logits = runner.forward(torch.tensor([tok]), cache)
+                logits = runner.forward(torch.tensor([event.token_id]), cache)
         finally:
             if gen.finish_reason is None:
                 gen.finish_reason = "abort"
             if self.prefix_cache is not None:
                 # The last sampled token has no KV yet; the cache holds prompt + all but the last.
                 self.prefix_cache.commit(handle, (gen.prompt_ids + gen.token_ids)[: cache.offset], cache)
+
+
+class OutputState:
+    """Per-request output side: sampling, detokenization, stop handling, timings."""
+
+    def __init__(self, engine: Engine, gen: Generation, max_tokens: int, skip_special_tokens: bool, t0: float):
+        params = gen.params
+        self.gen, self.max_tokens, self.t0 = gen, max_tokens, t0
+        self.tokenizer = engine.model.tokenizer
+        self.stops = set(params.stop_token_ids) | (set() if params.ignore_eos else engine._eot)
+        self.sampler = Sampler(params, engine.runner.spec.vocab_size, gen.prompt_ids, engine.runner.device)
+        self.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
+        self.matcher = StopStringMatcher(params.stop)
+        self.t_first: float | None = None
+
+    def ms(self) -> float:
+        return (time.perf_counter() - self.t0) * 1000.0
+
+    def accept(self, logits: torch.Tensor) -> TokenEvent:
+        """Sample the next token from logits; update the Generation; set finish_reason when done."""
+        gen, tm, matcher = self.gen, self.gen.timings, self.matcher
+        sample = self.sampler(logits)
+        tok, i = sample.token, len(gen.token_ids)
+        gen.token_ids.append(tok)
+        self.sampler.observe(tok)
+        now = self.ms()
+        if self.t_first is None:
+            self.t_first = tm.ttft_ms = now
+        tm.decode_tokens, tm.decode_ms = i + 1, now - self.t_first
+        is_stop = tok in self.stops
+        text = "" if is_stop else matcher.feed(self.detok.add(tok))
+        if is_stop or matcher.stopped:
+            text += matcher.finish() if not matcher.stopped else ""
+            gen.finish_reason = "stop"
+        elif i == self.max_tokens - 1:
+            text += matcher.feed(self.detok.flush()) + matcher.finish()
+            gen.finish_reason = "stop" if matcher.stopped else "length"
+        gen.text += text
+        return TokenEvent(i, tok, self.tokenizer.decode([tok]), text, now, sample.logprob, sample.top)

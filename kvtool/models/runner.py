@@ -83,26 +83,38 @@ class Attention(nn.Module):
                 proj.bias = nn.Parameter(part, requires_grad=False)
             self._bqkv = b
 
-    def forward(self, x, cos, sin, layer_idx: int, cache: KVCache, positions, tap: Tap | None):
-        b, t, _ = x.shape
+    def forward(self, x, cos, sin, layer_idx: int, caches: list[KVCache], positions, lengths: list[int],
+                tap: Tap | None):
+        """x [1, N, hidden] holds the new tokens of len(caches) sequences back to back (lengths sum to N).
+
+        Projections run once over all N tokens; RoPE, cache append and attention run per sequence.
+        """
+        b, n, _ = x.shape
         d = self.head_dim
         if self._wqkv is not None:
             q, k, v = F.linear(x, self._wqkv, self._bqkv).split(
                 [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(b, t, self.num_heads, d).transpose(1, 2)
-        k = k.view(b, t, self.num_kv_heads, d).transpose(1, 2)
-        v = v.view(b, t, self.num_kv_heads, d).transpose(1, 2)
+        q = q.view(b, n, self.num_heads, d).transpose(1, 2)
+        k = k.view(b, n, self.num_kv_heads, d).transpose(1, 2)
+        v = v.view(b, n, self.num_kv_heads, d).transpose(1, 2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache[layer_idx].append(k_rot, v)
-        if tap is not None:
-            tap(AttentionTap(layer_idx, positions, q, k, q_rot, k_rot, v, cache))
-        mask = causal_mask(t, keys.shape[2], x.device)
-        out = F.scaled_dot_product_attention(q_rot, keys, values, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * d))
+        outs, start = [], 0
+        for cache, t in zip(caches, lengths):
+            sl = slice(start, start + t)
+            keys, values = cache[layer_idx].append(k_rot[:, :, sl], v[:, :, sl])
+            if tap is not None:
+                tap(AttentionTap(layer_idx, positions[sl], q[:, :, sl], k[:, :, sl], q_rot[:, :, sl],
+                                 k_rot[:, :, sl], v[:, :, sl], cache))
+            mask = causal_mask(t, keys.shape[2], x.device)
+            outs.append(F.scaled_dot_product_attention(q_rot[:, :, sl], keys, values, attn_mask=mask,
+                                                       enable_gqa=True))
+            start += t
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * d))
 
 
 class MLP(nn.Module):
@@ -136,8 +148,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer_idx, cache, positions, tap):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_idx, cache, positions, tap)
+    def forward(self, x, cos, sin, layer_idx, caches, positions, lengths, tap):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_idx, caches, positions, lengths, tap)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -193,19 +205,37 @@ class ModelRunner(nn.Module):
         positions default to the cache slots they occupy (cache.offset + arange(T)).
         """
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)
-        t = ids.shape[0]
-        if positions is None:
-            positions = torch.arange(cache.offset, cache.offset + t, device=self.device)
-        else:
+        if positions is not None:
             positions = torch.as_tensor(positions, dtype=torch.long, device=self.device).reshape(-1)
+        return self.forward_batch([(ids, cache)], positions, logits, tap)[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, seqs: list[tuple[torch.Tensor, KVCache]], positions=None, logits: str = "last",
+                      tap: Tap | None = None) -> list[torch.Tensor | None]:
+        """One forward for several sequences, each (new token ids [T_i], its own KVCache).
+
+        The tokens are packed into one [1, sum T_i] row so every matmul runs once; attention
+        stays per sequence. Returns per-sequence logits as in forward().
+        """
+        ids = [torch.as_tensor(i, dtype=torch.long, device=self.device).reshape(-1) for i, _ in seqs]
+        caches = [c for _, c in seqs]
+        lengths = [int(i.shape[0]) for i in ids]
+        if positions is None:
+            positions = torch.cat([torch.arange(c.offset, c.offset + t, device=self.device)
+                                   for c, t in zip(caches, lengths)])
         cos, sin = self.rope_cos_sin(positions)
-        x = self.model.embed_tokens(ids)[None]
+        x = self.model.embed_tokens(torch.cat(ids) if len(ids) > 1 else ids[0])[None]
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, cache, positions, tap)
+            x = layer(x, cos, sin, i, caches, positions, lengths, tap)
         if logits == "none":
-            return None
-        h = x[0, -1:] if logits == "last" else x[0]
-        return F.linear(self.model.norm(h), self.output_weight).float()
+            return [None] * len(seqs)
+        ends = torch.tensor(lengths, device=self.device).cumsum(0)
+        if logits == "last":
+            h = self.model.norm(x[0, ends - 1])
+            out = F.linear(h, self.output_weight).float()
+            return [out[j : j + 1] for j in range(len(seqs))]
+        out = F.linear(self.model.norm(x[0]), self.output_weight).float()
+        return list(out.split(lengths))
 
     def prefill(self, input_ids: Iterable[int] | torch.Tensor, cache: KVCache, chunk: int = 512,
                 logits: str = "last", tap: Tap | None = None):

@@ -1,0 +1,32 @@
+"""kvtool.agent: an agent loop that dispatches each tool call the moment it is sealed.
+
+Names are imported lazily so `kvtool --help` (which imports the CLI module) stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Agent": "loop", "AgentResult": "loop", "AgentConfig": "config",
+    "Tool": "tools", "ToolRegistry": "tools", "ToolContext": "tools", "Tier": "tools",
+    "ChatBackend": "backend", "StreamDelta": "backend", "ToolCallFragment": "backend", "Usage": "backend",
+    "BackendError": "backend", "BackendUnavailable": "backend",
+    "OpenAIHTTPBackend": "http_backend", "ScriptedBackend": "scripted", "FakeEndpoint": "fake_endpoint",
+    "reply": "script", "http_error": "script", "Reply": "script",
+    "RetryPolicy": "retry", "ToolError": "retry", "ToolInputError": "retry", "RetryableToolError": "retry",
+    "RateLimited": "retry",
+    "Event": "events", "user_message": "events", "Observer": "observer", "TerminalObserver": "render",
+    "check_messages": "trajectory", "message_problems": "trajectory",
+    "make_demo_tools": "demo_tools", "run_demo": "demo_runner", "DEMOS": "demos",
+    "run_tool_eval": "evaluate", "run_status_bar_cache_eval": "evaluate",
+    "evaluate_tool_use": "evaluate", "status_bar_cache_rates": "evaluate",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kvtool.agent' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kvtool.agent.{_EXPORTS[name]}"), name)

@@ -1,0 +1,145 @@
+"""Continuous batching: many requests share each forward.
+
+Every step packs, into one runner.forward_batch call, one decode token of each running
+request plus prefill chunks of admitted requests within `prefill_budget` tokens, so a long
+prompt is prefilled over several steps without stalling the streams already running.
+Under KV pressure the most recently admitted request is preempted: its KV is dropped and
+it is re-queued at the front to be recomputed later (its token stream simply continues).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvtool.cache.kv import KVCache
+from kvtool.config import SamplingParams
+from kvtool.engine.generate import Engine, Generation, OutputState, TokenEvent
+
+
+@dataclass
+class BatchRequest:
+    gen: Generation
+    state: OutputState
+    on_event: Callable[[TokenEvent], None] | None
+    pending: list[int] = field(default_factory=list)  # tokens whose KV is not yet in the cache
+    cache: KVCache | None = None
+    handle: object = None
+    admitted_at: int = -1
+    preemptions: int = 0
+
+
+class BatchScheduler:
+    def __init__(self, engine: Engine, max_running: int = 16, prefill_budget: int = 256,
+                 kv_budget_tokens: int | None = None):
+        self.engine = engine
+        self.max_running = max_running
+        self.prefill_budget = prefill_budget
+        self.kv_budget_tokens = kv_budget_tokens
+        self.waiting: deque[BatchRequest] = deque()
+        self.running: list[BatchRequest] = []
+        self.steps = 0
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, skip_special_tokens: bool = True,
+               on_event: Callable[[TokenEvent], None] | None = None) -> Generation:
+        params = (params or SamplingParams()).validate()
+        prompt_ids = [int(t) for t in prompt_ids]
+        max_tokens = self.engine.check_prompt(prompt_ids, params)
+        gen = Generation(prompt_ids=prompt_ids, params=params)
+        state = OutputState(self.engine, gen, max_tokens, skip_special_tokens, time.perf_counter())
+        self.waiting.append(BatchRequest(gen, state, on_event, pending=list(prompt_ids)))
+        return gen
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def cancel(self, gen: Generation) -> None:
+        for queue in (self.running, self.waiting):
+            for req in list(queue):
+                if req.gen is gen:
+                    queue.remove(req)
+                    self._finish(req, "abort")
+
+    def _kv_tokens(self) -> int:
+        return sum(r.cache.offset for r in self.running if r.cache is not None)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            need = len(req.pending) + 1
+            if self.kv_budget_tokens is not None and self.running and self._kv_tokens() + need > self.kv_budget_tokens:
+                break
+            self.waiting.popleft()
+            known = req.gen.prompt_ids + req.gen.token_ids
+            cache, cached, req.handle = self.engine._start(known)
+            cached = min(cached, len(known) - 1)
+            cache.truncate(cached)
+            req.cache, req.pending, req.admitted_at = cache, known[cached:], self.steps
+            if req.preemptions == 0:
+                req.gen.timings.cached_tokens = cached
+                req.gen.timings.prompt_tokens = len(req.gen.prompt_ids)
+                req.gen.timings.prefill_tokens = len(req.gen.prompt_ids) - cached
+            self.running.append(req)
+
+    def _preempt_for(self, new_tokens: int) -> None:
+        """Drop the newest requests' KV until this step's tokens fit the KV budget."""
+        while (self.kv_budget_tokens is not None and len(self.running) > 1
+               and self._kv_tokens() + new_tokens > self.kv_budget_tokens):
+            victim = max(self.running, key=lambda r: r.admitted_at)
+            self.running.remove(victim)
+            self._release(victim)
+            victim.pending = victim.gen.prompt_ids + victim.gen.token_ids
+            victim.preemptions += 1
+            self.waiting.appendleft(victim)
+
+    def _release(self, req: BatchRequest) -> None:
+        if req.cache is not None and self.engine.prefix_cache is not None:
+            known = req.gen.prompt_ids + req.gen.token_ids
+            self.engine.prefix_cache.commit(req.handle, known[: req.cache.offset], req.cache)
+        req.cache, req.handle = None, None
+
+    def _finish(self, req: BatchRequest, reason: str | None = None) -> None:
+        if reason and not req.gen.finish_reason:
+            req.gen.finish_reason = reason
+        self._release(req)
+
+    def step(self) -> int:
+        """One batched forward; returns the number of tokens it processed."""
+        self._admit()
+        if not self.running:
+            return 0
+        budget = self.prefill_budget
+        plan: list[tuple[BatchRequest, list[int]]] = []
+        for req in sorted(self.running, key=lambda r: r.admitted_at):
+            if len(req.pending) == 1:  # decoding
+                plan.append((req, req.pending))
+            elif budget > 0:
+                chunk = req.pending[:budget]
+                budget -= len(chunk)
+                plan.append((req, chunk))
+        self._preempt_for(sum(len(c) for _, c in plan))
+        plan = [(r, c) for r, c in plan if r in self.running]
+        logits = self.engine.runner.forward_batch([(c, r.cache) for r, c in plan])
+        self.steps += 1
+        for (req, chunk), out in zip(plan, logits):
+            req.pending = req.pending[len(chunk):]
+            if req.pending:
+                continue  # still prefilling
+            if req.gen.timings.prefill_ms == 0.0:
+                req.gen.timings.prefill_ms = req.state.ms()
+            event = req.state.accept(out)
+            if req.on_event is not None:
+                req.on_event(event)
+            if req.gen.finish_reason:
+                self.running.remove(req)
+                self._finish(req)
+            else:
+                req.pending = [event.token_id]
+        return sum(len(c) for _, c in plan)
+
+    def run(self) -> None:
+        while not self.idle:
+            self.step()
