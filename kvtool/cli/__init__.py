@@ -15,6 +15,7 @@ from kvtool.errors import KvtoolError
 SUBCOMMAND_MODULES = [
     "kvtool.cli.generate",
     "kvtool.cli.info",
+    "kvtool.cli.serve",
     "kvtool.agent.cli",
 ]
 

@@ -1,0 +1,58 @@
+"""`kvtool serve`: the OpenAI-compatible server (plus raw tokens and the rendered template)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from kvtool.cli.common import add_model_args, load_from_args
+from kvtool.serving.config import ServerConfig
+
+SERVER = ServerConfig()
+
+
+def register(subparsers) -> None:
+    from kvtool.serving.toolparse import TOOL_FORMATS
+
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add_model_args(p)
+    p.add_argument("--host", default=SERVER.host, help="address to bind (use 0.0.0.0 to listen on all interfaces)")
+    p.add_argument("--port", type=int, default=SERVER.port)
+    p.add_argument("--api-key", default=os.environ.get("KVTOOL_API_KEY", SERVER.api_key),
+                   help="require 'Authorization: Bearer KEY' (default: $KVTOOL_API_KEY, else no key)")
+    p.add_argument("--served-model-name", default=SERVER.served_model_name,
+                   help="the model id clients see (default: the model's name)")
+    p.add_argument("--max-active", type=int, default=SERVER.max_active,
+                   help="generations interleaved token by token")
+    p.add_argument("--max-queue", type=int, default=SERVER.max_queue,
+                   help="requests waiting beyond --max-active; more get HTTP 429")
+    p.add_argument("--default-max-tokens", type=int, default=SERVER.default_max_tokens,
+                   help="max_tokens for requests that name none (default: up to the context window)")
+    p.add_argument("--tool-parser", default=SERVER.tool_parser, choices=sorted(TOOL_FORMATS),
+                   help="tool-call format of the model's output")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run)
+
+
+def config_from_args(args) -> ServerConfig:
+    from kvtool.errors import InvalidParameterError
+
+    for name in ("max_active", "max_queue"):
+        if getattr(args, name) < (1 if name == "max_active" else 0):
+            raise InvalidParameterError(f"--{name.replace('_', '-')} must be >= {1 if name == 'max_active' else 0}")
+    return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None,
+                        served_model_name=args.served_model_name, max_active=args.max_active,
+                        max_queue=args.max_queue, default_max_tokens=args.default_max_tokens,
+                        tool_parser=args.tool_parser)
+
+
+def run(args) -> int:
+    from kvtool.serving.server import serve
+
+    cfg = config_from_args(args)
+    model = load_from_args(args)
+    auth = "API key required" if cfg.api_key else "no API key"
+    print(f"kvtool: serving {cfg.served_model_name or model.name} on http://{cfg.host}:{cfg.port}/v1 "
+          f"({model.info.get('device')}, {model.info.get('dtype')}, {auth})", file=sys.stderr)
+    serve(model, cfg, log_level=args.log_level)
+    return 0

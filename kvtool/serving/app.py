@@ -1,0 +1,275 @@
+"""`create_app(model)`: the FastAPI app. Routes validate, queue and stream; the worker computes.
+
+Every error a client can cause is an OpenAI-shaped JSON error with a 4xx status; an
+unexpected fault is a 500 in the same shape, and the server keeps serving either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import secrets
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvtool.config import EngineConfig
+from kvtool.engine import Engine
+from kvtool.errors import KvtoolError
+from kvtool.serving.chat import prepare_chat
+from kvtool.serving.config import ServerConfig
+from kvtool.serving.errors import AuthError, ServingError, error_body, error_from_exception
+from kvtool.serving.metrics import ServerMetrics
+from kvtool.serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TemplateRequest,
+                                     TokenizeRequest)
+from kvtool.serving.served import ServedModel
+from kvtool.serving.session import ChatSession, CompletionSession
+from kvtool.serving.tokens import token_table
+from kvtool.serving.toolparse import TOOL_FORMATS
+from kvtool.serving.worker import Worker
+
+log = logging.getLogger("kvtool.serving")
+UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|list\[.*|dict\[.*|literal\[.*|function-.*|[A-Z]\w*)$")
+
+
+def sse_line(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def sse(chunks, handle, include_usage: bool):
+    """SSE framing; the usage chunk only when asked; closing early (client gone) cancels generation."""
+    try:
+        async for chunk in chunks:
+            if "choices" in chunk:  # an OpenAI chunk (the raw token stream sends plain events)
+                if not chunk["choices"] and "usage" in chunk and not include_usage:
+                    continue
+                if include_usage:
+                    chunk.setdefault("usage", None)
+            yield sse_line(chunk)
+        yield "data: [DONE]\n\n"
+    finally:
+        handle.cancel()
+
+
+async def until_done(request: Request, handle, awaitable):
+    """Await a non-streaming result; a client that disconnects first cancels its generation."""
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            await asyncio.sleep(0.05)  # (only other message type here: trailing body chunks)
+        handle.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await awaitable
+    finally:
+        watcher.cancel()
+        handle.cancel()
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if not loc:
+        return ("the request body must be a JSON object (send it with Content-Type: application/json)", None)
+    # pydantic names union branches in loc ("str", "list[int]", "NamedToolChoice"); keep the field path
+    where = ".".join(p for p in loc if not UNION_BRANCH.match(p)) or ".".join(loc)
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return f"invalid request: {where}: {first['msg']}{more}", where
+
+
+class MetricsMiddleware:
+    """Counts responses by route and status (pure ASGI, so streaming is untouched)."""
+
+    def __init__(self, app, metrics: ServerMetrics, routes: set[str]):
+        self.app, self.metrics, self.routes = app, metrics, routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.metrics.http_response(scope["path"] if scope["path"] in self.routes else "other", status[0])
+
+
+def create_app(model, engine_config: EngineConfig | None = None, server_config: ServerConfig | None = None,
+               prefix_cache=None) -> FastAPI:
+    cfg = server_config or ServerConfig()
+    if cfg.tool_parser not in TOOL_FORMATS:
+        raise KvtoolError(f"unknown tool parser {cfg.tool_parser!r}; choose one of {sorted(TOOL_FORMATS)}")
+    fmt = TOOL_FORMATS[cfg.tool_parser]
+    served = ServedModel(model, cfg.served_model_name)
+    metrics = ServerMetrics(cfg.extra_metrics)
+    worker = Worker(Engine(model, engine_config, prefix_cache), cfg.max_active, cfg.max_queue, metrics)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        worker.stop()
+
+    app = FastAPI(title="kvtool serve", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible server that also shows the raw tokens and the chat template.")
+    app.state.served, app.state.worker, app.state.metrics, app.state.config = served, worker, metrics, cfg
+
+    def check_key(request: Request) -> None:
+        if cfg.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {cfg.api_key}".encode()):
+            raise AuthError("missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key "
+                            "kvtool serve was started with", code="invalid_api_key")
+
+    api = APIRouter(dependencies=[Depends(check_key)])
+
+    @app.exception_handler(KvtoolError)
+    async def kvtool_error(request: Request, exc: KvtoolError):
+        status, body = error_from_exception(exc)
+        headers = {"Retry-After": "1"} if status in (429, 503) else None
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError):
+        message, param = validation_message(exc)
+        return JSONResponse(error_body(400, message, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; see /docs for the API"
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def server_fault(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(500, f"internal server error: {type(exc).__name__}: {exc}"), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        body = {"status": "ok" if worker.alive else "stopped", "model": served.name, "running": worker.running,
+                "waiting": worker.waiting}
+        return JSONResponse(body, status_code=200 if worker.alive else 503)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus():
+        return PlainTextResponse(metrics.render(worker.running, worker.waiting),
+                                 media_type="text/plain; version=0.0.4")
+
+    @api.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": started,
+                                            "owned_by": "kvtool", "max_model_len": served.context_window}]}
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        handle, session = await start_chat(body, request, body.raw_tokens)
+        if body.stream:
+            return StreamingResponse(sse(session.chunks(), handle, body.include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return JSONResponse(await until_done(request, handle, session.response()))
+
+    @api.post("/v1/chat/completions/raw")
+    async def chat_raw_tokens(body: ChatCompletionRequest, request: Request):
+        """Every generated token as an SSE event {id, piece, channel, t_ms}, then a summary, then [DONE]."""
+        handle, session = await start_chat(body, request, True)
+
+        async def events():
+            summary = {"done": True}
+            async for chunk in session.chunks():
+                if "error" in chunk:
+                    yield chunk
+                    return
+                for token in chunk.get("raw_tokens", []):
+                    yield token
+                for choice in chunk["choices"]:
+                    if choice["finish_reason"]:
+                        summary.update(finish_reason=choice["finish_reason"], timings=chunk.get("timings"))
+                if "usage" in chunk:
+                    summary["usage"] = chunk["usage"]
+            yield summary
+
+        return StreamingResponse(sse(events(), handle, True), media_type="text/event-stream")
+
+    async def start_chat(body: ChatCompletionRequest, request: Request, raw_tokens: bool):
+        served.check_name(body.model)
+        params = body.chat_sampling(cfg.default_max_tokens)
+        prepared = prepare_chat(served, body, await request.json(), fmt)
+        handle = worker.submit(prepared.prompt_ids, params)
+        return handle, ChatSession(served, prepared, handle, fmt, raw_tokens, body.parallel_tool_calls)
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        served.check_name(body.model)
+        params = body.completion_sampling(cfg.default_max_tokens)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ServingError(f"prompt holds {len(prompt)} prompts; send one prompt per request", "prompt")
+            prompt = prompt[0]
+        ids = served.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+        handle = worker.submit(ids, params)
+        session = CompletionSession(served, handle)
+        if body.stream:
+            return StreamingResponse(sse(session.chunks(), handle, body.include_usage), media_type="text/event-stream")
+        return JSONResponse(await until_done(request, handle, session.response()))
+
+    @api.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request):
+        served.check_name(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ServingError("send exactly one of prompt (raw text) or messages (chat)", "prompt")
+        if body.prompt is not None:
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = served.encode(body.prompt, add_special_tokens=add)
+        else:
+            ids = prepare_chat(served, body, await request.json(), fmt, answers_required=False).prompt_ids
+        out = {"count": len(ids), "max_model_len": served.context_window, "tokens": ids,
+               "token_strs": served.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None}
+        if body.with_pieces:
+            out["pieces"] = served.pieces(ids)
+        return out
+
+    @api.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        served.check_name(body.model)
+        out = {"prompt": served.decode(body.tokens)}
+        if body.with_pieces:
+            out["pieces"] = served.pieces(body.tokens)
+        return out
+
+    @api.post("/v1/chat/template")
+    async def render_template(body: TemplateRequest, request: Request):
+        """The exact prompt chat completions would run: text, ids, and each token's piece and flags."""
+        served.check_name(body.model)
+        prepared = prepare_chat(served, body, await request.json(), fmt, answers_required=False)
+        return {"model": served.name, "prompt": prepared.prompt, "prefill": prepared.prefill,
+                "count": len(prepared.prompt_ids), "token_ids": prepared.prompt_ids,
+                "tokens": token_table(served, prepared.prompt, prepared.prompt_ids)}
+
+    @api.get("/v1/chat/template")
+    async def raw_template():
+        if not model.chat_template:
+            raise ServingError(f"model {served.name} has no chat template", code="no_chat_template")
+        return {"model": served.name, "chat_template": model.chat_template}
+
+    app.include_router(api)
+    routes = {r.path for r in [*app.routes, *api.routes] if hasattr(r, "path")}
+    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=routes)
+    return app

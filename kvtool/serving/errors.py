@@ -1,0 +1,56 @@
+"""Serving errors and their OpenAI-shaped JSON: {"error": {message, type, param, code}}.
+
+Every KvtoolError maps to its status_code (400 by default); the server adds the few
+statuses that only HTTP has (401, 404, 429, 503).
+"""
+
+from __future__ import annotations
+
+import re
+
+from kvtool.errors import KvtoolError
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+class ServingError(KvtoolError):
+    """A client-facing error with an OpenAI `param` and `code`."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+class AuthError(ServingError):
+    status_code = 401
+
+
+class ModelNotFound(ServingError):
+    status_code = 404
+
+
+class QueueFull(ServingError):
+    status_code = 429
+
+
+class Unavailable(ServingError):
+    status_code = 503
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    etype = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": etype, "param": param, "code": code}}
+
+
+def error_from_exception(exc: KvtoolError) -> tuple[int, dict]:
+    status = getattr(exc, "status_code", 400)
+    param = getattr(exc, "param", None)
+    code = getattr(exc, "code", None)
+    if param is None:  # InvalidParameterError says "invalid sampling parameter NAME=..."
+        m = re.match(r"invalid sampling parameter (\w+)=", str(exc))
+        param = m.group(1) if m else None
+    if code is None:
+        code = {"ContextWindowError": "context_length_exceeded"}.get(type(exc).__name__)
+    return status, error_body(status, str(exc), param, code)

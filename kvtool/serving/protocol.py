@@ -1,0 +1,193 @@
+"""OpenAI-compatible request bodies (pydantic, strict types) and their SamplingParams.
+
+Unknown fields are ignored, as OpenAI-compatible servers do, so clients that send
+vendor extensions keep working; every known field is type-checked strictly (a string
+where a number belongs is a 400, not a silent conversion).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvtool.config import SamplingParams
+from kvtool.serving.errors import ServingError
+
+SEED_RANGE = dict(ge=-(2**63), lt=2**64)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class FunctionDef(Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(Strict):
+    type: str = "function"
+    function: FunctionDef
+
+
+class FunctionCall(Strict):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string; a dict is accepted too
+
+
+class ToolCallIn(Strict):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
+class ContentPart(Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Strict):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None  # history reasoning; templates like Qwen3's read it
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class ResponseFormat(Strict):
+    type: str = "text"
+
+
+class GenerationRequest(Strict):
+    """Fields shared by chat and raw completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = Field(default=None, **SEED_RANGE)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def sampling(self, default_max_tokens: int | None, max_tokens: int | None = None,
+                 logprobs: int | None = None) -> SamplingParams:
+        if self.n != 1:
+            raise ServingError(f"n={self.n} is not supported: kvtool serve returns one choice; send n=1 "
+                               "(or several requests)", param="n")
+        defaults = SamplingParams()  # the one place sampling defaults live
+
+        def pick(name: str):
+            value = getattr(self, name)
+            return getattr(defaults, name) if value is None else value
+
+        if max_tokens is None:  # max_completion_tokens wins over max_tokens, then the server default
+            max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"), min_p=pick("min_p"),
+            repetition_penalty=pick("repetition_penalty"), presence_penalty=pick("presence_penalty"),
+            frequency_penalty=pick("frequency_penalty"), seed=self.seed, stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs)
+        return params.validate()
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage]
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is a prefix to continue
+    raw_tokens: bool = False  # kvtool: every generated token as {id, piece, channel, t_ms}
+
+    def chat_sampling(self, default_max_tokens: int | None) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ServingError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ServingError(f"response_format type {self.response_format.type!r} is not supported; "
+                               "only 'text' (structured output is not implemented)", param="response_format")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling(default_max_tokens, self.max_completion_tokens, logprobs)
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def completion_sampling(self, default_max_tokens: int | None) -> SamplingParams:
+        if self.echo:
+            raise ServingError("echo=true is not supported; the prompt is in /tokenize", param="echo")
+        if self.suffix:
+            raise ServingError("suffix (fill-in-the-middle) is not supported", param="suffix")
+        return self.sampling(default_max_tokens, logprobs=self.logprobs)
+
+
+class TokenizeRequest(Strict):
+    """vLLM shape: either a raw `prompt` or chat `messages` (rendered with the template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template has them)
+    return_token_strs: bool = False  # vLLM: the tokenizer's own token strings (e.g. "Ġhello")
+    with_pieces: bool = False  # kvtool: each token decoded alone, verbatim
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]
+    with_pieces: bool = False
+
+
+class TemplateRequest(Strict):
+    model: str | None = None
+    messages: list[ChatMessage]
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None

@@ -1,0 +1,72 @@
+"""The served model as the HTTP layer sees it: names, special tokens, text <-> ids.
+
+Works on token ids and strings only; the tensors stay behind the worker.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+from kvtool.errors import InvalidParameterError
+from kvtool.serving.errors import ModelNotFound, ServingError
+
+TOOL_PROBE = [{"type": "function", "function": {"name": "kvtool_probe", "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}]
+
+
+class ServedModel:
+    def __init__(self, model, served_name: str | None = None):
+        self.model = model
+        self.name = served_name or model.name
+        # Clients may name the model by its served name, its own name, the path it came from, or "default".
+        self.aliases = {self.name, model.name, str(getattr(model, "source", "") or model.name), "default"}
+        tok = model.tokenizer
+        self.tokenizer = tok
+        added = getattr(tok, "added_tokens_decoder", {}) or {}
+        self.special_ids = set(tok.all_special_ids) | {i for i, a in added.items() if getattr(a, "special", False)}
+        self.vocab_size = model.spec.vocab_size
+        self.tokenizer_size = len(tok)
+        self.context_window = model.context_window
+
+    def check_name(self, requested: str | None) -> None:
+        if requested is not None and requested not in self.aliases:
+            raise ModelNotFound(f"model {requested!r} is not served here; this server serves {self.name!r} "
+                                "(GET /v1/models lists it)", param="model", code="model_not_found")
+
+    @cached_property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tool definitions at all (SmolLM2's does not)."""
+        if not self.model.chat_template:
+            return False
+        msgs = [{"role": "user", "content": "x"}]
+        try:
+            return self.model.render(msgs, tools=TOOL_PROBE) != self.model.render(msgs)
+        except Exception:  # a template that chokes on tools does not support them
+            return False
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        check_text(text, "text")
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def check_ids(self, ids: list[int], what: str = "tokens") -> None:
+        bad = [t for t in ids if not 0 <= t < self.tokenizer_size]
+        if bad:
+            raise InvalidParameterError(f"{what} must be token ids in [0, {self.tokenizer_size}); got {bad[:5]}")
+
+    def decode(self, ids: list[int]) -> str:
+        self.check_ids(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        return [self.piece(i) for i in ids]
+
+
+def check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ServingError(f"{where} contains an unpaired UTF-16 surrogate at character {exc.start}; "
+                           "send valid Unicode text", param=where) from None

@@ -1,0 +1,220 @@
+"""One request's token events -> OpenAI chunks (streaming) or one response object.
+
+The non-streaming response is the fold of the same chunks, so both paths agree by
+construction. Chat chunks follow OpenAI: role first, content / reasoning_content deltas,
+tool calls as a header delta (index, id, type, name, arguments "") then an arguments
+delta, a finish chunk (with kvtool's `timings`), and a usage chunk with no choices.
+
+A tool call is streamed once it is sealed (`</tool_call>` or complete JSON at the end),
+so a client never sees the start of a call that turns out to be plain text.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import AsyncIterator
+
+from kvtool.engine import TokenEvent
+from kvtool.serving.chat import PreparedChat
+from kvtool.serving.errors import ServingError, error_body
+from kvtool.serving.served import ServedModel
+from kvtool.serving.toolparse import OutputParser, ParseEvent, ToolFormat
+from kvtool.serving.worker import Handle, WorkerCrash
+
+
+def finite(logprob: float | None) -> float | None:
+    """JSON has no -inf; a token the model rules out entirely gets -9999 (as vLLM does)."""
+    return None if logprob is None else max(logprob, -9999.0)
+
+
+def timings_dict(gen) -> dict:
+    return {k: round(v, 2) if isinstance(v, float) else v for k, v in gen.timings.to_dict().items()}
+
+
+def usage_dict(gen, reasoning_tokens: int | None = None) -> dict:
+    usage = {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.token_ids),
+             "total_tokens": len(gen.prompt_ids) + len(gen.token_ids),
+             "prompt_tokens_details": {"cached_tokens": gen.timings.cached_tokens}}
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
+
+
+def finish_reason(gen, called: bool) -> str:
+    if called:
+        return "tool_calls"
+    return "length" if gen.finish_reason == "length" else "stop"
+
+
+def stream_error(exc: Exception) -> dict:
+    status = getattr(exc, "status_code", 500)
+    return error_body(status, str(exc), code=getattr(exc, "code", None))
+
+
+class ChatSession:
+    def __init__(self, served: ServedModel, prepared: PreparedChat, handle: Handle, fmt: ToolFormat,
+                 raw_tokens: bool = False, parallel_tool_calls: bool = True):
+        self.served, self.prepared, self.handle = served, prepared, handle
+        self.parser = OutputParser(prepared.tools, fmt, in_reasoning=prepared.in_reasoning)
+        self.raw_tokens, self.parallel = raw_tokens, parallel_tool_calls
+        self.id = "chatcmpl-" + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.calls = 0
+        self.reasoning_tokens = 0
+        self.sealed = False  # parallel_tool_calls=false: generation ends at the first call
+
+    def _chunk(self, delta: dict | None, finish: str | None = None, **extra) -> dict:
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.served.name, "choices": choices, **extra}
+
+    def _deltas(self, events: list[ParseEvent]) -> list[dict]:
+        out = []
+        for ev in events:
+            if self.sealed:
+                break
+            if ev.call is None:
+                out.append({"reasoning_content" if ev.channel == "reasoning" else "content": ev.text})
+                continue
+            index, self.calls = self.calls, self.calls + 1
+            out.append({"tool_calls": [{"index": index, "id": ev.call.id, "type": "function",
+                                        "function": {"name": ev.call.name, "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": index, "function": {"arguments": ev.call.arguments}}]})
+            if not self.parallel:
+                self.sealed = True
+                self.handle.cancel()
+        return out
+
+    def _logprob(self, ev: TokenEvent) -> dict:
+        piece = ev.piece
+        top = [{"token": (p := self.served.piece(t)), "logprob": finite(v), "bytes": list(p.encode())}
+               for t, v in (ev.top_logprobs or [])]
+        return {"token": piece, "logprob": finite(ev.logprob), "bytes": list(piece.encode()), "top_logprobs": top}
+
+    async def chunks(self) -> AsyncIterator[dict]:
+        """Every chunk, the usage chunk last; an engine failure becomes an {"error": ...} chunk."""
+        yield self._chunk({"role": "assistant", "content": ""})
+        lps: list[dict] = []
+        deltas = self._deltas(self.parser.feed(self.prepared.prefill)) if self.prepared.prefill else []
+        try:
+            async for ev in self.handle:
+                raw = None
+                if not self.sealed:
+                    deltas += self._deltas(self.parser.feed(ev.text))
+                    special = ev.token_id in self.served.special_ids
+                    channel = "special" if special else self.parser.last
+                    self.reasoning_tokens += channel == "reasoning"
+                    raw = {"id": ev.token_id, "piece": ev.piece, "channel": channel, "t_ms": round(ev.t_ms, 2)}
+                if ev.logprob is not None:
+                    lps.append(self._logprob(ev))
+                if not deltas and not (self.raw_tokens and raw):
+                    continue
+                for i, delta in enumerate(deltas or [{}]):
+                    chunk = self._chunk(delta)
+                    if i == 0 and lps:
+                        chunk["choices"][0]["logprobs"], lps = {"content": lps}, []
+                    if i == 0 and self.raw_tokens and raw:
+                        chunk["raw_tokens"] = [raw]
+                    yield chunk
+                deltas = []
+        except (WorkerCrash, ServingError) as exc:
+            yield {"error": stream_error(exc)["error"]}
+            return
+        if not self.sealed:
+            deltas += self._deltas(self.parser.finish())
+        for delta in deltas:
+            yield self._chunk(delta)
+        gen = self.handle.gen
+        last = self._chunk({}, finish_reason(gen, self.calls > 0), timings=timings_dict(gen))
+        if lps:
+            last["choices"][0]["logprobs"] = {"content": lps}
+        yield last
+        yield self._chunk(None, usage=usage_dict(gen, self.reasoning_tokens))
+
+    async def response(self) -> dict:
+        """The non-streaming chat.completion: the fold of chunks()."""
+        content, reasoning, calls, lps, raw = [], [], {}, [], []
+        finish, timings, usage = "stop", {}, None
+        async for chunk in self.chunks():
+            if "error" in chunk:
+                raise WorkerCrash(chunk["error"]["message"])
+            raw += chunk.get("raw_tokens", [])
+            usage = chunk.get("usage", usage)
+            for choice in chunk["choices"]:
+                delta = choice["delta"]
+                content.append(delta.get("content") or "")
+                reasoning.append(delta.get("reasoning_content") or "")
+                for tc in delta.get("tool_calls", []):
+                    call = calls.setdefault(tc["index"], {"id": tc.get("id"), "type": "function",
+                                                          "function": {"name": None, "arguments": ""}})
+                    call["function"]["name"] = tc.get("function", {}).get("name") or call["function"]["name"]
+                    call["function"]["arguments"] += tc.get("function", {}).get("arguments", "")
+                lps += (choice.get("logprobs") or {}).get("content", [])
+                finish = choice["finish_reason"] or finish
+            timings = chunk.get("timings", timings)
+        text = "".join(content)
+        message = {"role": "assistant", "content": None if calls and not text.strip() else text}
+        if any(reasoning):
+            message["reasoning_content"] = "".join(reasoning)
+        if calls:
+            message["tool_calls"] = [calls[i] for i in sorted(calls)]
+        out = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.served.name,
+               "choices": [{"index": 0, "message": message, "logprobs": {"content": lps} if lps else None,
+                            "finish_reason": finish}],
+               "usage": usage, "timings": timings}
+        if self.raw_tokens:
+            out["raw_tokens"] = raw
+        return out
+
+
+class CompletionSession:
+    """Raw /v1/completions: text deltas, legacy logprobs (tokens, token_logprobs, top_logprobs)."""
+
+    def __init__(self, served: ServedModel, handle: Handle):
+        self.served, self.handle = served, handle
+        self.id = "cmpl-" + secrets.token_hex(12)
+        self.created = int(time.time())
+
+    def _chunk(self, text: str | None, finish: str | None = None, logprobs=None, **extra) -> dict:
+        choices = [] if text is None else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.served.name,
+                "choices": choices, **extra}
+
+    def _logprobs(self, events: list[TokenEvent], offset: int) -> dict | None:
+        if not events or events[0].logprob is None:
+            return None
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for ev in events:
+            out["tokens"].append(ev.piece)
+            out["token_logprobs"].append(finite(ev.logprob))
+            out["top_logprobs"].append({self.served.piece(t): finite(v) for t, v in ev.top_logprobs or []} or None)
+            out["text_offset"].append(offset)
+            offset += len(ev.text)
+        return out
+
+    async def chunks(self) -> AsyncIterator[dict]:
+        offset = 0
+        try:
+            async for ev in self.handle:
+                logprobs = self._logprobs([ev], offset)
+                if ev.text or logprobs:
+                    yield self._chunk(ev.text, logprobs=logprobs)
+                offset += len(ev.text)
+        except (WorkerCrash, ServingError) as exc:
+            yield {"error": stream_error(exc)["error"]}
+            return
+        gen = self.handle.gen
+        yield self._chunk("", finish_reason(gen, False), timings=timings_dict(gen))
+        yield self._chunk(None, usage=usage_dict(gen))
+
+    async def response(self) -> dict:
+        text, events = [], []
+        async for ev in self.handle:
+            text.append(ev.text)
+            events.append(ev)
+        gen = self.handle.gen
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.served.name,
+                "choices": [{"index": 0, "text": "".join(text), "logprobs": self._logprobs(events, 0),
+                             "finish_reason": finish_reason(gen, False)}],
+                "usage": usage_dict(gen), "timings": timings_dict(gen)}

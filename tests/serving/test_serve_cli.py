@@ -1,0 +1,51 @@
+"""`kvtool serve` wiring: defaults come from ServerConfig, flags reach the server (no model loaded)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtool.cli import build_parser, main
+from kvtool.serving.config import ServerConfig
+
+
+def test_defaults_come_from_server_config(monkeypatch):
+    monkeypatch.delenv("KVTOOL_API_KEY", raising=False)
+    from kvtool.cli.serve import config_from_args
+
+    args = build_parser().parse_args(["serve"])
+    assert config_from_args(args) == ServerConfig()
+
+
+def test_flags_reach_serve(monkeypatch, capsys):
+    import kvtool.cli.serve as cli
+    import kvtool.serving.server as server
+
+    seen = {}
+
+    class FakeModel:
+        name, info = "fake", {"device": "cpu", "dtype": "float32"}
+
+    monkeypatch.setattr(cli, "load_from_args", lambda args: FakeModel())
+    monkeypatch.setattr(server, "serve", lambda model, cfg, log_level: seen.update(cfg=cfg, level=log_level))
+    rc = main(["serve", "--port", "9123", "--host", "0.0.0.0", "--api-key", "k", "--max-queue", "3",
+               "--max-active", "2", "--tool-parser", "hermes", "--default-max-tokens", "64", "--log-level", "warning"])
+    assert rc == 0
+    cfg = seen["cfg"]
+    assert (cfg.port, cfg.host, cfg.api_key, cfg.max_queue, cfg.max_active, cfg.tool_parser,
+            cfg.default_max_tokens) == (9123, "0.0.0.0", "k", 3, 2, "hermes", 64)
+    assert seen["level"] == "warning"
+    assert "http://0.0.0.0:9123/v1" in capsys.readouterr().err
+
+
+def test_api_key_from_environment(monkeypatch):
+    monkeypatch.setenv("KVTOOL_API_KEY", "from-env")
+    from kvtool.cli.serve import config_from_args
+
+    assert config_from_args(build_parser().parse_args(["serve"])).api_key == "from-env"
+
+
+def test_bad_sizes_are_clear_errors(capsys):
+    assert main(["serve", "--max-active", "0"]) == 2
+    assert "--max-active must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--tool-parser", "nope"])
