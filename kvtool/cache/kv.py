@@ -23,6 +23,15 @@ class LayerKV:
         self._v = torch.empty_like(self._k)
         self.offset = 0  # tokens stored
 
+    @classmethod
+    def wrap(cls, k: torch.Tensor, v: torch.Tensor, offset: int) -> "LayerKV":
+        """Adopt existing buffers [1, H, capacity, D] whose first `offset` slots are filled (no copy)."""
+        layer = cls.__new__(cls)
+        layer.num_kv_heads, layer.head_dim = k.shape[1], k.shape[3]
+        layer.dtype, layer.device = k.dtype, k.device
+        layer._k, layer._v, layer.offset = k, v, offset
+        return layer
+
     @property
     def capacity(self) -> int:
         return self._k.shape[2]
@@ -96,6 +105,11 @@ class KVCache:
     @classmethod
     def empty(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device, capacity: int = MIN_CAPACITY):
         return cls([LayerKV(num_kv_heads, head_dim, dtype, device, capacity) for _ in range(num_layers)])
+
+    @classmethod
+    def wrap(cls, kv: torch.Tensor, offset: int) -> "KVCache":
+        """Adopt a [2, L, H, capacity, D] buffer whose first `offset` slots are filled (no copy)."""
+        return cls([LayerKV.wrap(kv[0, i : i + 1], kv[1, i : i + 1], offset) for i in range(kv.shape[1])])
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -72,6 +72,9 @@ class BlockStore:
             raise ValueError(f"BlockStore.put: block {block_id} is already stored; free it first")
         block = torch.empty(self.block_shape, dtype=self.dtype, device=self.device)
         for i, (name, kv) in enumerate([("keys", keys), ("values", values)]):
+            if isinstance(kv, torch.Tensor) and tuple(kv.shape) == self.block_shape[1:]:
+                block[i].copy_(kv)  # one copy instead of one per layer (a commit puts many blocks)
+                continue
             per_layer = [kv[layer] for layer in range(kv.shape[0])] if isinstance(kv, torch.Tensor) else list(kv)
             if len(per_layer) != self.num_layers or any(t.shape != self.block_shape[2:] for t in per_layer):
                 got = [tuple(t.shape) for t in per_layer]
@@ -93,6 +96,18 @@ class BlockStore:
             return empty[0], empty[1]
         kv = torch.cat([self._blocks[i] for i in block_ids], dim=3)  # [2, L, H, n*B, D]
         return kv[0], kv[1]
+
+    def gather_padded(self, block_ids: Sequence[int], extra: int) -> torch.Tensor:
+        """[2, L, H, n*B + extra, D]: the chain's KV followed by `extra` free slots, in one copy."""
+        missing = [i for i in block_ids if i not in self._blocks]
+        if missing:
+            raise KeyError(f"BlockStore.gather_padded: blocks {missing} are not stored (freed or never put)")
+        b = self.block_size
+        out = torch.empty(self.block_shape[:3] + (len(block_ids) * b + extra, self.head_dim),
+                          dtype=self.dtype, device=self.device)
+        for j, block_id in enumerate(block_ids):
+            out[:, :, :, j * b : (j + 1) * b] = self._blocks[block_id]
+        return out
 
     def free(self, block_ids: Iterable[int]) -> None:
         block_ids = list(block_ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from kvtool.cli.common import add_model_args, load_from_args
+from kvtool.cli.common import ENGINE, add_model_args, load_from_args
 from kvtool.serving.config import ServerConfig
 
 SERVER = ServerConfig()
@@ -30,6 +30,9 @@ def register(subparsers) -> None:
                    help="max_tokens for requests that name none (default: up to the context window)")
     p.add_argument("--tool-parser", default=SERVER.tool_parser, choices=sorted(TOOL_FORMATS),
                    help="tool-call format of the model's output")
+    p.add_argument("--cache-bytes", type=int, default=ENGINE.cache_bytes,
+                   help="prefix-cache byte budget (default: a quarter of available memory)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="turn cross-request KV reuse off")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
 
@@ -54,5 +57,8 @@ def run(args) -> int:
     auth = "API key required" if cfg.api_key else "no API key"
     print(f"kvtool: serving {cfg.served_model_name or model.name} on http://{cfg.host}:{cfg.port}/v1 "
           f"({model.info.get('device')}, {model.info.get('dtype')}, {auth})", file=sys.stderr)
-    serve(model, cfg, log_level=args.log_level)
+    from kvtool.config import EngineConfig
+
+    engine_config = EngineConfig(cache_bytes=args.cache_bytes, enable_prefix_cache=not args.no_prefix_cache)
+    serve(model, cfg, engine_config=engine_config, log_level=args.log_level)
     return 0

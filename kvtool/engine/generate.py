@@ -129,13 +129,13 @@ class Engine:
         runner, tm = self.runner, gen.timings
         t0 = time.perf_counter()
         cache, cached, handle = self._start(gen.prompt_ids)
-        # Always run at least the last prompt token to get its logits.
-        cached = min(cached, len(gen.prompt_ids) - 1)
-        cache.truncate(cached)
-        tm.prompt_tokens, tm.cached_tokens = len(gen.prompt_ids), cached
-        tm.prefill_tokens = len(gen.prompt_ids) - cached
-        state = OutputState(self, gen, max_tokens, skip_special_tokens, t0)
         try:
+            # Always run at least the last prompt token to get its logits.
+            cached = min(cached, len(gen.prompt_ids) - 1)
+            cache.truncate(cached)
+            tm.prompt_tokens, tm.cached_tokens = len(gen.prompt_ids), cached
+            tm.prefill_tokens = len(gen.prompt_ids) - cached
+            state = OutputState(self, gen, max_tokens, skip_special_tokens, t0)
             logits = runner.prefill(gen.prompt_ids[cached:], cache, chunk=self.config.prefill_chunk)
             tm.prefill_ms = state.ms()
             while True:

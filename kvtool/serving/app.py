@@ -115,8 +115,14 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
         raise KvtoolError(f"unknown tool parser {cfg.tool_parser!r}; choose one of {sorted(TOOL_FORMATS)}")
     fmt = TOOL_FORMATS[cfg.tool_parser]
     served = ServedModel(model, cfg.served_model_name)
-    metrics = ServerMetrics(cfg.extra_metrics)
-    worker = Worker(Engine(model, engine_config, prefix_cache), cfg.max_active, cfg.max_queue, metrics)
+    engine = Engine(model, engine_config, prefix_cache)
+    if prefix_cache is None:  # one prefix cache for every request, unless EngineConfig turns it off
+        from kvtool.cache.manager import attach_prefix_cache
+
+        prefix_cache = attach_prefix_cache(engine)
+    extra = [f for f in (cfg.extra_metrics, prefix_cache and prefix_cache.prometheus_lines) if f]
+    metrics = ServerMetrics((lambda: [line for f in extra for line in f()]) if extra else None)
+    worker = Worker(engine, cfg.max_active, cfg.max_queue, metrics)
     started = int(time.time())
 
     @asynccontextmanager
@@ -270,6 +276,10 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
         return {"model": served.name, "chat_template": model.chat_template}
 
     app.include_router(api)
+    from kvtool.cache.http import cache_router
+
+    app.include_router(cache_router(lambda: prefix_cache, lambda: model), dependencies=[Depends(check_key)])
+    app.state.prefix_cache = prefix_cache
     routes = {r.path for r in [*app.routes, *api.routes] if hasattr(r, "path")}
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=routes)
     return app

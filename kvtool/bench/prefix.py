@@ -1,0 +1,202 @@
+"""`kvtool bench prefix`: TTFT of a prefix-cache hit vs a cold prefill, beside transformers.
+
+kvtool hit = PrefixCache.prepare (match + gather + copy into the request's cache) + prefill of
+the suffix + first token; exactly the Engine's path, minus detokenization. kvtool cold = prefill
+of prefix + suffix. The transformers baseline, in the same run: a DynamicCache holding the
+prefix is deep-copied (each request needs its own) and the suffix forwarded; its cold run
+forwards the whole prompt. Both keep only the last position's logits. A fresh random suffix per
+run makes every hit exactly the prefix.
+
+    kvtool bench prefix                                    # SmolLM2 on CPU: 2048 + 64 tokens
+    kvtool bench prefix --shape qwen3-0.6b --prefix-tokens 4096 --device cuda   # H200 target
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kvtool.bench.protocol import device_name, emit, measure, summary, sync, versions
+from kvtool.config import EngineConfig
+from kvtool.errors import InvalidParameterError
+
+SHAPES = ("qwen3-0.6b",)
+TARGET_SPEEDUP = 15.0  # 2-core CPU, SmolLM2, 2048 + 64 (transformers DynamicCache reuse: 14.5x)
+TARGET_HIT_MS_CUDA = 3.0  # H200, Qwen3-0.6B shape bf16, 4096 + 64
+
+
+@dataclass
+class PrefixBenchConfig:
+    prefix_tokens: int = 2048
+    suffix_tokens: int = 64
+    repeats: int = 3
+    warmup: int = 1
+    block_size: int = EngineConfig.prefix_block
+    prefill_chunk: int = EngineConfig.prefill_chunk
+    baseline: bool = True  # also time transformers
+    seed: int = 0
+    out: str | None = None
+
+
+def load_runner(model_arg: str | None, shape: str | None, device: str, dtype: str, announce=print):
+    """(display name, ModelRunner, HF folder for the transformers baseline)."""
+    from kvtool.models.loading import build_runner, load, pick_device, pick_dtype
+    from kvtool.models.resolve import resolve_model_arg
+    from kvtool.models.spec import ModelSpec
+
+    if shape:
+        from transformers import AutoConfig
+
+        from kvtool.testing.tiny import qwen3_0_6b_config, random_checkpoint
+
+        if shape not in SHAPES:
+            raise InvalidParameterError(f"unknown shape {shape!r}; choose one of {SHAPES}")
+        dev = pick_device(device)
+        folder = random_checkpoint(qwen3_0_6b_config(), Path(tempfile.mkdtemp(prefix="kvtool-bench-")))
+        cfg = AutoConfig.from_pretrained(str(folder))
+        runner = build_runner(ModelSpec.from_hf_config(cfg), cfg, folder, dev, pick_dtype(dtype, dev), progress=False)
+        return "Qwen3-0.6B shape (random weights)", runner, folder
+    model = load(resolve_model_arg(model_arg, announce=announce), device=device, dtype=dtype)
+    return model.name, model.runner, model.folder
+
+
+def _kvtool_cold(runner, prompt, chunk) -> float:
+    t0 = time.perf_counter()
+    cache = runner.new_cache(len(prompt) + 1)
+    int(runner.prefill(prompt, cache, chunk=chunk).argmax(-1))
+    return (time.perf_counter() - t0) * 1000.0
+
+
+def _kvtool_hit(pc, runner, prompt, chunk, expect_cached, prepare_ms: list | None = None) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    cache, n, handle = pc.prepare(prompt, runner)
+    if prepare_ms is not None:  # the cache's own share of the hit: match + gather + copy
+        sync(runner.device)
+        prepare_ms.append((time.perf_counter() - t0) * 1000.0)
+    n = min(n, len(prompt) - 1)
+    cache.truncate(n)
+    token = int(runner.prefill(prompt[n:], cache, chunk=chunk).argmax(-1))
+    ms = (time.perf_counter() - t0) * 1000.0
+    pc.commit(handle, prompt[: cache.offset], cache)  # as the engine does, outside the timed part
+    if n != expect_cached:
+        raise RuntimeError(f"prefix bench: expected a hit of {expect_cached} tokens, got {n}")
+    return ms, token
+
+
+def run_prefix_bench(name: str, runner, cfg: PrefixBenchConfig, hf_folder: Path | None = None,
+                     log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+    from kvtool.cache.manager import PrefixCache
+
+    if cfg.prefix_tokens % cfg.block_size:
+        raise InvalidParameterError(f"--prefix-tokens ({cfg.prefix_tokens}) must be a multiple of the block size "
+                                    f"({cfg.block_size}) so the whole prefix can hit")
+    if cfg.prefix_tokens + cfg.suffix_tokens + 1 > runner.spec.max_position:
+        raise InvalidParameterError(f"{cfg.prefix_tokens} + {cfg.suffix_tokens} tokens exceed the model's context "
+                                    f"window of {runner.spec.max_position}")
+    if cfg.suffix_tokens < 1 or cfg.repeats < 1:
+        raise InvalidParameterError("--suffix-tokens and --repeats must be >= 1")
+    device, vocab = runner.device, runner.spec.vocab_size
+    gen = torch.Generator().manual_seed(cfg.seed)
+    prefix = torch.randint(100, vocab - 100, (cfg.prefix_tokens,), generator=gen).tolist()
+    suffixes = iter(torch.randint(100, vocab - 100, (1000, cfg.suffix_tokens), generator=gen).tolist())
+    cold_prompt = prefix + next(suffixes)
+    kv_bytes = runner.spec.kv_bytes_per_token(torch.empty((), dtype=runner.dtype).element_size())
+    n_runs = cfg.warmup + cfg.repeats + 2
+    pc = PrefixCache.for_runner(runner, budget_bytes=2 * kv_bytes * (cfg.prefix_tokens + cfg.suffix_tokens * n_runs),
+                                block_size=cfg.block_size)
+    log(f"prefix bench: {name}, {cfg.prefix_tokens} cached + {cfg.suffix_tokens} new tokens on {device}")
+    pc.pin(prefix)  # prefills the prefix once and keeps it
+    prepare_ms: list[float] = []
+
+    def hit():
+        return _kvtool_hit(pc, runner, prefix + next(suffixes), cfg.prefill_chunk, cfg.prefix_tokens, prepare_ms)[0]
+
+    results = {"kvtool": {
+        "cold_ms": measure(lambda: _kvtool_cold(runner, cold_prompt, cfg.prefill_chunk), cfg.repeats, cfg.warmup,
+                           device, "kvtool cold"),
+        "hit_ms": measure(hit, cfg.repeats, cfg.warmup, device, "kvtool hit"),
+    }}
+    results["kvtool"]["prepare_ms"] = summary(prepare_ms[cfg.warmup:])
+    # the hit path's first token equals a cold prefill's on the same prompt (fp32: exact; bf16: near ties may flip)
+    check_prompt = prefix + next(suffixes)
+    cache = runner.new_cache(len(check_prompt) + 1)
+    cold_token = int(runner.prefill(check_prompt, cache, chunk=cfg.prefill_chunk).argmax(-1))
+    first_token_match = _kvtool_hit(pc, runner, check_prompt, cfg.prefill_chunk, cfg.prefix_tokens)[1] == cold_token
+    if cfg.baseline:
+        results["transformers"] = transformers_baseline(hf_folder, runner, prefix, cold_prompt, suffixes, cfg, log)
+    for r in results.values():
+        r["speedup"] = r["cold_ms"]["median"] / r["hit_ms"]["median"]
+    k = results["kvtool"]
+    targets = {"hit_speedup_min": TARGET_SPEEDUP, "hit_speedup_met": k["speedup"] >= TARGET_SPEEDUP}
+    if device.type == "cuda":
+        targets.update(hit_ms_max=TARGET_HIT_MS_CUDA, hit_ms_met=k["hit_ms"]["median"] <= TARGET_HIT_MS_CUDA)
+    record = {"benchmark": "prefix", "model": name, "device": device_name(device), "device_type": device.type,
+              "dtype": str(runner.dtype).replace("torch.", ""), "config": asdict(cfg), "results": results,
+              "first_token_match": first_token_match, "targets": targets, "cache": pc.stats(),
+              "versions": versions()}
+    if "transformers" in results:
+        record["hit_vs_transformers_hit"] = results["transformers"]["hit_ms"]["median"] / k["hit_ms"]["median"]
+    return record
+
+
+def transformers_baseline(folder, runner, prefix, cold_prompt, suffixes, cfg, log) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    if folder is None:
+        raise InvalidParameterError("the transformers baseline needs the model's HF folder")
+    device = runner.device
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=runner.dtype).to(device).eval()
+    log("transformers: DynamicCache holding the prefix, deep-copied per request")
+    # transformers 5 renamed past_key_values to cache; use whichever this version takes
+    cache_kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    with torch.inference_mode():
+        out = hf(torch.tensor([prefix], device=device), use_cache=True, logits_to_keep=1)
+        prefix_cache = out.past_key_values if getattr(out, "cache", None) is None else out.cache
+
+        def cold():
+            t0 = time.perf_counter()
+            ids = torch.tensor([cold_prompt], device=device)
+            int(hf(ids, use_cache=True, logits_to_keep=1).logits[0, -1].argmax())
+            return (time.perf_counter() - t0) * 1000.0
+
+        def hit():
+            ids = torch.tensor([next(suffixes)], device=device)
+            sync(device)
+            t0 = time.perf_counter()
+            cache = copy.deepcopy(prefix_cache)
+            int(hf(ids, **{cache_kw: cache}, use_cache=True, logits_to_keep=1).logits[0, -1].argmax())
+            return (time.perf_counter() - t0) * 1000.0
+
+        results = {"cold_ms": measure(cold, cfg.repeats, cfg.warmup, device, "transformers cold"),
+                   "hit_ms": measure(hit, cfg.repeats, cfg.warmup, device, "transformers hit")}
+    return results
+
+
+def format_table(record: dict) -> str:
+    c = record["config"]
+    lines = [f"prefix-cache hit vs cold prefill: {record['model']} on {record['device']}, {record['dtype']}, "
+             f"{c['prefix_tokens']} cached + {c['suffix_tokens']} new tokens",
+             f"{'engine':<14}{'cold ms':>10}{'hit ms':>10}{'hit spread':>18}{'speedup':>9}"]
+    for engine, r in record["results"].items():
+        h = r["hit_ms"]
+        spread = f"{h['min']:.2f}-{h['max']:.2f}"
+        lines.append(f"{engine:<14}{r['cold_ms']['median']:>10.1f}{h['median']:>10.2f}{spread:>18}"
+                     f"{r['speedup']:>8.1f}x")
+    t = record["targets"]
+    lines.append(f"target: kvtool hit >= {t['hit_speedup_min']:.0f}x faster than cold: "
+                 f"{'met' if t['hit_speedup_met'] else 'NOT met'}"
+                 + (f"; hit <= {t['hit_ms_max']} ms: {'met' if t['hit_ms_met'] else 'NOT met'}"
+                    if "hit_ms_max" in t else ""))
+    return "\n".join(lines)
+
+
+def report(record: dict, out: str | None) -> None:
+    print(format_table(record))
+    emit(record, out)

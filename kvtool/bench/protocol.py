@@ -1,0 +1,83 @@
+"""The benchmark protocol: warm-up, repeated runs, median and spread, JSON as the last line.
+
+Same protocol as benchmarks/common.py, importable from the package so `kvtool bench` and
+notebooks use one implementation.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "mps":
+        return f"Apple {platform.machine()} (MPS)"
+    return f"{platform.processor() or platform.machine()} CPU x{torch.get_num_threads()} threads"
+
+
+def sync(device: torch.device | None) -> None:
+    if device is None:
+        return
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def measure(fn, repeats: int, warmup: int = 1, device: torch.device | None = None, label: str = "") -> dict:
+    """Run fn() warmup + repeats times; fn returns its own metric (ms) or None to be timed."""
+    values = []
+    for i in range(warmup + repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(device)
+        value = out if out is not None else (time.perf_counter() - t0) * 1000.0
+        if i >= warmup:
+            values.append(value)
+        print(f"  {label} run {i + 1}/{warmup + repeats}{' (warm-up)' if i < warmup else ''}: {value:.2f}",
+              file=sys.stderr, flush=True)
+    return summary(values)
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "stdev": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values)}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100] (numpy's default method)."""
+    xs = sorted(values)
+    if not xs:
+        return float("nan")
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def versions() -> dict:
+    import transformers
+
+    import kvtool
+
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "kvtool": kvtool.__version__}
+
+
+def emit(record: dict, out: str | Path | None) -> None:
+    """Write the record to ``out`` (indented) and print it as one JSON line, last on stdout."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {out}", file=sys.stderr)
+    print(json.dumps(record), flush=True)

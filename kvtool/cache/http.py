@@ -1,0 +1,139 @@
+"""HTTP endpoints for the prefix cache, as a FastAPI router the server includes.
+
+    GET  /v1/cache         counters and sizes (PrefixCache.stats())
+    POST /v1/cache/reset   drop every cached block and pin
+    POST /v1/cache/pin     keep a prefix cached: {"messages": [...], "tools": [...]} (rendered with the
+                           chat template, no generation prompt), {"prompt": "text"} or {"token_ids": [...]}
+    POST /v1/cache/unpin   undo a pin; same body
+
+Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from kvtool.errors import KvtoolError
+
+
+class CacheRequestError(KvtoolError):
+    def __init__(self, message: str, param: str | None = None, status_code: int = 400,
+                 code: str = "invalid_value", type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.param, self.status_code, self.code, self.type = param, status_code, code, type_
+
+
+def error_response(exc: Exception) -> JSONResponse:
+    status = getattr(exc, "status_code", 400)
+    body = {"message": str(exc), "type": getattr(exc, "type", "invalid_request_error"),
+            "param": getattr(exc, "param", None), "code": getattr(exc, "code", None)}
+    return JSONResponse({"error": body}, status_code=status)
+
+
+def cache_router(get_manager: Callable[[], object], get_model: Callable[[], object] | None = None) -> APIRouter:
+    """Routes over ``get_manager()`` (a PrefixCache, or None when the cache is off). ``get_model()``
+    returns the LoadedModel used to render messages and encode prompts for pin/unpin."""
+    router = APIRouter()
+
+    def manager():
+        cache = get_manager()
+        if cache is None:
+            raise CacheRequestError("the prefix cache is disabled on this server; start it with the prefix "
+                                    "cache enabled (EngineConfig.enable_prefix_cache)", status_code=404,
+                                    code="prefix_cache_disabled", type_="not_found_error")
+        return cache
+
+    @router.get("/v1/cache")
+    def summary():
+        try:
+            return {"object": "prefix_cache", **manager().stats()}
+        except KvtoolError as exc:
+            return error_response(exc)
+
+    @router.post("/v1/cache/reset")
+    def reset():
+        try:
+            cache = manager()
+            freed = cache.reset()
+            return {"object": "prefix_cache.reset", **freed, "cache": cache.stats()}
+        except KvtoolError as exc:
+            return error_response(exc)
+
+    async def pin_or_unpin(request: Request, action: str):
+        try:
+            cache = manager()
+            ids = token_ids_from_body(await _json_object(request), get_model, cache)
+            result = await run_in_threadpool(getattr(cache, action), ids)
+            return {"object": f"prefix_cache.{action}", **result, "cache": cache.stats()}
+        except KvtoolError as exc:
+            return error_response(exc)
+
+    @router.post("/v1/cache/pin")
+    async def pin(request: Request):
+        return await pin_or_unpin(request, "pin")
+
+    @router.post("/v1/cache/unpin")
+    async def unpin(request: Request):
+        return await pin_or_unpin(request, "unpin")
+
+    return router
+
+
+async def _json_object(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except Exception:
+        raise CacheRequestError("the request body is not valid JSON; send an object such as "
+                                '{"messages": [{"role": "system", "content": "..."}]}') from None
+    if not isinstance(body, dict):
+        raise CacheRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def token_ids_from_body(body: dict, get_model, cache) -> list[int]:
+    """The token ids a pin/unpin body names: exactly one of messages (+ tools), prompt, token_ids."""
+    given = [k for k in ("messages", "prompt", "token_ids") if body.get(k) is not None]
+    if len(given) != 1:
+        raise CacheRequestError(f"give exactly one of 'messages', 'prompt' or 'token_ids' (got "
+                                f"{given or 'none'})", param=given[1] if len(given) > 1 else None)
+    unknown = sorted(set(body) - {"messages", "tools", "prompt", "token_ids", "model"})
+    if unknown:
+        raise CacheRequestError(f"unknown field(s) {unknown}; expected messages/tools, prompt or token_ids",
+                                param=unknown[0])
+    if body.get("tools") is not None and given != ["messages"]:
+        raise CacheRequestError("'tools' only goes with 'messages'", param="tools")
+    if given == ["token_ids"]:
+        ids = body["token_ids"]
+        vocab = cache.runner.spec.vocab_size if cache.runner is not None else None
+        if (not isinstance(ids, list) or not ids
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)
+                or (vocab is not None and any(t >= vocab for t in ids))):
+            raise CacheRequestError(f"'token_ids' must be a non-empty list of ints in [0, {vocab or 'vocab'})",
+                                    param="token_ids")
+        return ids
+    model = get_model() if get_model is not None else None
+    if model is None:
+        raise CacheRequestError(f"this server cannot tokenize '{given[0]}' for the cache; send 'token_ids'",
+                                param=given[0])
+    if given == ["prompt"]:
+        if not isinstance(body["prompt"], str) or not body["prompt"]:
+            raise CacheRequestError("'prompt' must be a non-empty string", param="prompt")
+        return model.encode(body["prompt"])
+    messages, tools = body["messages"], body.get("tools")
+    if (not isinstance(messages, list) or not messages
+            or any(not isinstance(m, dict) or not isinstance(m.get("role"), str) for m in messages)):
+        raise CacheRequestError("'messages' must be a non-empty list of objects with a 'role'", param="messages")
+    if tools is not None and (not isinstance(tools, list) or any(not isinstance(t, dict) for t in tools)):
+        raise CacheRequestError("'tools' must be a list of tool objects", param="tools")
+    try:
+        text = model.render(messages, tools=tools, add_generation_prompt=False)
+    except KvtoolError:
+        raise
+    except Exception as exc:  # a template error names what is wrong with the messages
+        raise CacheRequestError(f"the chat template could not render these messages: {exc}",
+                                param="messages") from None
+    return model.encode(text)

@@ -1,0 +1,302 @@
+"""PrefixCache: reuse KV across requests. PrefixIndex decides, BlockStore holds the tensors.
+
+It is the Engine's ``prefix_cache`` hook:
+- ``prepare(prompt_ids, runner)`` matches the longest cached chain of full blocks of
+  ``prompt_ids[:-1]`` (the last token is always computed, for its logits), holds it, and copies
+  its KV into a fresh KVCache that the request owns. Requests never share KV tensors, so two
+  requests with one prefix cannot see each other's suffix.
+- ``commit(handle, token_ids, cache)`` inserts the full blocks of what the request computed
+  (prompt and decoded tokens), stores the KV of the new blocks and drops the hold. It never
+  raises because of caching, and tolerates aborted requests and a reset() in between.
+
+Memory: the store holds at most ``budget_bytes // bytes_per_block`` blocks; eviction is the
+index's (LRU by default). A request whose KV does not fit runs (partly) uncached, with a
+warning. One lock guards index and store: the engine worker and HTTP handlers (pin, reset,
+stats) may call in from different threads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from kvtool.cache.index import PrefixIndex
+from kvtool.cache.kv import KVCache
+from kvtool.cache.store import BlockStore
+from kvtool.errors import InvalidParameterError
+
+DEFAULT_BUDGET_FRACTION = 0.25  # of available RAM (CPU, MPS) or free GPU memory (CUDA)
+DEFAULT_BUDGET_CAP = 16 << 30
+FALLBACK_AVAILABLE = 4 << 30  # when available memory cannot be read
+
+
+class PrefixCacheWarning(UserWarning):
+    """The cache could not do what was asked (budget too small); the request still runs."""
+
+
+@dataclass
+class PrefixHandle:
+    block_ids: list[int]  # held chain, released by commit()
+    cached_tokens: int
+    epoch: int  # reset() count at prepare time; KV from before a reset is not inserted after it
+    done: bool = False
+
+
+def available_memory(device: torch.device | str = "cpu") -> int:
+    """Bytes a new allocation could get: free GPU memory on CUDA, available RAM otherwise."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return FALLBACK_AVAILABLE
+
+
+def default_budget(device: torch.device | str = "cpu") -> int:
+    """The default ``--cache-bytes``: 25% of available memory on the device, at most 16 GiB."""
+    return int(min(DEFAULT_BUDGET_FRACTION * available_memory(device), DEFAULT_BUDGET_CAP))
+
+
+class PrefixCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, budget_bytes: int,
+                 block_size: int = 16, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 eviction: str = "lru", runner=None):
+        self.store = BlockStore(num_layers, num_kv_heads, head_dim, block_size, dtype, device)
+        self.index = PrefixIndex(block_size, self._capacity(budget_bytes), eviction)
+        self.budget_bytes = budget_bytes
+        self.block_size = block_size
+        self.runner = runner  # computes KV for pin() of a prefix that is not cached yet
+        self._lock = threading.RLock()
+        self._epoch = 0
+        self._queries = self._query_tokens = self._hit_tokens = 0
+        self._over_budget = 0  # requests (or pins) whose KV did not fit
+        self._warned = False
+
+    @classmethod
+    def for_runner(cls, runner, budget_bytes: int | None = None, block_size: int = 16,
+                   eviction: str = "lru") -> "PrefixCache":
+        """A cache shaped for ``runner``'s KV (layers, heads, dtype, device)."""
+        s = runner.spec
+        budget = default_budget(runner.device) if budget_bytes is None else budget_bytes
+        return cls(s.num_layers, s.num_kv_heads, s.head_dim, budget_bytes=budget, block_size=block_size,
+                   dtype=runner.dtype, device=runner.device, eviction=eviction, runner=runner)
+
+    def _capacity(self, budget_bytes) -> int:
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise InvalidParameterError(f"prefix cache budget must be an int >= 0 bytes, got {budget_bytes!r}")
+        return budget_bytes // self.store.bytes_per_block
+
+    # ---- the engine hook -------------------------------------------------------------------
+
+    def prepare(self, prompt_ids: Sequence[int], runner) -> tuple[KVCache, int, PrefixHandle]:
+        prompt_ids = list(prompt_ids)
+        with self._lock:
+            ids = self.index.match(prompt_ids[:-1], record=False)
+            self.index.acquire(ids)
+            n = len(ids) * self.block_size
+            try:
+                # One copy into a buffer the request owns, with room for the rest of its prompt.
+                kv = self.store.gather_padded(ids, len(prompt_ids) - n + 64) if ids else None
+            except BaseException:
+                self.store.free(self.index.release(ids))
+                raise
+            self._queries += 1
+            self._query_tokens += len(prompt_ids)
+            self._hit_tokens += n
+            handle = PrefixHandle(ids, n, self._epoch)
+        cache = KVCache.wrap(kv, n) if n else runner.new_cache(len(prompt_ids) + 64)
+        return cache, n, handle
+
+    def commit(self, handle: PrefixHandle | None, token_ids: Sequence[int], cache: KVCache) -> None:
+        """Cache the KV a request computed and release its hold. Idempotent per handle."""
+        if handle is None or handle.done:
+            return
+        handle.done = True
+        with self._lock:
+            try:
+                if handle.epoch == self._epoch:
+                    self._insert(list(token_ids), cache, what="request")
+            except Exception as exc:  # caching must never fail a request; drop what may be inconsistent
+                warnings.warn(PrefixCacheWarning(f"prefix cache: storing a request's KV failed "
+                                                 f"({type(exc).__name__}: {exc}); the cache was reset"))
+                self._reset_locked()
+            finally:
+                self.store.free(self.index.release(handle.block_ids))
+
+    def _insert(self, tokens: list[int], cache: KVCache, what: str) -> int:
+        """Insert the full blocks of ``tokens`` whose KV ``cache`` holds; returns cached tokens."""
+        bs = self.block_size
+        n = min((layer.offset for layer in cache.layers), default=0)  # an aborted prefill may leave layers uneven
+        tokens = tokens[:n]
+        result = self.index.insert(tokens)
+        self.store.free(result.evicted)  # before put(): the store never holds more than the budget
+        if result.new:
+            # New blocks are always the tail of the chain: one copy out of the cache for all of them.
+            first = result.new[0][0]
+            keys, values = cache.stacked(first * bs, (result.new[-1][0] + 1) * bs)
+            for i, block_id in result.new:
+                s = (i - first) * bs
+                self.store.put(block_id, keys[:, :, s : s + bs], values[:, :, s : s + bs])
+        cached = len(result.block_ids) * bs
+        if cached < len(tokens) // bs * bs:
+            self._over_budget += 1
+            if not self._warned:
+                self._warned = True
+                warnings.warn(PrefixCacheWarning(
+                    f"prefix cache: a {what}'s KV ({len(tokens)} tokens, "
+                    f"{len(tokens) // bs * self.store.bytes_per_block:,} bytes) does not fit the cache budget "
+                    f"({self.budget_bytes:,} bytes = {self.index.capacity_blocks} blocks of {bs} tokens, "
+                    f"not counting pinned or in-use blocks); only its first {cached} tokens are cached and the "
+                    f"rest runs uncached. Raise the budget (--cache-bytes / EngineConfig.cache_bytes) to reuse "
+                    f"it whole. (Warned once; see stats()['over_budget'].)"), stacklevel=3)
+        return cached
+
+    # ---- Python API ------------------------------------------------------------------------
+
+    def pin(self, token_ids: Sequence[int]) -> dict:
+        """Keep the full blocks of ``token_ids`` (e.g. system prompt + tools) cached until unpin()
+        or reset(). Missing KV is computed with ``self.runner`` on the calling thread."""
+        tokens = [int(t) for t in token_ids]
+        full = len(tokens) // self.block_size * self.block_size
+        if not full:
+            raise InvalidParameterError(f"pin: {len(tokens)} tokens are less than one cache block "
+                                        f"({self.block_size} tokens); nothing could be pinned")
+        with self._lock:
+            ids = self.index.match(tokens[:full], record=False)
+            self.index.acquire(ids)
+            epoch = self._epoch
+        try:
+            cache = None
+            done = len(ids) * self.block_size
+            if done < full:
+                if self.runner is None:
+                    raise InvalidParameterError("pin: the prefix is not cached and this PrefixCache has no runner "
+                                                "to compute it; build it with PrefixCache.for_runner()")
+                with self._lock:
+                    keys, values = self.store.gather(ids)
+                cache = self.runner.new_cache(full + 1)
+                cache.append_all(keys, values)
+                self.runner.prefill(tokens[done:full], cache, logits="none")
+            with self._lock:
+                if cache is not None and epoch == self._epoch:
+                    self._insert(tokens[:full], cache, what="pinned prefix")
+                pinned = self.index.pin_prefix(tokens[:full])
+        finally:
+            with self._lock:
+                self.store.free(self.index.release(ids))
+        return {"tokens": len(tokens), "pinned_tokens": pinned, "unpinned_tail_tokens": len(tokens) - pinned}
+
+    def unpin(self, token_ids: Sequence[int]) -> dict:
+        """Undo the latest pin() of the same tokens; the blocks become evictable again."""
+        tokens = [int(t) for t in token_ids]
+        with self._lock:
+            try:
+                freed = self.index.unpin_prefix(tokens)
+            except ValueError as exc:
+                raise InvalidParameterError(str(exc)) from None
+            self.store.free(freed)
+        return {"tokens": len(tokens), "unpinned_tokens": len(tokens) // self.block_size * self.block_size}
+
+    def reset(self) -> dict:
+        """Drop every cached block and pin. Running requests keep their own KV and stay correct;
+        what they compute is not inserted (it belongs to before the reset)."""
+        with self._lock:
+            return {"freed_blocks": self._reset_locked()}
+
+    def _reset_locked(self) -> int:
+        freed = self.index.reset()
+        # After a failed commit the index may name blocks whose put() never happened, and the
+        # store may hold a put() the index lost: free by what the store really holds.
+        orphans = self.store.ids() - self.index.resident_ids()
+        self.store.free(orphans)
+        self._epoch += 1
+        return len(freed)
+
+    def set_budget(self, budget_bytes: int) -> None:
+        with self._lock:
+            capacity = self._capacity(budget_bytes)
+            self.budget_bytes = budget_bytes
+            self.store.free(self.index.set_capacity(capacity))
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "queries": self._queries,
+                "query_tokens": self._query_tokens,
+                "hit_tokens": self._hit_tokens,
+                "hit_rate": self._hit_tokens / self._query_tokens if self._query_tokens else 0.0,
+                "evictions": self.index.stats.evictions,
+                "inserted_blocks": self.index.stats.inserted_blocks,
+                "bytes_in_use": self.store.nbytes,
+                "budget_bytes": self.budget_bytes,
+                "blocks": self.index.num_blocks,
+                "capacity_blocks": self.index.capacity_blocks,
+                "pinned_blocks": self.index.pinned_blocks,
+                "block_size": self.block_size,
+                "bytes_per_block": self.store.bytes_per_block,
+                "over_budget": self._over_budget,
+                "resets": self._epoch,
+                "eviction": self.index.eviction,
+            }
+
+    def prometheus_lines(self, prefix: str = "kvtool_prefix_cache") -> list[str]:
+        """Prometheus text-format lines for /metrics."""
+        s = self.stats()
+        metrics = [
+            ("queries_total", "counter", "requests that looked up the prefix cache", s["queries"]),
+            ("query_tokens_total", "counter", "prompt tokens of those requests", s["query_tokens"]),
+            ("hit_tokens_total", "counter", "prompt tokens served from the cache", s["hit_tokens"]),
+            ("hit_rate", "gauge", "hit_tokens_total / query_tokens_total", s["hit_rate"]),
+            ("evictions_total", "counter", "blocks evicted to stay under the budget", s["evictions"]),
+            ("bytes_in_use", "gauge", "bytes of KV held by the cache", s["bytes_in_use"]),
+            ("budget_bytes", "gauge", "byte budget of the cache", s["budget_bytes"]),
+            ("blocks", "gauge", "KV blocks held", s["blocks"]),
+            ("pinned_blocks", "gauge", "blocks pinned permanently", s["pinned_blocks"]),
+            ("over_budget_total", "counter", "requests whose KV did not fit the budget", s["over_budget"]),
+            ("resets_total", "counter", "cache resets", s["resets"]),
+        ]
+        lines = []
+        for name, kind, help_text, value in metrics:
+            lines += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} {kind}",
+                      f"{prefix}_{name} {value}"]
+        return lines
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if index and store disagree or either is inconsistent."""
+        with self._lock:
+            self.index.check_integrity()
+            self.store.check_integrity()
+            assert self.store.ids() == self.index.resident_ids(), "store and index hold different blocks"
+            assert self._hit_tokens <= self._query_tokens
+
+
+def attach_prefix_cache(engine, budget_bytes: int | None = None, block_size: int | None = None,
+                        eviction: str = "lru") -> PrefixCache | None:
+    """Give ``engine`` a PrefixCache per its EngineConfig (None, and no cache, if disabled)."""
+    cfg = engine.config
+    if not cfg.enable_prefix_cache:
+        engine.prefix_cache = None
+        return None
+    budget = budget_bytes if budget_bytes is not None else cfg.cache_bytes
+    cache = PrefixCache.for_runner(engine.runner, budget, block_size or cfg.prefix_block, eviction)
+    engine.prefix_cache = cache
+    return cache

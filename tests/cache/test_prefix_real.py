@@ -1,0 +1,132 @@
+"""PrefixCache with the real SmolLM2 model: greedy output token-identical to no cache, reported
+cached tokens, faults (tiny budget, reset mid-generation, interleaved requests), pin by messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtool import SamplingParams
+from kvtool.cache.manager import PrefixCacheWarning, attach_prefix_cache
+from kvtool.engine import Engine
+
+pytestmark = pytest.mark.real_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+QUESTION = "How much is a croissant, and when can I pick one up?"  # shared so the reference is computed once
+SYSTEM = ("You are a careful assistant for a small bakery. Answer in one or two sentences, quote prices in "
+          "euros, and never invent opening hours: the shop opens at 7:00 and closes at 18:00, Monday to Saturday.")
+
+
+def chat_ids(model, user, system=SYSTEM):
+    return model.encode(model.render([{"role": "system", "content": system}, {"role": "user", "content": user}]))
+
+
+class Reference:
+    """Greedy outputs without any prefix cache, computed once per prompt."""
+
+    def __init__(self, model):
+        self.engine, self.memo = Engine(model), {}
+
+    def generate(self, prompt, params=GREEDY):
+        key = (tuple(prompt), params.max_tokens)
+        if key not in self.memo:
+            self.memo[key] = self.engine.generate(prompt, params).run()
+        return self.memo[key]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    return Reference(smollm2)
+
+
+@pytest.fixture
+def engines(smollm2, reference):
+    cached = Engine(smollm2)
+    attach_prefix_cache(cached, budget_bytes=64 << 20)
+    return reference, cached
+
+
+def test_greedy_tokens_identical_for_0_50_99_100_percent_sharing(smollm2, engines):
+    plain, engine = engines
+    base = chat_ids(smollm2, QUESTION)
+    other = smollm2.encode(" Tell me about the sourdough loaves and rye breads you bake every morning, please.")
+    prompts = {"0%": chat_ids(smollm2, "Do you sell gluten-free cakes?", system="You are a pirate. Speak like one."),
+               "50%": base[: len(base) // 2] + other[: len(base) - len(base) // 2],
+               "99%": base[:-1] + smollm2.encode(" Thanks!")[:1],
+               "100%": base}
+    first = engine.generate(base, GREEDY).run()
+    assert first.timings.cached_tokens == 0 and first.token_ids == plain.generate(base).token_ids
+    for share, prompt in prompts.items():
+        got = engine.generate(prompt, GREEDY).run()
+        assert got.token_ids == plain.generate(prompt).token_ids, share
+        full_blocks = (len(prompt) - 1) // 16 * 16
+        t = got.timings
+        if share in ("99%", "100%"):
+            assert t.cached_tokens == full_blocks, share
+        elif share == "50%":
+            assert len(base) // 2 - 16 < t.cached_tokens <= len(base) // 2
+        assert t.prefill_tokens == len(prompt) - t.cached_tokens and t.ttft_ms > 0
+    stats = engine.prefix_cache.stats()
+    assert stats["queries"] == 5 and stats["hit_tokens"] > 0 and stats["bytes_in_use"] <= stats["budget_bytes"]
+    engine.prefix_cache.check_integrity()
+
+
+def test_budget_too_small_runs_uncached_with_a_warning(smollm2, reference):
+    engine = Engine(smollm2)
+    cache = attach_prefix_cache(engine, budget_bytes=1000)  # less than one 16-token block
+    prompt = chat_ids(smollm2, QUESTION)
+    with pytest.warns(PrefixCacheWarning, match="does not fit"):
+        got = engine.generate(prompt, GREEDY).run()
+    assert got.token_ids == reference.generate(prompt).token_ids
+    again = engine.generate(prompt, GREEDY).run()
+    assert again.timings.cached_tokens == 0 and again.token_ids == got.token_ids
+    assert cache.stats()["bytes_in_use"] == 0
+    cache.check_integrity()
+
+
+def test_reset_mid_generation_and_interleaved_requests(smollm2, engines):
+    plain, engine = engines
+    cache = engine.prefix_cache
+    a = chat_ids(smollm2, QUESTION)
+    b = chat_ids(smollm2, "Can I order a birthday cake for Friday?")
+    engine.generate(a, SamplingParams(temperature=0, max_tokens=2)).run()  # caches the shared system prompt
+    ga, gb = engine.generate(a, GREEDY), engine.generate(b, GREEDY)
+    ia, ib = iter(ga), iter(gb)
+    out_a, out_b = [], []
+    for step in range(GREEDY.max_tokens):
+        out_a.append(next(ia).token_id)
+        if step == 4:
+            cache.reset()  # while both run
+            cache.check_integrity()
+        out_b.append(next(ib).token_id)
+    assert ga.timings.cached_tokens >= 48 and gb.timings.cached_tokens >= 48  # both hit the system prompt
+    for it in (ia, ib):
+        assert list(it) == []
+    assert out_a == plain.generate(a).token_ids
+    assert out_b == plain.generate(b).token_ids
+    assert cache.stats()["blocks"] == 0 and cache.stats()["resets"] == 1
+    cache.check_integrity()
+
+
+def test_pin_system_prompt_over_http_then_hit(smollm2, engines):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from kvtool.cache.http import cache_router
+
+    _, engine = engines
+    app = FastAPI()
+    app.include_router(cache_router(lambda: engine.prefix_cache, lambda: smollm2))
+    client = TestClient(app)
+    system = [{"role": "system", "content": SYSTEM}]
+    r = client.post("/v1/cache/pin", json={"messages": system})
+    assert r.status_code == 200, r.text
+    n_system = len(smollm2.encode(smollm2.render(system, add_generation_prompt=False)))
+    assert r.json()["tokens"] == n_system and r.json()["pinned_tokens"] == n_system // 16 * 16
+    got = engine.generate(chat_ids(smollm2, "Are you open on Sunday?"), GREEDY).run()
+    assert got.timings.cached_tokens == n_system // 16 * 16
+    assert client.post("/v1/cache/pin", json={"prompt": "short"}).status_code == 400  # under one block
+    r = client.post("/v1/cache/unpin", json={"messages": system})
+    assert r.status_code == 200 and r.json()["cache"]["pinned_blocks"] == 0
+    r = client.post("/v1/cache/pin", json={"messages": [{"content": "no role"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"

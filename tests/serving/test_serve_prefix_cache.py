@@ -1,0 +1,46 @@
+"""The server reuses KV across requests through the prefix cache, and exposes it."""
+
+import pytest
+
+pytestmark = pytest.mark.real_model
+
+SYSTEM = ("You are a careful assistant for a travel agency. Answer in one short sentence. "
+          "Never invent prices. Prefer trains over planes for trips under 500 km.")
+
+
+def ask(client, question, **extra):
+    body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+            "temperature": 0, "max_tokens": 6, **extra}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_second_request_with_the_same_prefix_hits(smol):
+    smol.post("/v1/cache/reset")
+    first = ask(smol, "Is Lyon far from Paris?")
+    again = ask(smol, "Is Lyon far from Paris?")
+    other = ask(smol, "What should I pack for Oslo?")
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    n = first["usage"]["prompt_tokens"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= n - 16  # all full blocks but the last
+    assert again["timings"]["prefill_tokens"] == n - again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    shared = other["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 16 <= shared < n  # the system turn is shared, the question is not
+
+    summary = smol.get("/v1/cache").json()
+    assert summary["queries"] >= 3 and summary["hit_tokens"] > 0 and summary["bytes_in_use"] > 0
+    metrics = smol.get("/metrics").text
+    assert "kvtool_prefix_cache" in metrics
+
+    assert smol.post("/v1/cache/reset").status_code == 200
+    after = ask(smol, "Is Lyon far from Paris?")
+    assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_pin_keeps_a_system_prompt(smol):
+    pin = smol.post("/v1/cache/pin", json={"messages": [{"role": "system", "content": SYSTEM}]})
+    assert pin.status_code == 200, pin.text
+    bad = smol.post("/v1/cache/pin", json={"nonsense": 1})
+    assert bad.status_code == 400 and "error" in bad.json()
