@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = [
     "kvtool.cli.info",
     "kvtool.cli.serve",
     "kvtool.agent.cli",
+    "kvtool.cli.viz",
 ]
 
 

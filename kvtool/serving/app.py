@@ -280,6 +280,10 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
 
     app.include_router(cache_router(lambda: prefix_cache, lambda: model), dependencies=[Depends(check_key)])
     app.state.prefix_cache = prefix_cache
+    from kvtool.viz.inspect import inspect_router
+
+    app.include_router(inspect_router(lambda: model, run_exclusive=worker.run_exclusive, get_engine=lambda: engine,
+                                      chat_stream=True), dependencies=[Depends(check_key)])
     routes = {r.path for r in [*app.routes, *api.routes] if hasattr(r, "path")}
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=routes)
     return app

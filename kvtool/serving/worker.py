@@ -72,6 +72,7 @@ class Worker:
         self._pending: deque[Handle] = deque()
         self._active: list[Handle] = []
         self._cv = threading.Condition()
+        self._model_lock = threading.Lock()  # held for each round of steps; run_exclusive() takes it too
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="kvtool-worker", daemon=True)
         self._thread.start()
@@ -104,6 +105,11 @@ class Worker:
             self._cv.notify()
         return handle
 
+    def run_exclusive(self, fn):
+        """Run fn() between two rounds of generation steps (e.g. an attention pass of the inspector)."""
+        with self._model_lock:
+            return fn()
+
     def stop(self, timeout: float = 5.0) -> None:
         with self._cv:
             self._stop = True
@@ -134,8 +140,9 @@ class Worker:
                 running = list(self._active)
                 self._active += admitted
             # New requests go first in the round (their prefill and first token), then one token each.
-            for handle in admitted + running:
-                self._step(handle)
+            with self._model_lock:
+                for handle in admitted + running:
+                    self._step(handle)
         for handle in self._active + list(self._pending):
             handle.gen.close()
             handle._post(Unavailable("the server is shutting down", code="shutting_down"))
