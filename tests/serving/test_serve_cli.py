@@ -26,14 +26,17 @@ def test_flags_reach_serve(monkeypatch, capsys):
         name, info = "fake", {"device": "cpu", "dtype": "float32"}
 
     monkeypatch.setattr(cli, "load_from_args", lambda args: FakeModel())
-    monkeypatch.setattr(server, "serve", lambda model, cfg, log_level: seen.update(cfg=cfg, level=log_level))
+    monkeypatch.setattr(server, "serve", lambda model, cfg, engine_config, log_level: seen.update(
+        cfg=cfg, engine=engine_config, level=log_level))
     rc = main(["serve", "--port", "9123", "--host", "0.0.0.0", "--api-key", "k", "--max-queue", "3",
-               "--max-active", "2", "--tool-parser", "hermes", "--default-max-tokens", "64", "--log-level", "warning"])
+               "--max-active", "2", "--tool-parser", "hermes", "--default-max-tokens", "64", "--log-level", "warning",
+               "--cache-bytes", "1000000"])
     assert rc == 0
     cfg = seen["cfg"]
     assert (cfg.port, cfg.host, cfg.api_key, cfg.max_queue, cfg.max_active, cfg.tool_parser,
             cfg.default_max_tokens) == (9123, "0.0.0.0", "k", 3, 2, "hermes", 64)
     assert seen["level"] == "warning"
+    assert seen["engine"].cache_bytes == 1_000_000 and seen["engine"].enable_prefix_cache
     assert "http://0.0.0.0:9123/v1" in capsys.readouterr().err
 
 
