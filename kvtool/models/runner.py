@@ -109,9 +109,11 @@ class Attention(nn.Module):
             if tap is not None:
                 tap(AttentionTap(layer_idx, positions[sl], q[:, :, sl], k[:, :, sl], q_rot[:, :, sl],
                                  k_rot[:, :, sl], v[:, :, sl], cache))
-            mask = causal_mask(t, keys.shape[2], x.device)
+            # A chunk that starts the sequence can use the kernel's own causal path (no mask tensor).
+            first = t > 1 and keys.shape[2] == t
+            mask = None if first else causal_mask(t, keys.shape[2], x.device)
             outs.append(F.scaled_dot_product_attention(q_rot[:, :, sl], keys, values, attn_mask=mask,
-                                                       enable_gqa=True))
+                                                       is_causal=first, enable_gqa=True))
             start += t
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * d))
