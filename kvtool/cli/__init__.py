@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = [
     "kvtool.cli.serve",
     "kvtool.agent.cli",
     "kvtool.cli.viz",
+    "kvtool.cli.skill",
 ]
 
 

@@ -1,0 +1,130 @@
+"""`kvtool skill compile|list|info|eval`: skill KV blocks from SKILL.md files."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from kvtool.cli.common import add_model_args, load_from_args
+
+
+def register(subparsers) -> None:
+    from kvtool.skills.catalog import PREAMBLES
+    from kvtool.skills.evaluate import DEFAULT_SWEEP
+    from kvtool.skills.render import RENDER_MODES
+    from kvtool.skills.repair import REPAIRS
+
+    p = subparsers.add_parser("skill", help="compile skills into reusable KV blocks; list, inspect, evaluate them")
+    sub = p.add_subparsers(dest="skill_command", metavar="<action>")
+
+    c = sub.add_parser("compile", help="prefill a SKILL.md (or a directory of skills) once and save its KV")
+    c.add_argument("path", help="SKILL.md, a skill folder, or a directory of skills (a catalog)")
+    c.add_argument("-o", "--out", default=None,
+                   help="output .kvb (one skill) or folder (catalog); default: NAME.kvb here / the skill cache")
+    c.add_argument("--render", choices=sorted(RENDER_MODES), default="tool",
+                   help="how the skill appears in context: as the Skill tool's result, or a user turn")
+    c.add_argument("--preamble", choices=PREAMBLES, default=PREAMBLES[0],
+                   help="prefill after the turn's conversation head (canonical start > 0) or alone at position 0")
+    c.add_argument("--cache-dir", default=None, help="skill block cache (default ~/.cache/kvtool/skills)")
+    add_model_args(c)
+    c.set_defaults(func=run_compile)
+
+    ls = sub.add_parser("list", help="list the skills of a directory (name: description)")
+    ls.add_argument("path")
+    ls.set_defaults(func=run_list)
+
+    i = sub.add_parser("info", help="verify a .kvb file and print its metadata")
+    i.add_argument("path")
+    i.add_argument("--check-model", action="store_true", help="also check it against --model (loads the model)")
+    add_model_args(i)
+    i.set_defaults(func=run_info)
+
+    e = sub.add_parser("eval", help="composed vs full recompute on a real model: fidelity and TTFT per repair")
+    e.add_argument("path", help="directory of skills (the first --blocks, by name, are used)")
+    e.add_argument("--blocks", type=int, default=4)
+    e.add_argument("--prefix-tokens", type=int, default=256)
+    e.add_argument("--repair", action="append", default=None,
+                   help=f"repair to evaluate, e.g. recompute_first_k:k=16 (repeatable; strategies: "
+                        f"{', '.join(REPAIRS)}; default sweep: {' '.join(DEFAULT_SWEEP)})")
+    e.add_argument("--greedy-tokens", type=int, default=32)
+    e.add_argument("--queries", type=int, default=4, help="queries scored after the same blocks (1-4)")
+    e.add_argument("--repeats", type=int, default=1, help="timed runs per measurement after a warm-up")
+    e.add_argument("--scaling", default="1,2,4", help="block counts for TTFT vs block tokens ('' to skip)")
+    e.add_argument("--cache-dir", default=None)
+    e.add_argument("--out", default=None, help="write the JSON record here")
+    e.add_argument("--plot", default=None, help="write the plot (PNG) here")
+    add_model_args(e)
+    e.set_defaults(func=run_eval)
+    p.set_defaults(func=lambda args: p.print_help() or 2)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_compile(args) -> int:
+    from kvtool.skills.block import save_block
+    from kvtool.skills.catalog import compile_skill, load_catalog
+    from kvtool.skills.skillfile import read_skill, read_skills
+
+    path = Path(args.path)
+    single = path.is_file() or (path / "SKILL.md").is_file()
+    skills = [read_skill(path)] if single else read_skills(path)  # parse errors before loading the model
+    model = load_from_args(args)
+    if not single and args.out is None:
+        catalog = load_catalog(path, model, cache_dir=args.cache_dir, render=args.render, preamble=args.preamble,
+                               log=_log)
+        for row in catalog.summary():
+            print(f"{row['name']}\t{row['tokens']} tokens\t{row['file']}")
+        return 0
+    for skill in skills:
+        block = compile_skill(model, skill, args.render, args.preamble)
+        out = Path(args.out) if single and args.out else Path(args.out or ".") / f"{skill.name}.kvb"
+        save_block(block, out)
+        if block.meta.get("boundary_safe") != "true":
+            _log(f"kvtool: warning: {skill.name!r} tokenizes differently inside a conversation; it may not splice")
+        print(f"{skill.name}\t{len(block)} tokens\tcanonical start {block.canonical_start}\t{out}")
+    return 0
+
+
+def run_list(args) -> int:
+    from kvtool.skills.skillfile import read_skills
+
+    for skill in read_skills(args.path):
+        print(f"{skill.name}\t{skill.description}")
+    return 0
+
+
+def run_info(args) -> int:
+    from kvtool.skills.block import load_block, setup_of
+
+    block = load_block(args.path)
+    info = {"name": block.name, "tokens": len(block), "canonical_start": block.canonical_start,
+            "kv_shape": list(block.keys.shape), "dtype": str(block.keys.dtype).replace("torch.", ""),
+            "bytes": block.nbytes, **block.setup, **{k: v for k, v in block.meta.items() if k != "text"}}
+    if args.check_model:
+        block.check_setup(setup_of(load_from_args(args)), args.path)
+        info["compatible_with_model"] = True
+    print(json.dumps(info, indent=1))
+    return 0
+
+
+def run_eval(args) -> int:
+    from kvtool.skills.cases import run_skill_eval
+    from kvtool.skills.plot import plot_eval
+
+    model = load_from_args(args)
+    counts = [int(c) for c in args.scaling.split(",") if c.strip()]
+    record = run_skill_eval(model, args.path, blocks=args.blocks, prefix_tokens=args.prefix_tokens,
+                            repairs=args.repair, n_greedy=args.greedy_tokens, queries=args.queries,
+                            repeats=args.repeats, scaling=counts,
+                            cache_dir=args.cache_dir, log=_log)
+    if args.plot:
+        _log(f"wrote {plot_eval(record, args.plot, title=model.name)}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+        _log(f"wrote {args.out}")
+    print(json.dumps(record))
+    return 0

@@ -1,0 +1,177 @@
+"""SkillBlock: one skill's prefilled KV, its token ids and where it was computed; .kvb files.
+
+Keys are stored POST-RoPE at the canonical positions [canonical_start, canonical_start + T),
+exactly as the KV cache holds them; placing the block at position s rotates them by
+s - canonical_start. A .kvb file is safetensors (never pickle): tensors `keys`, `values`
+[L, H, T, D] and `token_ids` [T]; string metadata (see META_FIELDS) with a sha256 over the
+metadata and the tensor bytes, verified on load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvtool.errors import CacheFormatError
+
+FORMAT = "kvtool.skill-block"
+FORMAT_VERSION = "1"
+# Fields a block must match to be used with a model (the "setup"); compared one by one on load.
+SETUP_FIELDS = ("model", "config_hash", "tokenizer_hash", "dtype", "rope")
+
+
+_ROPE_INFO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # runner -> rope_info (no host sync per use)
+
+
+def rope_info(runner) -> str:
+    """The RoPE setting as canonical JSON: rope parameters, attention scaling, inv_freq bytes."""
+    if runner not in _ROPE_INFO:
+        freq = runner.inv_freq.detach().float().cpu().contiguous()
+        _ROPE_INFO[runner] = json.dumps({"rope": runner.spec.rope, "attention_scaling": float(runner.rope_scaling),
+                                         "head_dim": runner.spec.head_dim,
+                                         "inv_freq_sha256": hashlib.sha256(freq.numpy().tobytes()).hexdigest()[:16]},
+                                        sort_keys=True, default=str)
+    return _ROPE_INFO[runner]
+
+
+def setup_of(model=None, runner=None, name: str | None = None) -> dict[str, str]:
+    """What a block must match: a LoadedModel's fingerprint plus RoPE; or a bare runner's (no tokenizer)."""
+    runner = runner if runner is not None else model.runner
+    if model is not None:
+        fp = model.fingerprint()
+    else:
+        fp = {"model": name or "unnamed", "config_hash": runner.spec.config_hash(), "tokenizer_hash": "none",
+              "dtype": str(runner.dtype).replace("torch.", "")}
+    return {**{k: str(v) for k, v in fp.items()}, "rope": rope_info(runner)}
+
+
+@dataclass
+class SkillBlock:
+    name: str
+    token_ids: list[int]
+    keys: torch.Tensor  # [L, H, T, D] post-RoPE at canonical positions
+    values: torch.Tensor  # [L, H, T, D]
+    canonical_start: int
+    setup: dict[str, str]  # SETUP_FIELDS
+    meta: dict[str, str] = field(default_factory=dict)  # description, text, text_sha256, render, ...
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def to(self, device) -> "SkillBlock":
+        if self.keys.device == torch.device(device):
+            return self
+        return SkillBlock(self.name, self.token_ids, self.keys.to(device), self.values.to(device),
+                          self.canonical_start, self.setup, self.meta)
+
+    def check_setup(self, expected: dict[str, str], source: str = "") -> None:
+        """Refuse a block made for another model, tokenizer, dtype or RoPE setting, naming each mismatch."""
+        labels = {"model": "model", "config_hash": "model config", "tokenizer_hash": "tokenizer",
+                  "dtype": "dtype", "rope": "RoPE setting"}
+        diffs = [f"{labels[k]}: block has {self.setup.get(k)!r}, this model has {expected.get(k)!r}"
+                 for k in SETUP_FIELDS if self.setup.get(k) != expected.get(k)]
+        if diffs:
+            where = f" ({source})" if source else ""
+            raise CacheFormatError(f"skill block {self.name!r}{where} was compiled for a different setup: "
+                                   + "; ".join(diffs) + ". Recompile it for this model with `kvtool skill compile`.")
+
+    def check_runner(self, runner) -> None:
+        """Structural check against a runner (layers, heads, head_dim, dtype, RoPE)."""
+        spec = runner.spec
+        want = (spec.num_layers, spec.num_kv_heads, len(self), spec.head_dim)
+        if tuple(self.keys.shape) != want or self.values.shape != self.keys.shape:
+            raise CacheFormatError(f"skill block {self.name!r} has KV {tuple(self.keys.shape)}; this model needs "
+                                   f"[layers, kv_heads, tokens, head_dim] = {list(want)}")
+        if self.keys.dtype != runner.dtype:
+            raise CacheFormatError(f"skill block {self.name!r} is {self.keys.dtype}, the model runs in {runner.dtype}; "
+                                   "recompile it for this dtype")
+        if self.setup.get("rope") != rope_info(runner):
+            raise CacheFormatError(f"skill block {self.name!r} was compiled with RoPE {self.setup.get('rope')}, "
+                                   f"the model uses {rope_info(runner)}; recompile it")
+
+
+@torch.inference_mode()
+def compile_ids(runner, ids: list[int], setup: dict[str, str], name: str, preamble: list[int] = (),
+                meta: dict[str, str] | None = None, chunk: int = 512) -> SkillBlock:
+    """Prefill preamble + ids and keep the KV of ids (canonical start = len(preamble))."""
+    if not ids:
+        raise ValueError(f"skill {name!r} renders to no tokens")
+    preamble = list(preamble)
+    cache = runner.new_cache(len(preamble) + len(ids) + 1)
+    runner.prefill(preamble + list(ids), cache, chunk=chunk, logits="none")
+    keys, values = cache.stacked(len(preamble), len(preamble) + len(ids))
+    return SkillBlock(name, [int(t) for t in ids], keys.contiguous(), values.contiguous(), len(preamble),
+                      dict(setup), dict(meta or {}))
+
+
+def _digest(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_block(block: SkillBlock, path: str | Path) -> Path:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tensors = {"keys": block.keys.detach().cpu().contiguous(), "values": block.values.detach().cpu().contiguous(),
+               "token_ids": torch.tensor(block.token_ids, dtype=torch.int64)}
+    meta = {**{k: str(v) for k, v in block.meta.items()}, **block.setup, "format": FORMAT,
+            "format_version": FORMAT_VERSION, "name": block.name, "keys_layout": "post_rope",
+            "canonical_start": str(block.canonical_start), "n_tokens": str(len(block))}
+    meta["sha256"] = _digest(meta, tensors)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
+    return path
+
+
+def load_block(path: str | Path, device="cpu", expected_setup: dict[str, str] | None = None) -> SkillBlock:
+    """Read and verify a .kvb file; with expected_setup, also refuse a block made for another setup."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise CacheFormatError(f"{path}: no such skill block file")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            meta = dict(fh.metadata() or {})
+            tensors = {name: fh.get_tensor(name) for name in fh.keys()}
+    except Exception as exc:  # safetensors raises its own error types for truncated/garbled files
+        raise CacheFormatError(f"{path}: not a readable skill block (truncated, corrupted or not safetensors): "
+                               f"{exc}") from None
+    if meta.get("format") != FORMAT:
+        raise CacheFormatError(f"{path}: not a kvtool skill block (format {meta.get('format')!r})")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CacheFormatError(f"{path}: skill block format version {meta.get('format_version')!r}; this kvtool "
+                               f"reads version {FORMAT_VERSION}. Recompile with `kvtool skill compile`.")
+    stored = meta.pop("sha256", None)
+    if set(tensors) != {"keys", "values", "token_ids"} or stored != _digest(meta, tensors):
+        raise CacheFormatError(f"{path}: checksum mismatch: the file was modified after it was written "
+                               "(tampered or damaged); recompile it")
+    keys, values, ids = tensors["keys"], tensors["values"], tensors["token_ids"]
+    n = int(meta["n_tokens"])
+    if keys.dim() != 4 or keys.shape != values.shape or keys.shape[2] != n or ids.shape != (n,):
+        raise CacheFormatError(f"{path}: inconsistent shapes keys {tuple(keys.shape)}, values "
+                               f"{tuple(values.shape)}, token_ids {tuple(ids.shape)} for {n} tokens")
+    setup = {k: meta.pop(k) for k in SETUP_FIELDS if k in meta}
+    for k in ("format", "format_version", "keys_layout", "n_tokens"):
+        meta.pop(k, None)
+    block = SkillBlock(meta.pop("name"), ids.tolist(), keys.to(device), values.to(device),
+                       int(meta.pop("canonical_start")), setup, meta)
+    if expected_setup is not None:
+        block.check_setup(expected_setup, str(path))
+    return block

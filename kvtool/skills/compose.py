@@ -1,0 +1,97 @@
+"""compose(): build a cache for [prefix][block A][block B]...[suffix] without prefilling the blocks.
+
+Token runs are prefilled normally; each block is placed at the next free position by a repair
+strategy (kvtool.skills.repair), which rotates its keys there and recomputes what it chooses.
+The cache stays position-aligned (slot i holds position i), so anything appended later,
+prefill or decode, continues at the right positions.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+import torch
+
+from kvtool.cache.kv import KVCache
+from kvtool.errors import ContextWindowError
+from kvtool.skills.block import SkillBlock
+from kvtool.skills.repair import PlaceStats, make_repair
+
+Segment = Union[Sequence[int], SkillBlock]
+
+
+@dataclass
+class Composition:
+    cache: KVCache
+    logits: torch.Tensor | None  # of the last token when the last segment is a token run
+    placements: list[PlaceStats] = field(default_factory=list)
+    prefilled_tokens: int = 0  # token-run tokens prefilled (recomputed block tokens not included)
+    ms: float = 0.0
+
+    @property
+    def block_tokens(self) -> int:
+        return sum(p.tokens for p in self.placements)
+
+    @property
+    def recomputed_tokens(self) -> int:
+        return sum(p.recomputed for p in self.placements)
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.block_tokens - self.recomputed_tokens
+
+    def stats(self) -> dict:
+        return {"block_tokens": self.block_tokens, "reused_block_tokens": self.reused_tokens,
+                "recomputed_block_tokens": self.recomputed_tokens, "prefilled_tokens": self.prefilled_tokens,
+                "blocks": [{"name": p.name, "start": p.start, "tokens": p.tokens, "recomputed": p.recomputed}
+                           for p in self.placements], "compose_ms": round(self.ms, 3)}
+
+
+def check_fits(runner, start: int, segments: Sequence[Segment]) -> int:
+    """Total length; ContextWindowError if any target position falls outside the context window."""
+    total, window = start + sum(len(s) for s in segments), runner.spec.max_position
+    if total > window:
+        pos, where = start, ""
+        for seg in segments:
+            if isinstance(seg, SkillBlock) and pos + len(seg) > window:
+                where = f"; skill block {seg.name!r} would occupy positions {pos}..{pos + len(seg) - 1}"
+                break
+            pos += len(seg)
+        raise ContextWindowError(f"the composed context has {total} tokens but the model's context window is "
+                                 f"{window} positions{where}; use fewer or shorter blocks")
+    return total
+
+
+def compose_segments(runner, segments: Sequence[Segment], repair="none", cache: KVCache | None = None,
+                     logits: str = "last", chunk: int = 512) -> Composition:
+    """Append segments to `cache` (a new one by default); token runs are prefilled, blocks placed."""
+    runner = getattr(runner, "runner", runner)
+    repair = make_repair(repair)
+    t0 = time.perf_counter()
+    start = cache.offset if cache is not None else 0
+    total = check_fits(runner, start, segments)
+    for seg in segments:
+        if isinstance(seg, SkillBlock):
+            seg.check_runner(runner)
+    if cache is None:
+        cache = runner.new_cache(total + 1)
+    cache.reserve(total + 1)
+    out = Composition(cache, None)
+    for seg in segments:
+        if isinstance(seg, SkillBlock):
+            out.placements.append(repair.place(runner, cache, seg.to(runner.device)))
+            out.logits = None
+        elif len(seg):
+            out.logits = runner.prefill(list(seg), cache, chunk=chunk, logits=logits)
+            out.prefilled_tokens += len(seg)
+    out.ms = (time.perf_counter() - t0) * 1000.0
+    return out
+
+
+def compose(runner, prefix_tokens: Sequence[int], blocks: Sequence[SkillBlock], suffix_tokens: Sequence[int],
+            repair="none", logits: str = "last", chunk: int = 512) -> Composition:
+    """Cache for [prefix][blocks...][suffix]; `logits` of the suffix's last token ("all": every suffix token)."""
+    return compose_segments(runner, [list(prefix_tokens), *blocks, list(suffix_tokens)], repair, logits=logits,
+                            chunk=chunk)

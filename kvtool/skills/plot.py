@@ -1,0 +1,49 @@
+"""Plot an eval record: quality vs recomputed fraction, and TTFT vs total block tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_eval(record: dict, path: str | Path, title: str = "") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    rows = record["repairs"]
+    for strategy in dict.fromkeys(r["strategy"] for r in rows):
+        pts = sorted((r["recomputed_fraction"], r["top1"], r["cos_mean"]) for r in rows if r["strategy"] == strategy)
+        xs = [100 * p[0] for p in pts]
+        axes[0].plot(xs, [p[1] for p in pts], "o-", label=strategy)
+        axes[1].plot(xs, [p[2] for p in pts], "o-", label=strategy)
+    axes[0].axhline(0.95, ls=":", c="gray", lw=1)
+    axes[1].axhline(0.99, ls=":", c="gray", lw=1)
+    axes[0].set(xlabel="block tokens recomputed (%)", ylabel=f"top-1 agreement ({record['n_greedy']} greedy tokens)",
+                title="top-1 agreement vs full recompute")
+    axes[1].set(xlabel="block tokens recomputed (%)", ylabel="mean logit cosine",
+                title="logit cosine vs full recompute")
+    for ax in axes[:2]:
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    scaling = record.get("ttft_scaling") or []
+    if scaling:
+        xs = [r["block_tokens"] for r in scaling]
+        for key in [k for k in scaling[0] if k.startswith("ttft_ms_")]:
+            label = "full prefill" if key == "ttft_ms_full" else f"composed ({key[8:]})"
+            axes[2].plot(xs, [r[key]["median"] for r in scaling], "o-", label=label)
+        axes[2].set(xlabel="total skill block tokens", ylabel="TTFT (ms)",
+                    title=f"TTFT: prefix {record['prefix_tokens']} + blocks + query {record['query_tokens']}")
+        axes[2].legend(fontsize=8)
+        axes[2].grid(alpha=0.3)
+    else:
+        axes[2].set_axis_off()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

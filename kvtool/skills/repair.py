@@ -1,0 +1,145 @@
+"""Repair strategies: how a block's KV is placed into a composed cache. A registry feeds the CLI.
+
+Every strategy appends exactly len(block) tokens at cache.offset (so slot = position) and
+returns PlaceStats. What each does, precisely:
+- none: all tokens reuse the block's KV, keys rotated to the target positions.
+- recompute_first_k (k): the first k tokens are prefilled normally (they attend to the real
+  preceding context, so no false sink survives); tokens k.. reuse the rotated block KV.
+- recompute_deviation (ratio, layer): place as `none`, then run all block tokens through layers
+  0..layer with the real context (their KV there becomes exact), rank tokens by |fresh - reused|^2
+  of K and V at `layer`, and run the top ceil(ratio * n) through the remaining layers, attending
+  to the composed cache (CacheBlend-style selective recompute).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from kvtool.errors import InvalidParameterError
+from kvtool.kernels import rerotate
+
+
+@dataclass
+class PlaceStats:
+    name: str
+    start: int
+    tokens: int
+    recomputed: int = 0  # tokens run through every layer with the real context
+    partial_layers: int = 0  # layers every block token was run through (recompute_deviation)
+    ms: float = 0.0
+
+    @property
+    def reused(self) -> int:
+        return self.tokens - self.recomputed
+
+
+def append_relocated(runner, cache, block, lo: int = 0) -> None:
+    """Append block tokens [lo:] at cache.offset, keys rotated from their canonical positions."""
+    if lo >= len(block):
+        return
+    delta = cache.offset - (block.canonical_start + lo)
+    keys = rerotate(block.keys[:, :, lo:].contiguous(), delta, runner.inv_freq)
+    cache.append_all(keys, block.values[:, :, lo:])
+
+
+@dataclass
+class NoRepair:
+    name = "none"
+    knob = None
+
+    def place(self, runner, cache, block) -> PlaceStats:
+        append_relocated(runner, cache, block)
+        return PlaceStats(block.name, cache.offset - len(block), len(block))
+
+    def recompute_fraction(self, n: int) -> float:
+        return 0.0
+
+
+@dataclass
+class RecomputeFirstK:
+    k: int = 16
+    name = "recompute_first_k"
+    knob = "k"
+
+    def __post_init__(self):
+        if not isinstance(self.k, int) or self.k < 0:
+            raise InvalidParameterError(f"recompute_first_k: k must be an integer >= 0, got {self.k!r}")
+
+    def place(self, runner, cache, block) -> PlaceStats:
+        start, k = cache.offset, min(self.k, len(block))
+        if k:
+            runner.prefill(block.token_ids[:k], cache, logits="none")
+        append_relocated(runner, cache, block, lo=k)
+        return PlaceStats(block.name, start, len(block), recomputed=k)
+
+    def recompute_fraction(self, n: int) -> float:
+        return min(self.k, n) / n if n else 0.0
+
+
+@dataclass
+class RecomputeDeviation:
+    ratio: float = 0.1
+    layer: int = 1
+    score: str = "kv"
+    first: int = 0
+    name = "recompute_deviation"
+    knob = "ratio"
+
+    def __post_init__(self):
+        from kvtool.skills.selective import SCORES
+
+        if self.score not in SCORES:
+            raise InvalidParameterError(f"recompute_deviation: score must be one of {', '.join(SCORES)}, "
+                                        f"got {self.score!r}")
+        if not isinstance(self.first, int) or self.first < 0:
+            raise InvalidParameterError(f"recompute_deviation: first must be an integer >= 0, got {self.first!r}")
+        if not (isinstance(self.ratio, (int, float)) and 0.0 <= self.ratio <= 1.0):
+            raise InvalidParameterError(f"recompute_deviation: ratio must be in [0, 1], got {self.ratio!r}")
+        if not isinstance(self.layer, int) or self.layer < 1:
+            raise InvalidParameterError(f"recompute_deviation: layer must be an integer >= 1 (layer 0 KV does "
+                                        f"not depend on context), got {self.layer!r}")
+
+    def place(self, runner, cache, block) -> PlaceStats:
+        from kvtool.skills.selective import recompute_selected
+
+        start = cache.offset
+        append_relocated(runner, cache, block)
+        result = recompute_selected(runner, cache, block.token_ids, start, float(self.ratio), self.layer,
+                                    self.score, self.first)
+        layers = min(self.layer, runner.spec.num_layers - 1) + 1
+        return PlaceStats(block.name, start, len(block), recomputed=len(result.selected), partial_layers=layers)
+
+    def recompute_fraction(self, n: int) -> float:
+        return math.ceil(self.ratio * n) / n if n else 0.0
+
+
+REPAIRS: dict[str, type] = {cls.name: cls for cls in (NoRepair, RecomputeFirstK, RecomputeDeviation)}
+
+
+def make_repair(spec="none", **knobs):
+    """A repair from an instance, a name plus knobs, or a CLI string 'name' / 'name:knob=value,knob=value'."""
+    if not isinstance(spec, str):
+        return spec
+    name, _, rest = spec.partition(":")
+    if name not in REPAIRS:
+        raise InvalidParameterError(f"unknown repair strategy {name!r}; use one of {', '.join(REPAIRS)}")
+    cls = REPAIRS[name]
+    allowed = {f.name: f.type for f in fields(cls)}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in allowed:
+            raise InvalidParameterError(f"repair {name!r} has no knob {key!r}; knobs: {', '.join(allowed) or 'none'}")
+        try:
+            cast = {"int": int, "float": float}.get(allowed[key] if isinstance(allowed[key], str) else
+                                                    allowed[key].__name__, str)
+            knobs[key] = cast(value)
+        except ValueError:
+            raise InvalidParameterError(f"repair knob {key}={value!r} is not a number") from None
+    return cls(**knobs)
+
+
+def describe(repair) -> str:
+    knobs = ",".join(f"{f.name}={getattr(repair, f.name)}" for f in fields(repair))
+    return f"{repair.name}:{knobs}" if knobs else repair.name
+

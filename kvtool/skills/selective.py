@@ -1,0 +1,97 @@
+"""Selective recompute: re-run chosen tokens layer by layer over a composed cache (CacheBlend-style).
+
+The cache holds a position-aligned sequence (slot i = position i). Tokens at slots
+[start, start + n) already hold reused (relocated) KV. Running them again, each layer computes
+fresh q/k/v for the active tokens, overwrites their KV in place, and lets them attend to every
+slot at or before their own position, mixing reused and recomputed KV as CacheBlend does.
+Layer code mirrors kvtool.models.runner (same modules, same math); tests compare the two.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvtool.models.rope import apply_rope
+
+
+@dataclass
+class SelectiveResult:
+    selected: list[int]  # block-relative indices recomputed through every layer
+    deviation: torch.Tensor | None  # [n] per-token KV deviation at the selection layer
+
+
+def _qkv(attn, h: torch.Tensor):
+    b, t, _ = h.shape
+    d = attn.head_dim
+    q = attn.q_proj(h).view(b, t, attn.num_heads, d).transpose(1, 2)
+    k = attn.k_proj(h).view(b, t, attn.num_kv_heads, d).transpose(1, 2)
+    v = attn.v_proj(h).view(b, t, attn.num_kv_heads, d).transpose(1, 2)
+    if attn.qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return q, k, v
+
+
+def _sq(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return ((a.float() - b.float()) ** 2).sum((0, 1, 3))  # [1, H, n, D] -> [n]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _sq(a, b) / (b.float() ** 2).sum((0, 1, 3)).clamp_min(1e-12)
+
+
+# How a token's deviation is scored from fresh (k, v) and reused (k0, v0) KV at the selection layer.
+SCORES = {
+    "kv": lambda k, v, k0, v0: _sq(k, k0) + _sq(v, v0),  # squared L2 of K and V differences
+    "kv_rel": lambda k, v, k0, v0: _rel(k, k0) + _rel(v, v0),  # the same, relative to the reused norms
+    "v": lambda k, v, k0, v0: _sq(v, v0),  # values only
+}
+
+
+@torch.inference_mode()
+def recompute_selected(runner, cache, ids: list[int], start: int, ratio: float, select_layer: int = 1,
+                       score: str = "kv", first: int = 0) -> SelectiveResult:
+    """Recompute the block ids at slots [start, start+n) of `cache` (whose offset is start + n).
+
+    Layers 0..select_layer run for all n tokens (their KV there becomes exact). At select_layer the
+    per-token deviation (SCORES[score]) picks the ceil(ratio * n) tokens that deviate most, always
+    including the first `first` tokens; only those run the remaining layers. ratio >= 1 recomputes
+    every token (= full prefill).
+    """
+    n, end = len(ids), cache.offset
+    if end != start + n:
+        raise ValueError(f"the block must be the last thing in the cache: start {start} + {n} tokens != {end}")
+    layers = runner.model.layers
+    select_layer = min(max(select_layer, 0), len(layers) - 1)
+    active = torch.arange(n, device=runner.device)  # block-relative indices still running
+    x = runner.model.embed_tokens(torch.as_tensor(ids, dtype=torch.long, device=runner.device))[None]
+    slots = torch.arange(end, device=runner.device)
+    deviation, selected = None, list(range(n))
+    for i, layer in enumerate(layers):
+        attn, lkv = layer.self_attn, cache[i]
+        pos = start + active
+        cos, sin = runner.rope_cos_sin(pos)
+        q, k, v = _qkv(attn, layer.input_layernorm(x))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if i == select_layer and ratio < 1.0:
+            old_k, old_v = lkv.keys[:, :, pos], lkv.values[:, :, pos]
+            deviation = SCORES[score](k, v, old_k, old_v)
+        lkv.keys[:, :, pos] = k
+        lkv.values[:, :, pos] = v
+        if deviation is not None and i == select_layer:
+            keep = min(n, math.ceil(ratio * n))
+            ranked = deviation.clone()
+            ranked[: min(first, keep)] = float("inf")
+            chosen = ranked.topk(keep).indices.sort().values
+            selected = chosen.tolist()
+            if keep == 0:
+                break
+            active, x, q, pos = active[chosen], x[:, chosen], q[:, :, chosen], pos[chosen]
+        mask = slots[None, :] <= pos[:, None]  # [active, end]: causal by position
+        out = F.scaled_dot_product_attention(q, lkv.keys, lkv.values, attn_mask=mask, enable_gqa=True)
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(1, len(active), attn.num_heads * attn.head_dim))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return SelectiveResult(selected, deviation)

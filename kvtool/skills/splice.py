@@ -1,0 +1,92 @@
+"""SkillSplicer: the Engine's prefix_cache hook that splices skill blocks found in a prompt.
+
+prepare(prompt_ids, runner) -> (cache, n_ready, handle): the cache holds exactly the first
+n_ready prompt tokens: the inner hook's prefix hit (if any), then for every block found after it
+the gap before it (prefilled) and the block (placed by the repair strategy); n_ready ends at the
+last block, and the engine prefills the rest. commit() passes through to the inner hook, so a
+conversation's next turn reuses the composed KV as an ordinary prefix hit (composition is causal:
+the KV of a token prefix does not depend on what follows it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvtool.skills.catalog import SkillCatalog
+from kvtool.skills.compose import compose_segments
+from kvtool.skills.repair import describe, make_repair
+
+
+@dataclass
+class SpliceStats:
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0  # served by the inner hook (prefix cache)
+    block_tokens: int = 0  # covered by skill blocks (reused + recomputed)
+    recomputed_block_tokens: int = 0  # of those, recomputed by the repair
+    gap_tokens: int = 0  # prefilled by prepare() before/between blocks
+    ready_tokens: int = 0  # n_ready handed to the engine
+    blocks: list[dict] = field(default_factory=list)  # name, start, tokens, recomputed
+    repair: str = "none"
+    ms: float = 0.0
+
+    @property
+    def reused_block_tokens(self) -> int:
+        return self.block_tokens - self.recomputed_block_tokens
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "reused_block_tokens": self.reused_block_tokens}
+
+
+@dataclass
+class SpliceHandle:
+    inner: Any
+    stats: SpliceStats
+
+    @property
+    def block_tokens(self) -> int:
+        return self.stats.block_tokens
+
+
+class SkillSplicer:
+    """Wraps an optional inner hook (the prefix cache) and splices catalog blocks after its hit."""
+
+    def __init__(self, catalog: SkillCatalog, repair="none", inner=None, chunk: int = 512):
+        self.catalog = catalog
+        self.repair = make_repair(repair)
+        self.inner = inner
+        self.chunk = chunk
+        self.last_stats: SpliceStats | None = None  # the engine runs one request at a time
+
+    def prepare(self, prompt_ids: list[int], runner):
+        t0 = time.perf_counter()
+        stats = SpliceStats(prompt_tokens=len(prompt_ids), repair=describe(self.repair))
+        if self.inner is not None:
+            cache, hit, inner_handle = self.inner.prepare(prompt_ids, runner)
+        else:
+            cache, hit, inner_handle = runner.new_cache(len(prompt_ids) + 64), 0, None
+        found = [(m, b) for m, b in self.catalog.find(prompt_ids) if m.end > hit]
+        if found and found[0][0].start < hit:
+            hit = found[0][0].start  # the hit ends inside a block: splice the whole block instead
+        if found:
+            cache.truncate(hit)
+        stats.prefix_hit_tokens = hit
+        if found:
+            segments, pos = [], hit
+            for match, block in found:
+                segments += [prompt_ids[pos:match.start], block]
+                pos = match.end
+            done = compose_segments(runner, segments, self.repair, cache=cache, logits="none", chunk=self.chunk)
+            stats.block_tokens, stats.recomputed_block_tokens = done.block_tokens, done.recomputed_tokens
+            stats.gap_tokens = done.prefilled_tokens
+            stats.blocks = done.stats()["blocks"]
+            hit = pos
+        stats.ready_tokens = hit
+        stats.ms = (time.perf_counter() - t0) * 1000.0
+        self.last_stats = stats
+        return cache, hit, SpliceHandle(inner_handle, stats)
+
+    def commit(self, handle: SpliceHandle, token_ids: list[int], cache) -> None:
+        if self.inner is not None:
+            self.inner.commit(handle.inner, token_ids, cache)

@@ -1,0 +1,134 @@
+"""compose() on a tiny random model: relocation exactness, full recompute == full prefill, repair knobs."""
+
+import pytest
+import torch
+
+from kvtool.errors import ContextWindowError, InvalidParameterError
+from kvtool.skills import compose, compose_segments, make_repair
+from kvtool.skills.repair import REPAIRS, describe
+
+from .conftest import rand_ids
+
+PREFIX, SUFFIX = rand_ids(11, 10), rand_ids(6, 11)
+
+
+def full(tiny, blocks, prefix=PREFIX, suffix=SUFFIX):
+    seq = prefix + [t for b in blocks for t in b.token_ids] + suffix
+    cache = tiny.new_cache(len(seq) + 1)
+    return cache, tiny.prefill(seq, cache, logits="all")
+
+
+@pytest.mark.parametrize("repair", ["recompute_first_k:k=1000", "recompute_deviation:ratio=1.0"])
+def test_recomputing_everything_equals_full_prefill(tiny, tiny_blocks, repair):
+    ref_cache, ref = full(tiny, tiny_blocks)
+    out = compose(tiny, PREFIX, tiny_blocks, SUFFIX, repair=repair, logits="all")
+    assert out.recomputed_tokens == out.block_tokens == sum(len(b) for b in tiny_blocks)
+    assert (out.logits - ref[-len(SUFFIX):]).abs().max().item() < 1e-4
+    k1, v1 = ref_cache.stacked()
+    k2, v2 = out.cache.stacked()
+    assert (k1 - k2).abs().max().item() < 1e-4 and (v1 - v2).abs().max().item() < 1e-4
+
+
+def test_first_k_recompute_is_prefill_for_the_recomputed_tokens(tiny, tiny_blocks):
+    block = tiny_blocks[0]
+    out = compose(tiny, PREFIX, [block], [], repair="recompute_first_k:k=4")
+    ref = tiny.new_cache()
+    tiny.prefill(PREFIX + block.token_ids[:4], ref)
+    assert torch.allclose(out.cache.stacked(0, len(PREFIX) + 4)[0], ref.stacked()[0], atol=1e-5)
+
+
+def test_no_repair_places_relocated_keys_layer0_exact(tiny, tiny_blocks):
+    ref_cache, ref = full(tiny, tiny_blocks)
+    out = compose(tiny, PREFIX, tiny_blocks, SUFFIX, repair="none")
+    assert out.cache.offset == ref_cache.offset and out.reused_tokens == out.block_tokens
+    lo, hi = len(PREFIX), len(PREFIX) + out.block_tokens
+    k_ref, v_ref = ref_cache.stacked(lo, hi)
+    k, v = out.cache.stacked(lo, hi)
+    # layer 0 KV does not depend on context: relocation reproduces it; deeper layers differ (no context)
+    assert (k[0] - k_ref[0]).abs().max().item() < 1e-4 * k_ref.abs().max().item()
+    assert (v[0] - v_ref[0]).abs().max().item() < 1e-5
+    assert (k[1:] - k_ref[1:]).abs().max().item() > 1e-3
+    assert torch.allclose(out.cache.stacked(0, lo)[0], ref_cache.stacked(0, lo)[0], atol=1e-5)  # plain prefill
+
+
+def test_deviation_repair_selects_the_requested_share(tiny, tiny_blocks):
+    n = sum(len(b) for b in tiny_blocks)
+    counts = {}
+    for ratio in (0.0, 0.1, 0.5):
+        out = compose(tiny, PREFIX, tiny_blocks, SUFFIX, repair=f"recompute_deviation:ratio={ratio}")
+        counts[ratio] = out.recomputed_tokens
+        assert out.cache.offset == len(PREFIX) + n + len(SUFFIX)
+    assert counts == {0.0: 0, 0.1: 3 + 3, 0.5: 15 + 12}
+
+
+def test_deviation_scores_and_forced_first_tokens(tiny, tiny_blocks):
+    from kvtool.cache.kv import KVCache
+    from kvtool.skills.repair import append_relocated
+    from kvtool.skills.selective import SCORES, recompute_selected
+
+    block = tiny_blocks[0]
+    for score in SCORES:
+        cache = tiny.new_cache()
+        tiny.prefill(PREFIX, cache)
+        append_relocated(tiny, cache, block)
+        res = recompute_selected(tiny, cache, block.token_ids, len(PREFIX), 0.2, 1, score=score, first=4)
+        assert len(res.selected) == 6 and res.selected[:4] == [0, 1, 2, 3] and res.deviation.shape == (len(block),)
+        assert isinstance(cache, KVCache) and cache.offset == len(PREFIX) + len(block)
+
+
+def test_more_recompute_gets_closer_to_full(tiny, tiny_blocks):
+    _, ref = full(tiny, tiny_blocks)
+    err = {}
+    for repair in ("none", "recompute_deviation:ratio=0.5", "recompute_first_k:k=1000"):
+        out = compose(tiny, PREFIX, tiny_blocks, SUFFIX, repair=repair)
+        err[repair] = (out.logits - ref[-1:]).abs().max().item()
+    assert err["recompute_first_k:k=1000"] < 1e-4 < err["none"]
+    assert err["recompute_deviation:ratio=0.5"] < err["none"]
+
+
+def test_gaps_and_existing_cache(tiny, tiny_blocks):
+    a, b = tiny_blocks
+    start = tiny.new_cache()
+    tiny.prefill(PREFIX, start)
+    out = compose_segments(tiny, [a, [5, 6, 7], b, SUFFIX], "none", cache=start)
+    assert out.cache is start and out.prefilled_tokens == 3 + len(SUFFIX)
+    assert [(p.name, p.start) for p in out.placements] == [("alpha", 11), ("beta", 11 + len(a) + 3)]
+    assert out.stats()["block_tokens"] == len(a) + len(b)
+
+
+def test_positions_beyond_the_context_window(tiny, tiny_blocks):
+    window = tiny.spec.max_position  # 512 for the tiny config
+    with pytest.raises(ContextWindowError, match=r"skill block 'alpha' would occupy positions 500\.\.529"):
+        compose(tiny, [3] * 500, tiny_blocks, [4])
+    with pytest.raises(ContextWindowError, match=f"context window is {window} positions"):
+        compose(tiny, [3] * 10, tiny_blocks, [4] * window)
+
+
+def test_repair_registry_and_parsing():
+    assert set(REPAIRS) == {"none", "recompute_first_k", "recompute_deviation"}
+    r = make_repair("recompute_deviation:ratio=0.25,layer=2,score=v,first=3")
+    assert (r.ratio, r.layer, r.score, r.first) == (0.25, 2, "v", 3)
+    assert describe(r) == "recompute_deviation:ratio=0.25,layer=2,score=v,first=3"
+    assert make_repair("recompute_first_k:k=8").k == 8 and describe(make_repair("none")) == "none"
+    for bad, why in [("magic", "unknown repair strategy"), ("recompute_first_k:j=1", "has no knob 'j'"),
+                     ("recompute_first_k:k=x", "not a number"), ("recompute_first_k:k=-1", "k must be"),
+                     ("recompute_deviation:ratio=2", "ratio must be"), ("recompute_deviation:layer=0", "layer must"),
+                     ("recompute_deviation:score=l1", "score must be one of"),
+                     ("recompute_deviation:first=-2", "first must be")]:
+        with pytest.raises(InvalidParameterError, match=why):
+            make_repair(bad)
+
+
+def test_evaluate_scores_several_queries(tiny, tiny_blocks):
+    from kvtool.skills.evaluate import EvalCase, evaluate, ttft_scaling
+
+    case = EvalCase(PREFIX, list(tiny_blocks), SUFFIX, [rand_ids(5, 30), rand_ids(7, 31)])
+    rec = evaluate(tiny, case, ["none", "recompute_first_k:k=1000"], n_greedy=6, repeats=1, log=lambda m: None)
+    none, exact = rec["repairs"]
+    assert rec["queries_scored"] == 3 and len(rec["greedy_reference"]) == 3 and len(none["per_query"]) == 3
+    assert exact["top1"] == 1.0 and exact["greedy_exact_rate"] == 1.0 and exact["kl_next"] < 1e-6
+    assert exact["cos_min"] > 0.99999 and 0 <= none["top1"] <= 1 and none["recomputed_fraction"] == 0
+    assert exact["ttft_ms_cold"]["n"] == 1 and exact["ttft_ms_warm_prefix"]["cpu_median"] >= 0
+    rows = ttft_scaling(tiny, case, [1, 2], ["none"], known_full={2: rec["ttft_ms_full"]}, log=lambda m: None)
+    assert [r["block_tokens"] for r in rows] == [len(tiny_blocks[0]), case.block_tokens]
+    assert rows[1]["ttft_ms_full"] is rec["ttft_ms_full"] and rows[0]["ttft_ms_none"]["median"] > 0

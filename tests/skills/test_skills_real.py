@@ -1,0 +1,179 @@
+"""Skill blocks on the real SmolLM2 (and Qwen2.5) GGUF models: render, compile, cache, splice, eval, CLI."""
+
+import json
+
+import pytest
+import torch
+
+import kvtool
+from kvtool.engine import Engine
+from kvtool.errors import CacheFormatError
+from kvtool.skills import SkillSplicer, compile_skill, compose, load_block, load_catalog, parse_skill, save_block
+from kvtool.skills.render import render_skill
+
+pytestmark = pytest.mark.real_model
+
+HAIKU = ("---\nname: haiku\ndescription: Write haiku poems.\n---\n# Haiku\nWrite exactly three lines of 5, 7 and 5 "
+         "syllables. Use one seasonal word. No title, no rhyme, no punctuation at the end of a line.\n")
+LIMERICK = ("---\nname: limerick\ndescription: Write limericks.\n---\n# Limerick\nFive lines, rhyme scheme AABBA. "
+            "Lines 1, 2 and 5 have three stressed beats; lines 3 and 4 have two. End with a twist.\n")
+
+
+@pytest.fixture(scope="module")
+def skills_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("skills")
+    (d / "haiku.md").write_text(HAIKU)
+    (d / "limerick.md").write_text(LIMERICK)
+    return d
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kvb")
+
+
+@pytest.fixture(scope="module")
+def catalog(smollm2, skills_dir, cache_dir):
+    logs = []
+    catalog = load_catalog(skills_dir, smollm2, cache_dir=cache_dir, log=logs.append)
+    assert sum("compiled skill" in m for m in logs) == 2
+    return catalog
+
+
+def conversation_ids(model, catalog, *names):
+    msgs = [{"role": "user", "content": "Write me two short poems about autumn."}]
+    for name in names:
+        msgs += catalog.messages(name)
+    msgs.append({"role": "user", "content": "Now write them."})
+    return model.encode(model.render(msgs))
+
+
+def test_render_is_a_whole_turn_and_boundary_safe(smollm2, catalog):
+    r = render_skill(smollm2, parse_skill(HAIKU))
+    assert r.text.startswith("<|im_start|>") and r.text.endswith("<|im_end|>\n") and r.boundary_safe
+    ids = conversation_ids(smollm2, catalog, "haiku", "limerick")
+    found = catalog.find(ids)
+    assert [m.name for m, _ in found] == ["haiku", "limerick"]
+    assert all(ids[m.start:m.end] == b.token_ids for m, b in found)
+
+
+def test_catalog_is_cached_by_fingerprint_and_recompiles_tampered(smollm2, skills_dir, catalog, cache_dir):
+    path = catalog.paths["haiku"]
+    assert path.parent.parent == cache_dir and path.suffix == ".kvb"
+    logs = []
+    again = load_catalog(skills_dir, smollm2, cache_dir=cache_dir, log=logs.append)
+    assert logs == [] and torch.equal(again.block("haiku").keys, catalog.block("haiku").keys)
+    data = bytearray(path.read_bytes())
+    data[-50] ^= 1
+    path.write_bytes(bytes(data))
+    load_catalog(skills_dir, smollm2, cache_dir=cache_dir, log=logs.append)
+    assert any("recompiling skill 'haiku'" in m and "checksum mismatch" in m for m in logs)
+    assert load_block(path).name == "haiku"  # rewritten
+
+
+def test_block_metadata_records_the_setup(smollm2, catalog):
+    block = catalog.block("haiku")
+    fp = smollm2.fingerprint()
+    assert {k: block.setup[k] for k in fp} == {k: str(v) for k, v in fp.items()}
+    assert json.loads(block.setup["rope"])["rope"]["rope_theta"] == 100000.0
+    assert block.canonical_start > 0 and block.meta["text"].count("# Haiku") == 1
+    assert block.meta["render"] == "tool" and len(block.meta["text_sha256"]) == 64
+
+
+def test_relocated_layer0_kv_equals_full_prefill(smollm2, catalog):
+    blocks = [catalog.block("haiku"), catalog.block("limerick")]
+    prefix, suffix = smollm2.encode("<|im_start|>user\nHello there, poet.<|im_end|>\n"), [198]
+    out = compose(smollm2.runner, prefix, blocks, suffix, repair="none")
+    seq = prefix + blocks[0].token_ids + blocks[1].token_ids + suffix
+    ref = smollm2.runner.new_cache(len(seq) + 1)
+    smollm2.runner.prefill(seq, ref)
+    k, v = out.cache.stacked()
+    k_ref, v_ref = ref.stacked()
+    assert (k[0] - k_ref[0]).abs().max().item() < 1e-4 * k_ref[0].abs().max().item()
+    assert (v[0] - v_ref[0]).abs().max().item() < 1e-4 * v_ref[0].abs().max().item()
+
+
+def test_engine_splices_blocks_and_full_recompute_matches_plain(smollm2, catalog):
+    ids = conversation_ids(smollm2, catalog, "haiku", "limerick")
+    params = kvtool.SamplingParams(temperature=0, max_tokens=2)
+    plain = Engine(smollm2).generate(ids, params).run()
+    exact = SkillSplicer(catalog, repair="recompute_first_k:k=100000")
+    same = Engine(smollm2, prefix_cache=exact).generate(ids, params).run()
+    assert same.token_ids == plain.token_ids
+    cheap = SkillSplicer(catalog, repair="none")
+    gen = Engine(smollm2, prefix_cache=cheap).generate(ids, params).run()
+    stats = cheap.last_stats
+    n_blocks = len(catalog.block("haiku")) + len(catalog.block("limerick"))
+    assert stats.block_tokens == n_blocks and stats.reused_block_tokens == n_blocks
+    assert gen.timings.cached_tokens == stats.ready_tokens and gen.finish_reason in ("length", "stop")
+    assert len(gen.token_ids) >= 1
+
+
+def test_cli_eval_reports_metrics_json_and_plot(smollm2, skills_dir, cache_dir, tmp_path, monkeypatch, capsys):
+    import kvtool.cli.skill as cli_skill
+    from kvtool.cli import main
+
+    monkeypatch.setattr(cli_skill, "load_from_args", lambda args: smollm2)
+    out, plot = tmp_path / "eval.json", tmp_path / "eval.png"
+    argv = ["skill", "eval", str(skills_dir), "--blocks", "1", "--prefix-tokens", "0", "--greedy-tokens", "4",
+            "--queries", "2", "--repeats", "0", "--scaling", "1", "--cache-dir", str(cache_dir),
+            "--repair", "none", "--repair", "recompute_first_k:k=100000", "--repair", "recompute_deviation:ratio=0.2",
+            "--out", str(out), "--plot", str(plot)]
+    assert main(argv) == 0
+    rec = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == rec
+    assert rec["queries_scored"] == 2 and rec["blocks"][0]["name"] == "haiku" and rec["ttft_scaling"]
+    rows = {r["strategy"]: r for r in rec["repairs"]}
+    exact = rows["recompute_first_k"]
+    assert exact["top1"] == 1.0 and exact["greedy_exact"] and exact["cos_mean"] > 0.9999 and exact["kl_next"] < 1e-4
+    assert exact["recomputed_fraction"] == 1.0
+    for r in rec["repairs"]:
+        assert 0 <= r["top1"] <= 1 and -1 <= r["cos_mean"] <= 1 + 1e-5 and r["kl_next"] >= -1e-6
+        assert r["ttft_ms_cold"]["median"] > 0 and len(r["per_query"]) == 2
+    assert 0 < rows["recompute_deviation"]["recomputed_fraction"] <= 0.25
+    assert plot.stat().st_size > 10_000
+
+
+def test_cli_compile_and_info(smollm2, skills_dir, tmp_path, monkeypatch, capsys):
+    import kvtool.cli.skill as cli_skill
+    from kvtool.cli import main
+
+    monkeypatch.setattr(cli_skill, "load_from_args", lambda args: smollm2)
+    out = tmp_path / "h.kvb"
+    assert main(["skill", "compile", str(skills_dir / "haiku.md"), "-o", str(out)]) == 0
+    assert "haiku" in capsys.readouterr().out
+    assert main(["skill", "info", str(out), "--check-model"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["name"] == "haiku" and info["compatible_with_model"] and info["canonical_start"] > 0
+    out.write_bytes(out.read_bytes()[:-100])
+    assert main(["skill", "info", str(out)]) == 2
+    assert "truncated" in capsys.readouterr().err
+    (tmp_path / "bad.md").write_text("no frontmatter here")
+    assert main(["skill", "compile", str(tmp_path / "bad.md")]) == 2
+    assert "bad.md: missing YAML frontmatter" in capsys.readouterr().err
+
+
+def test_block_for_smollm2_is_refused_by_qwen25(qwen25, catalog, tmp_path):
+    from kvtool.skills import setup_of
+
+    path = save_block(catalog.block("haiku"), tmp_path / "haiku.kvb")
+    with pytest.raises(CacheFormatError) as err:
+        load_block(path, expected_setup=setup_of(qwen25))
+    msg = str(err.value)
+    for label in ("model:", "model config:", "tokenizer:", "RoPE setting:"):
+        assert label in msg
+    assert "dtype:" not in msg  # both float32
+    with pytest.raises(CacheFormatError, match="this model needs"):
+        compose(qwen25.runner, [1, 2], [catalog.block("haiku")], [3])
+
+
+def test_qwen25_compile_and_relocate(qwen25):
+    block = compile_skill(qwen25, parse_skill(HAIKU), preamble="none")
+    assert block.meta["boundary_safe"] == "true" and block.token_ids[0] == 151644  # <|im_start|>
+    assert block.canonical_start == 0
+    prefix = qwen25.encode("<|im_start|>user\nHi<|im_end|>\n")
+    out = compose(qwen25.runner, prefix, [block], [], repair="none")
+    ref = qwen25.runner.new_cache()
+    qwen25.runner.prefill(prefix + block.token_ids, ref)
+    k, k_ref = out.cache.stacked()[0][0], ref.stacked()[0][0]  # layer 0 (q/k/v biases included)
+    assert (k - k_ref).abs().max().item() < 1e-4 * k_ref.abs().max().item()

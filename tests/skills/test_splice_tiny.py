@@ -1,0 +1,86 @@
+"""SkillSplicer (the engine's prefix_cache hook) on a tiny model: what prepare() hands the engine."""
+
+import torch
+
+from kvtool.skills import SkillCatalog, SkillSplicer, compose_segments
+from kvtool.skills.skillfile import Skill
+
+from .conftest import rand_ids
+
+
+def catalog_of(blocks):
+    catalog = SkillCatalog(blocks[0].setup)
+    for b in blocks:
+        catalog.add(Skill(b.name, f"{b.name} skill", "body"), b)
+    return catalog
+
+
+P, G, T = rand_ids(9, 20), rand_ids(4, 21), rand_ids(5, 22)
+
+
+class FakePrefixCache:
+    """Serves a fixed-length hit computed by real prefill; records commits."""
+
+    def __init__(self, hit):
+        self.hit, self.commits = hit, []
+
+    def prepare(self, prompt_ids, runner):
+        cache = runner.new_cache(len(prompt_ids) + 8)
+        runner.prefill(prompt_ids[: self.hit], cache)
+        return cache, self.hit, ("inner-handle", self.hit)
+
+    def commit(self, handle, token_ids, cache):
+        self.commits.append((handle, list(token_ids), cache.offset))
+
+
+def test_prepare_splices_blocks_and_stops_after_the_last(tiny, tiny_blocks):
+    a, b = tiny_blocks
+    prompt = P + a.token_ids + G + b.token_ids + T
+    splicer = SkillSplicer(catalog_of(tiny_blocks), repair="none")
+    cache, ready, handle = splicer.prepare(prompt, tiny)
+    assert ready == cache.offset == len(P) + len(a) + len(G) + len(b)
+    s = handle.stats
+    assert handle.block_tokens == s.block_tokens == len(a) + len(b) and s.gap_tokens == len(P) + len(G)
+    assert s.prefix_hit_tokens == 0 and s.ready_tokens == ready and splicer.last_stats is s
+    assert [x["name"] for x in s.blocks] == ["alpha", "beta"] and s.reused_block_tokens == s.block_tokens
+    ref = compose_segments(tiny, [P, a, G, b], "none", logits="none").cache
+    assert torch.allclose(cache.stacked()[0], ref.stacked()[0], atol=1e-6)
+    splicer.commit(handle, prompt, cache)  # no inner hook: a no-op
+
+
+def test_prompt_without_blocks_is_left_to_the_engine(tiny, tiny_blocks):
+    splicer = SkillSplicer(catalog_of(tiny_blocks))
+    prompt = P + tiny_blocks[0].token_ids[:-1] + T  # a partial block is not a block
+    cache, ready, handle = splicer.prepare(prompt, tiny)
+    assert ready == 0 and cache.offset == 0 and handle.block_tokens == 0
+
+
+def test_wraps_inner_prefix_cache_and_commits_through(tiny, tiny_blocks):
+    a, b = tiny_blocks
+    prompt = P + a.token_ids + G + b.token_ids + T
+    inner = FakePrefixCache(hit=len(P) + 3)  # the hit ends inside block alpha
+    splicer = SkillSplicer(catalog_of(tiny_blocks), repair="recompute_first_k:k=2", inner=inner)
+    cache, ready, handle = splicer.prepare(prompt, tiny)
+    assert handle.stats.prefix_hit_tokens == len(P)  # truncated to the block start: the block is spliced whole
+    assert handle.stats.block_tokens == len(a) + len(b) and handle.stats.recomputed_block_tokens == 4
+    assert ready == cache.offset == len(prompt) - len(T)
+    splicer.commit(handle, prompt[:ready], cache)
+    assert inner.commits == [(("inner-handle", len(P) + 3), prompt[:ready], ready)]
+
+    inner = FakePrefixCache(hit=len(P) + len(a) + 1)  # the hit covers alpha: only beta is spliced
+    cache, ready, handle = SkillSplicer(catalog_of(tiny_blocks), inner=inner).prepare(prompt, tiny)
+    assert handle.stats.prefix_hit_tokens == len(P) + len(a) + 1
+    assert [x["name"] for x in handle.stats.blocks] == ["beta"] and handle.stats.gap_tokens == len(G) - 1
+    assert ready == cache.offset == len(prompt) - len(T)
+
+
+def test_catalog_lookup_helpers(tiny_blocks):
+    catalog = catalog_of(tiny_blocks)
+    assert catalog.names() == ["alpha", "beta"] and len(catalog) == 2 and "alpha" in catalog
+    assert catalog.listing() == "- alpha: alpha skill\n- beta: beta skill"
+    found = catalog.find(P + tiny_blocks[1].token_ids)
+    assert [(m.name, m.start) for m, _ in found] == [("beta", len(P))]
+    import pytest
+
+    with pytest.raises(KeyError, match="known: alpha, beta"):
+        catalog.block("gamma")
