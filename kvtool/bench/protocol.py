@@ -1,6 +1,6 @@
 """The benchmark protocol: warm-up, repeated runs, median and spread, JSON as the last line.
 
-Same protocol as benchmarks/common.py, importable from the package so `kvtool bench` and
+benchmarks/common.py re-exports it, so the scripts, `kvtool bench` and
 notebooks use one implementation.
 """
 
