@@ -74,7 +74,7 @@ class BatchScheduler:
                 break
             self.waiting.popleft()
             known = req.gen.prompt_ids + req.gen.token_ids
-            cache, cached, req.handle = self.engine._start(known)
+            cache, cached, req.handle = self.engine.start_cache(known)
             cached = min(cached, len(known) - 1)
             cache.truncate(cached)
             req.cache, req.pending, req.admitted_at = cache, known[cached:], self.steps

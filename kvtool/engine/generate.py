@@ -91,7 +91,7 @@ class Engine:
         self.runner = model.runner
         self.config = config or EngineConfig()
         self.prefix_cache = prefix_cache  # optional: prepare(prompt, runner) / commit(handle, ids, cache)
-        self._eot = set(model.end_of_turn_ids())
+        self.end_of_turn = frozenset(model.end_of_turn_ids())
 
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Validate sizes; return the effective max_tokens."""
@@ -120,7 +120,8 @@ class Engine:
         gen._events = self._run(gen, max_tokens, skip_special_tokens)
         return gen
 
-    def _start(self, prompt_ids: list[int]):
+    def start_cache(self, prompt_ids: list[int]):
+        """(cache, tokens already in it, hook handle) for a new request: the prefix hook's hit, or empty."""
         if self.prefix_cache is not None:
             return self.prefix_cache.prepare(prompt_ids, self.runner)
         return self.runner.new_cache(len(prompt_ids) + 64), 0, None
@@ -128,7 +129,7 @@ class Engine:
     def _run(self, gen: Generation, max_tokens: int, skip_special_tokens: bool) -> Iterator[TokenEvent]:
         runner, tm = self.runner, gen.timings
         t0 = time.perf_counter()
-        cache, cached, handle = self._start(gen.prompt_ids)
+        cache, cached, handle = self.start_cache(gen.prompt_ids)
         try:
             # Always run at least the last prompt token to get its logits.
             cached = min(cached, len(gen.prompt_ids) - 1)
@@ -159,7 +160,7 @@ class OutputState:
         params = gen.params
         self.gen, self.max_tokens, self.t0 = gen, max_tokens, t0
         self.tokenizer = engine.model.tokenizer
-        self.stops = set(params.stop_token_ids) | (set() if params.ignore_eos else engine._eot)
+        self.stops = set(params.stop_token_ids) | (set() if params.ignore_eos else engine.end_of_turn)
         self.sampler = Sampler(params, engine.runner.spec.vocab_size, gen.prompt_ids, engine.runner.device)
         self.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
         self.matcher = StopStringMatcher(params.stop)
