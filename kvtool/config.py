@@ -22,6 +22,8 @@ class EngineConfig:
     cache_bytes: int | None = None  # prefix-cache byte budget; None = a fraction of free memory
     prefix_block: int = 16  # tokens per prefix-cache block
     enable_prefix_cache: bool = True
+    skills_dir: str | None = None  # a skills folder: compile its blocks and splice them into prompts
+    skill_repair: str = "recompute_first_k:k=48"  # how spliced blocks are repaired (kvtool.skills.repair)
 
 
 @dataclass

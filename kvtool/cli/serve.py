@@ -23,7 +23,7 @@ def register(subparsers) -> None:
     p.add_argument("--served-model-name", default=SERVER.served_model_name,
                    help="the model id clients see (default: the model's name)")
     p.add_argument("--max-active", type=int, default=SERVER.max_active,
-                   help="generations interleaved token by token")
+                   help="requests batched together in each decode step")
     p.add_argument("--max-queue", type=int, default=SERVER.max_queue,
                    help="requests waiting beyond --max-active; more get HTTP 429")
     p.add_argument("--default-max-tokens", type=int, default=SERVER.default_max_tokens,
@@ -33,6 +33,12 @@ def register(subparsers) -> None:
     p.add_argument("--cache-bytes", type=int, default=ENGINE.cache_bytes,
                    help="prefix-cache byte budget (default: a quarter of available memory)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn cross-request KV reuse off")
+    p.add_argument("--skills", default=ENGINE.skills_dir, metavar="DIR",
+                   help="a skills folder (NAME/SKILL.md, *.md): compile (or load cached) KV blocks at start and "
+                        "splice them into prompts that contain a skill; requests may ask for skills by name")
+    p.add_argument("--skill-repair", default=ENGINE.skill_repair, metavar="SPEC",
+                   help="repair of spliced blocks: none | recompute_first_k:k=N | recompute_deviation:ratio=R "
+                        "(default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
 
@@ -51,14 +57,21 @@ def config_from_args(args) -> ServerConfig:
 
 def run(args) -> int:
     from kvtool.serving.server import serve
+    from kvtool.skills.repair import make_repair
 
     cfg = config_from_args(args)
+    if args.skills is not None and not os.path.isdir(args.skills):
+        from kvtool.errors import InvalidParameterError
+
+        raise InvalidParameterError(f"--skills {args.skills!r} is not a folder of skills (NAME/SKILL.md or *.md)")
+    make_repair(args.skill_repair)  # a bad spec fails before the model loads
     model = load_from_args(args)
     auth = "API key required" if cfg.api_key else "no API key"
     print(f"kvtool: serving {cfg.served_model_name or model.name} on http://{cfg.host}:{cfg.port}/v1 "
           f"({model.info.get('device')}, {model.info.get('dtype')}, {auth})", file=sys.stderr)
     from kvtool.config import EngineConfig
 
-    engine_config = EngineConfig(cache_bytes=args.cache_bytes, enable_prefix_cache=not args.no_prefix_cache)
+    engine_config = EngineConfig(cache_bytes=args.cache_bytes, enable_prefix_cache=not args.no_prefix_cache,
+                                 skills_dir=args.skills, skill_repair=args.skill_repair)
     serve(model, cfg, engine_config=engine_config, log_level=args.log_level)
     return 0

@@ -5,6 +5,9 @@ request plus prefill chunks of admitted requests within `prefill_budget` tokens,
 prompt is prefilled over several steps without stalling the streams already running.
 Under KV pressure the most recently admitted request is preempted: its KV is dropped and
 it is re-queued at the front to be recomputed later (its token stream simply continues).
+
+A fault while sampling one request (on_event or the sampler raising) ends that request alone,
+with finish_reason "error" and the exception passed to its on_finish callback.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class BatchRequest:
     gen: Generation
     state: OutputState
     on_event: Callable[[TokenEvent], None] | None
+    on_finish: Callable[[Generation, BaseException | None], None] | None = None
     pending: list[int] = field(default_factory=list)  # tokens whose KV is not yet in the cache
     cache: KVCache | None = None
     handle: object = None
@@ -43,25 +47,34 @@ class BatchScheduler:
         self.steps = 0
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, skip_special_tokens: bool = True,
-               on_event: Callable[[TokenEvent], None] | None = None) -> Generation:
-        params = (params or SamplingParams()).validate()
-        prompt_ids = [int(t) for t in prompt_ids]
-        max_tokens = self.engine.check_prompt(prompt_ids, params)
-        gen = Generation(prompt_ids=prompt_ids, params=params)
-        state = OutputState(self.engine, gen, max_tokens, skip_special_tokens, time.perf_counter())
-        self.waiting.append(BatchRequest(gen, state, on_event, pending=list(prompt_ids)))
+               on_event: Callable[[TokenEvent], None] | None = None,
+               on_finish: Callable[[Generation, BaseException | None], None] | None = None) -> Generation:
+        """Validate and queue a request (raises KvtoolError for bad input); returns its Generation."""
+        gen, max_tokens = self.engine.new_generation(prompt_ids, params)
+        self.add(gen, max_tokens, skip_special_tokens, on_event, on_finish)
         return gen
+
+    def add(self, gen: Generation, max_tokens: int, skip_special_tokens: bool = True,
+            on_event: Callable[[TokenEvent], None] | None = None,
+            on_finish: Callable[[Generation, BaseException | None], None] | None = None) -> None:
+        """Queue a Generation already validated by Engine.new_generation()."""
+        state = OutputState(self.engine, gen, max_tokens, skip_special_tokens, time.perf_counter())
+        self.waiting.append(BatchRequest(gen, state, on_event, on_finish, pending=list(gen.prompt_ids)))
 
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def cancel(self, gen: Generation) -> None:
+    @property
+    def requests(self) -> list[BatchRequest]:
+        return [*self.running, *self.waiting]
+
+    def cancel(self, gen: Generation, reason: str = "abort", error: BaseException | None = None) -> None:
         for queue in (self.running, self.waiting):
             for req in list(queue):
                 if req.gen is gen:
                     queue.remove(req)
-                    self._finish(req, "abort")
+                    self._finish(req, reason, error)
 
     def _kv_tokens(self) -> int:
         return sum(r.cache.offset for r in self.running if r.cache is not None)
@@ -73,15 +86,18 @@ class BatchScheduler:
             if self.kv_budget_tokens is not None and self.running and self._kv_tokens() + need > self.kv_budget_tokens:
                 break
             self.waiting.popleft()
+            first = req.preemptions == 0
+            if first:  # time from now on (TTFT excludes the wait in the queue, reported as queue_ms)
+                now = time.perf_counter()
+                req.gen.timings.queue_ms += (now - req.state.t0) * 1000.0
+                req.state.t0 = now
             known = req.gen.prompt_ids + req.gen.token_ids
-            cache, cached, req.handle = self.engine.start_cache(known)
-            cached = min(cached, len(known) - 1)
-            cache.truncate(cached)
+            try:
+                cache, cached, req.handle = self.engine.open_cache(req.gen, known, first)
+            except Exception as exc:  # e.g. a skill block that fails to load: this request alone fails
+                self._finish(req, "error", exc)
+                continue
             req.cache, req.pending, req.admitted_at = cache, known[cached:], self.steps
-            if req.preemptions == 0:
-                req.gen.timings.cached_tokens = cached
-                req.gen.timings.prompt_tokens = len(req.gen.prompt_ids)
-                req.gen.timings.prefill_tokens = len(req.gen.prompt_ids) - cached
             self.running.append(req)
 
     def _preempt_for(self, new_tokens: int) -> None:
@@ -101,10 +117,14 @@ class BatchScheduler:
             self.engine.prefix_cache.commit(req.handle, known[: req.cache.offset], req.cache)
         req.cache, req.handle = None, None
 
-    def _finish(self, req: BatchRequest, reason: str | None = None) -> None:
+    def _finish(self, req: BatchRequest, reason: str | None = None, error: BaseException | None = None) -> None:
         if reason and not req.gen.finish_reason:
             req.gen.finish_reason = reason
-        self._release(req)
+        try:
+            self._release(req)
+        finally:
+            if req.on_finish is not None:
+                req.on_finish(req.gen, error)
 
     def step(self) -> int:
         """One batched forward; returns the number of tokens it processed."""
@@ -130,9 +150,14 @@ class BatchScheduler:
                 continue  # still prefilling
             if req.gen.timings.prefill_ms == 0.0:
                 req.gen.timings.prefill_ms = req.state.ms()
-            event = req.state.accept(out)
-            if req.on_event is not None:
-                req.on_event(event)
+            try:
+                event = req.state.accept(out)
+                if req.on_event is not None:
+                    req.on_event(event)
+            except Exception as exc:
+                self.running.remove(req)
+                self._finish(req, "error", exc)
+                continue
             if req.gen.finish_reason:
                 self.running.remove(req)
                 self._finish(req)

@@ -34,8 +34,9 @@ class Timings:
     queue_ms: float = 0.0
     ttft_ms: float = 0.0
     prompt_tokens: int = 0
-    cached_tokens: int = 0
-    prefill_tokens: int = 0
+    cached_tokens: int = 0  # served by the prefix cache
+    skill_block_tokens: int = 0  # served by skill KV blocks (spliced, not recomputed)
+    prefill_tokens: int = 0  # computed for this request (the rest)
     prefill_ms: float = 0.0
     decode_tokens: int = 0
     decode_ms: float = 0.0
@@ -47,6 +48,19 @@ class Timings:
     @property
     def prefill_tokens_per_s(self) -> float:
         return 1000.0 * self.prefill_tokens / self.prefill_ms if self.prefill_ms else 0.0
+
+    def account(self, prompt_tokens: int, ready: int, splice=None) -> None:
+        """Split the prompt into cached / block / prefilled tokens; `ready` tokens were in the cache at start.
+
+        `splice` is a skill splicer's stats (kvtool.skills.splice.SpliceStats) when one prepared the cache:
+        its ready tokens are the prefix hit, the blocks it placed and the gaps it prefilled itself.
+        """
+        cached, blocks = ready, 0
+        if splice is not None:
+            cached = min(splice.prefix_hit_tokens, ready)
+            blocks = min(splice.reused_block_tokens, ready - cached)
+        self.prompt_tokens, self.cached_tokens, self.skill_block_tokens = prompt_tokens, cached, blocks
+        self.prefill_tokens = prompt_tokens - cached - blocks
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -111,12 +125,16 @@ class Engine:
                                      f"{len(prompt_ids) + max_tokens} exceeds the context window of {window} tokens")
         return max_tokens
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                 skip_special_tokens: bool = True) -> Generation:
+    def new_generation(self, prompt_ids: list[int], params: SamplingParams | None = None) -> tuple[Generation, int]:
+        """Validate a request; return its (not yet started) Generation and effective max_tokens."""
         params = (params or SamplingParams()).validate()
         prompt_ids = [int(t) for t in prompt_ids]
         max_tokens = self.check_prompt(prompt_ids, params)
-        gen = Generation(prompt_ids=prompt_ids, params=params)
+        return Generation(prompt_ids=prompt_ids, params=params), max_tokens
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                 skip_special_tokens: bool = True) -> Generation:
+        gen, max_tokens = self.new_generation(prompt_ids, params)
         gen._events = self._run(gen, max_tokens, skip_special_tokens)
         return gen
 
@@ -126,16 +144,24 @@ class Engine:
             return self.prefix_cache.prepare(prompt_ids, self.runner)
         return self.runner.new_cache(len(prompt_ids) + 64), 0, None
 
+    def open_cache(self, gen: Generation, known_ids: list[int], first: bool = True):
+        """start_cache() for a request about to run `known_ids` (its prompt, plus its output after a preemption).
+
+        Keeps at least the last known token to run (its logits pick the next token); on the first
+        start, records the cached / block / prefilled split in gen.timings.
+        """
+        cache, ready, handle = self.start_cache(known_ids)
+        ready = min(ready, len(known_ids) - 1)
+        cache.truncate(ready)
+        if first:
+            gen.timings.account(len(gen.prompt_ids), ready, getattr(handle, "stats", None))
+        return cache, ready, handle
+
     def _run(self, gen: Generation, max_tokens: int, skip_special_tokens: bool) -> Iterator[TokenEvent]:
         runner, tm = self.runner, gen.timings
         t0 = time.perf_counter()
-        cache, cached, handle = self.start_cache(gen.prompt_ids)
+        cache, cached, handle = self.open_cache(gen, gen.prompt_ids)
         try:
-            # Always run at least the last prompt token to get its logits.
-            cached = min(cached, len(gen.prompt_ids) - 1)
-            cache.truncate(cached)
-            tm.prompt_tokens, tm.cached_tokens = len(gen.prompt_ids), cached
-            tm.prefill_tokens = len(gen.prompt_ids) - cached
             state = OutputState(self, gen, max_tokens, skip_special_tokens, t0)
             logits = runner.prefill(gen.prompt_ids[cached:], cache, chunk=self.config.prefill_chunk)
             tm.prefill_ms = state.ms()

@@ -108,8 +108,25 @@ class MetricsMiddleware:
             self.metrics.http_response(scope["path"] if scope["path"] in self.routes else "other", status[0])
 
 
+def mount_skills(engine: Engine, served: ServedModel, prefix_cache, catalog=None):
+    """Install a SkillSplicer around the prefix cache when EngineConfig.skills_dir (or a catalog) is given."""
+    folder = engine.config.skills_dir
+    if catalog is None and not folder:
+        return None
+    from kvtool.skills.catalog import load_catalog
+    from kvtool.skills.splice import SkillSplicer
+
+    if catalog is None:
+        catalog = load_catalog(folder, engine.model)
+    splicer = SkillSplicer(catalog, engine.config.skill_repair, inner=prefix_cache, chunk=engine.config.prefill_chunk)
+    engine.prefix_cache, served.skills = splicer, catalog
+    log.info("serving %d skills (%s), repair %s", len(catalog), ", ".join(catalog.names()), engine.config.skill_repair)
+    return splicer
+
+
 def create_app(model, engine_config: EngineConfig | None = None, server_config: ServerConfig | None = None,
-               prefix_cache=None) -> FastAPI:
+               prefix_cache=None, skills=None) -> FastAPI:
+    """The app; `skills` is a SkillCatalog to serve (else EngineConfig.skills_dir is loaded, if set)."""
     cfg = server_config or ServerConfig()
     if cfg.tool_parser not in TOOL_FORMATS:
         raise KvtoolError(f"unknown tool parser {cfg.tool_parser!r}; choose one of {sorted(TOOL_FORMATS)}")
@@ -120,6 +137,7 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
         from kvtool.cache.manager import attach_prefix_cache
 
         prefix_cache = attach_prefix_cache(engine)
+    splicer = mount_skills(engine, served, prefix_cache, skills)
     extra = [f for f in (cfg.extra_metrics, prefix_cache and prefix_cache.prometheus_lines) if f]
     metrics = ServerMetrics((lambda: [line for f in extra for line in f()]) if extra else None)
     worker = Worker(engine, cfg.max_active, cfg.max_queue, metrics)
@@ -268,6 +286,16 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
         return {"model": served.name, "prompt": prepared.prompt, "prefill": prepared.prefill,
                 "count": len(prepared.prompt_ids), "token_ids": prepared.prompt_ids,
                 "tokens": token_table(served, prepared.prompt, prepared.prompt_ids)}
+
+    @api.get("/v1/skills")
+    async def list_skills():
+        """The skills this server splices (kvtool serve --skills DIR); request them with the `skills` field."""
+        if splicer is None:
+            return {"object": "list", "data": [], "enabled": False}
+        from kvtool.skills.repair import describe
+
+        return {"object": "list", "enabled": True, "render": served.skills.render, "repair": describe(splicer.repair),
+                "data": [{"object": "skill", **row} for row in served.skills.summary()]}
 
     @api.get("/v1/chat/template")
     async def raw_template():

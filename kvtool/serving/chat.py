@@ -209,10 +209,35 @@ def ends_in_reasoning(prompt: str) -> bool:
     return i >= 0 and tail.find(THINK_CLOSE, i) < 0
 
 
+def skill_messages(served: ServedModel, names: list[str], continue_final_message: bool) -> list[dict]:
+    """The `skills` extension: for each skill, the Skill tool call and its result, appended in order.
+
+    Their rendering is the skill's block verbatim, so the engine splices the block instead of
+    prefilling it."""
+    catalog = served.skills
+    if catalog is None or not len(catalog):
+        raise bad("this server has no skills; start it with kvtool serve --skills DIR to use the skills field",
+                  "skills")
+    if continue_final_message:
+        raise bad("skills are loaded as new turns after the conversation; they cannot be combined with "
+                  "continue_final_message=true", "skills")
+    if len(set(names)) != len(names):
+        raise bad(f"skills lists a skill twice: {names}", "skills")
+    out = []
+    for i, name in enumerate(names):
+        if name not in catalog:
+            raise bad(f"skills[{i}] {name!r} is not a skill of this server; known: {', '.join(catalog.names())} "
+                      "(GET /v1/skills)", f"skills[{i}]")
+        out += catalog.messages(name)
+    return out
+
+
 def prepare_chat(served: ServedModel, req, raw: dict, fmt: ToolFormat, answers_required: bool = True) -> PreparedChat:
     """Validate and render a chat request (completions, template and tokenize share it)."""
     tools = check_tools(req.tools, raw.get("tools"))
     messages = normalize_messages(req.messages, raw["messages"], answers_required)
+    if getattr(req, "skills", None):
+        messages += skill_messages(served, req.skills, getattr(req, "continue_final_message", False))
     mode, name = forced_tool(getattr(req, "tool_choice", None), tools)
     if tools and mode != "none" and not served.supports_tools:
         raise bad(f"model {served.name}'s chat template does not render tools, so it cannot call them; serve a "

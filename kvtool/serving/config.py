@@ -12,7 +12,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None  # when set, every /v1 and token route needs "Authorization: Bearer KEY"
     served_model_name: str | None = None  # default: the loaded model's name
-    max_active: int = 16  # generations interleaved token by token, each with its own KV cache
+    max_active: int = 16  # requests batched together in each decode step (continuous batching)
     max_queue: int = 64  # requests waiting beyond max_active; one more gets 429
     default_max_tokens: int | None = None  # when a request names none; None = up to the context window
     tool_parser: str = "qwen"  # key in kvtool.serving.toolparse.TOOL_FORMATS

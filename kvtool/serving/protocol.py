@@ -137,6 +137,7 @@ class ChatCompletionRequest(GenerationRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message is a prefix to continue
     raw_tokens: bool = False  # kvtool: every generated token as {id, piece, channel, t_ms}
+    skills: list[str] | None = None  # kvtool: load these skills (GET /v1/skills) into the context
 
     def chat_sampling(self, default_max_tokens: int | None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -173,6 +174,7 @@ class TokenizeRequest(Strict):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template has them)
+    skills: list[str] | None = None  # kvtool: as in chat completions
     return_token_strs: bool = False  # vLLM: the tokenizer's own token strings (e.g. "Ġhello")
     with_pieces: bool = False  # kvtool: each token decoded alone, verbatim
 
@@ -191,3 +193,4 @@ class TemplateRequest(Strict):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    skills: list[str] | None = None  # kvtool: as in chat completions

@@ -36,6 +36,8 @@ def usage_dict(gen, reasoning_tokens: int | None = None) -> dict:
     usage = {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.token_ids),
              "total_tokens": len(gen.prompt_ids) + len(gen.token_ids),
              "prompt_tokens_details": {"cached_tokens": gen.timings.cached_tokens}}
+    if gen.timings.skill_block_tokens:
+        usage["prompt_tokens_details"]["skill_block_tokens"] = gen.timings.skill_block_tokens
     if reasoning_tokens is not None:
         usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return usage

@@ -1,13 +1,15 @@
 """One thread owns the Engine; route handlers only submit and await token events.
 
-Fairness: requests are admitted first come, first served, up to `max_active`; the worker
-then steps each active Generation one token per round (round robin), each with its own KV
-cache, so concurrent streams interleave instead of waiting for each other. A request
-admitted this round is stepped first (prefill + first token), which bounds its TTFT by one
-round rather than a whole queue of decodes. More than
+Continuous batching: the worker thread drives a BatchScheduler. Every step is one packed
+forward holding one decode token of each running request plus prefill chunks of newly
+admitted ones (at most `prefill_chunk` prompt tokens per step), so concurrent streams
+share decode steps and a long prompt does not stall the streams already running. Requests
+are admitted first come, first served, up to `max_active` running at once; more than
 `max_active + max_queue` requests in flight get QueueFull (HTTP 429) at once.
 
-A cancelled handle (client gone) is closed at its next turn: gen.close() frees its KV.
+A cancelled handle (client gone) leaves the batch before the next step, which frees its KV.
+A fault in one request's sampling ends that request alone; a fault in the batched forward
+ends the requests in that batch, with a 500-style error each; the worker keeps serving.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import AsyncIterator
 
 from kvtool.config import SamplingParams
 from kvtool.engine import Engine, Generation, TokenEvent
+from kvtool.engine.batch import BatchScheduler
 from kvtool.serving.errors import QueueFull, Unavailable
 
 log = logging.getLogger("kvtool.serving")
@@ -34,15 +37,16 @@ class WorkerCrash(Exception):
 class Handle:
     """One request in the worker: iterate it (async) for TokenEvents; .gen holds the results."""
 
-    def __init__(self, worker: "Worker", gen: Generation, loop: asyncio.AbstractEventLoop):
+    def __init__(self, worker: "Worker", gen: Generation, max_tokens: int, skip_special_tokens: bool,
+                 loop: asyncio.AbstractEventLoop):
         self.worker, self.gen, self.loop = worker, gen, loop
+        self.max_tokens, self.skip_special_tokens = max_tokens, skip_special_tokens
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.done = False
         self.submitted = time.perf_counter()
         self.first_token: float | None = None
         self.last_token: float | None = None
-        self._iter = None
 
     def cancel(self) -> None:
         """Stop generating (idempotent); the worker closes the generation at its next turn."""
@@ -67,23 +71,26 @@ class Handle:
 
 
 class Worker:
-    def __init__(self, engine: Engine, max_active: int = 16, max_queue: int = 64, metrics=None):
+    def __init__(self, engine: Engine, max_active: int = 16, max_queue: int = 64, metrics=None,
+                 prefill_chunk: int | None = None):
         self.engine, self.max_active, self.max_queue, self.metrics = engine, max_active, max_queue, metrics
-        self._pending: deque[Handle] = deque()
-        self._active: list[Handle] = []
+        self.scheduler = BatchScheduler(engine, max_running=max_active,
+                                        prefill_budget=prefill_chunk or engine.config.prefill_chunk)
+        self._pending: deque[Handle] = deque()  # submitted, not yet handed to the scheduler
+        self._handles: dict[int, Handle] = {}  # id(gen) -> handle, for everything in the scheduler
         self._cv = threading.Condition()
-        self._model_lock = threading.Lock()  # held for each round of steps; run_exclusive() takes it too
+        self._model_lock = threading.Lock()  # held for each batched step; run_exclusive() takes it too
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="kvtool-worker", daemon=True)
         self._thread.start()
 
     @property
     def running(self) -> int:
-        return len(self._active)
+        return len(self.scheduler.running)
 
     @property
     def waiting(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self.scheduler.waiting)
 
     @property
     def alive(self) -> bool:
@@ -93,20 +100,20 @@ class Worker:
         """Queue a request. Raises KvtoolError (400) for a bad prompt, QueueFull (429), Unavailable (503)."""
         if not self.alive:
             raise Unavailable("the model worker is not running; restart kvtool serve", code="worker_stopped")
-        gen = self.engine.generate(prompt_ids, params, skip_special_tokens)  # validates; computes nothing yet
-        handle = Handle(self, gen, asyncio.get_running_loop())
+        gen, max_tokens = self.engine.new_generation(prompt_ids, params)  # validates; computes nothing yet
+        handle = Handle(self, gen, max_tokens, skip_special_tokens, asyncio.get_running_loop())
         with self._cv:
-            if len(self._pending) + len(self._active) >= self.max_active + self.max_queue:
+            if len(self._pending) + len(self._handles) >= self.max_active + self.max_queue:
                 if self.metrics:
                     self.metrics.rejected()
-                raise QueueFull(f"server busy: {len(self._active)} requests running and {len(self._pending)} "
+                raise QueueFull(f"server busy: {self.running} requests running and {self.waiting} "
                                 f"waiting (max_queue={self.max_queue}); retry shortly", code="queue_full")
             self._pending.append(handle)
             self._cv.notify()
         return handle
 
     def run_exclusive(self, fn):
-        """Run fn() between two rounds of generation steps (e.g. an attention pass of the inspector)."""
+        """Run fn() between two batched steps (e.g. an attention pass of the inspector)."""
         with self._model_lock:
             return fn()
 
@@ -127,43 +134,37 @@ class Worker:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._pending and not self._active:
+                while not self._stop and not self._pending and self.scheduler.idle:
                     self._cv.wait()
                 if self._stop:
                     break
-                admitted = []
-                while self._pending and len(self._active) + len(admitted) < self.max_active:
-                    handle = self._pending.popleft()
-                    handle.gen.timings.queue_ms = (time.perf_counter() - handle.submitted) * 1000.0
-                    handle._iter = iter(handle.gen)
-                    admitted.append(handle)
-                running = list(self._active)
-                self._active += admitted
-            # New requests go first in the round (their prefill and first token), then one token each.
+                new, self._pending = list(self._pending), deque()
+                for handle in new:
+                    self._handles[id(handle.gen)] = handle
             with self._model_lock:
-                for handle in admitted + running:
-                    self._step(handle)
-        for handle in self._active + list(self._pending):
+                now = time.perf_counter()
+                for handle in new:
+                    handle.gen.timings.queue_ms = (now - handle.submitted) * 1000.0
+                    self.scheduler.add(handle.gen, handle.max_tokens, handle.skip_special_tokens,
+                                       on_event=lambda event, h=handle: self._emit(h, event),
+                                       on_finish=self._on_finish)
+                for req in self.scheduler.requests:
+                    if self._handles[id(req.gen)].cancelled.is_set():
+                        self.scheduler.cancel(req.gen)
+                try:
+                    self.scheduler.step()
+                except Exception as exc:  # the batched forward failed: end this batch, keep serving
+                    log.exception("batched step failed")
+                    for req in list(self.scheduler.running):
+                        self.scheduler.cancel(req.gen, "error", exc)
+        for req in self.scheduler.requests:
+            self.scheduler.cancel(req.gen)
+        for handle in list(self._pending):
             handle.gen.close()
-            handle._post(Unavailable("the server is shutting down", code="shutting_down"))
-        self._active, self._pending = [], deque()
+            self._finish(handle, Unavailable("the server is shutting down", code="shutting_down"))
+        self._pending = deque()
 
-    def _step(self, handle: Handle) -> None:
-        if handle.cancelled.is_set():
-            handle.gen.close()
-            self._retire(handle)
-            return
-        try:
-            event = next(handle._iter)
-        except StopIteration:
-            self._retire(handle)
-            return
-        except Exception as exc:  # an engine fault on one request must not take the others down
-            log.exception("generation failed")
-            handle.gen.close()
-            handle._post(WorkerCrash(f"generation failed: {type(exc).__name__}: {exc}"))
-            self._retire(handle)
-            return
+    def _emit(self, handle: Handle, event: TokenEvent) -> None:
         now = time.perf_counter()
         if self.metrics:
             if handle.first_token is None:
@@ -175,16 +176,21 @@ class Worker:
         handle.last_token = now
         handle._post(event)
 
-    def _retire(self, handle: Handle) -> None:
-        with self._cv:
-            if handle in self._active:
-                self._active.remove(handle)
+    def _on_finish(self, gen: Generation, error: BaseException | None) -> None:
+        handle = self._handles.pop(id(gen))
+        if error is not None:
+            log.error("generation failed: %s: %s", type(error).__name__, error)
+            handle._post(WorkerCrash(f"generation failed: {type(error).__name__}: {error}"))
+        elif self._stop and gen.finish_reason == "abort" and not handle.cancelled.is_set():
+            handle._post(Unavailable("the server is shutting down", code="shutting_down"))
         self._finish(handle)
 
-    def _finish(self, handle: Handle) -> None:
+    def _finish(self, handle: Handle, error: BaseException | None = None) -> None:
         if handle.done:
             return
         handle.done = True
+        if error is not None:
+            handle._post(error)
         if self.metrics:
             self.metrics.finished(handle.gen)
         handle._post(_DONE)

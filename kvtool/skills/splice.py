@@ -57,7 +57,7 @@ class SkillSplicer:
         self.repair = make_repair(repair)
         self.inner = inner
         self.chunk = chunk
-        self.last_stats: SpliceStats | None = None  # the engine runs one request at a time
+        self.last_stats: SpliceStats | None = None  # of the latest prepare(); each handle keeps its own
 
     def prepare(self, prompt_ids: list[int], runner):
         t0 = time.perf_counter()

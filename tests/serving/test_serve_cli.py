@@ -52,3 +52,30 @@ def test_bad_sizes_are_clear_errors(capsys):
     assert "--max-active must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--tool-parser", "nope"])
+
+
+def test_skills_flags_reach_the_engine_config(monkeypatch, tmp_path):
+    import kvtool.cli.serve as cli
+    import kvtool.serving.server as server
+
+    seen = {}
+
+    class FakeModel:
+        name, info = "fake", {"device": "cpu", "dtype": "float32"}
+
+    monkeypatch.setattr(cli, "load_from_args", lambda args: FakeModel())
+    monkeypatch.setattr(server, "serve", lambda model, cfg, engine_config, log_level: seen.update(engine=engine_config))
+    assert main(["serve", "--skills", str(tmp_path), "--skill-repair", "recompute_deviation:ratio=0.2"]) == 0
+    assert seen["engine"].skills_dir == str(tmp_path)
+    assert seen["engine"].skill_repair == "recompute_deviation:ratio=0.2"
+
+
+@pytest.mark.parametrize("argv, needle", [(["--skills", "/no/such/folder"], "is not a folder of skills"),
+                                          (["--skill-repair", "magic"], "unknown repair strategy 'magic'"),
+                                          (["--skill-repair", "recompute_first_k:q=1"], "has no knob 'q'")])
+def test_bad_skills_flags_are_clear_errors(monkeypatch, capsys, tmp_path, argv, needle):
+    import kvtool.cli.serve as cli
+
+    monkeypatch.setattr(cli, "load_from_args", lambda args: pytest.fail("the model must not load on bad flags"))
+    assert main(["serve", *argv]) == 2
+    assert needle in capsys.readouterr().err

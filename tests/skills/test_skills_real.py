@@ -105,7 +105,8 @@ def test_engine_splices_blocks_and_full_recompute_matches_plain(smollm2, catalog
     stats = cheap.last_stats
     n_blocks = len(catalog.block("haiku")) + len(catalog.block("limerick"))
     assert stats.block_tokens == n_blocks and stats.reused_block_tokens == n_blocks
-    assert gen.timings.cached_tokens == stats.ready_tokens and gen.finish_reason in ("length", "stop")
+    assert gen.timings.skill_block_tokens == n_blocks and gen.timings.cached_tokens == 0
+    assert gen.timings.prefill_tokens == len(ids) - n_blocks and gen.finish_reason in ("length", "stop")
     assert len(gen.token_ids) >= 1
 
 
