@@ -19,7 +19,7 @@ _EXPORTS = {
     "RateLimited": "retry",
     "Event": "events", "user_message": "events", "Observer": "observer", "TerminalObserver": "render",
     "check_messages": "trajectory", "message_problems": "trajectory",
-    "make_demo_tools": "demo_tools", "run_demo": "demo_runner", "DEMOS": "demos",
+    "skill_tool": "skills", "make_demo_tools": "demo_tools", "run_demo": "demo_runner", "DEMOS": "demos",
     "run_tool_eval": "evaluate", "run_status_bar_cache_eval": "evaluate",
     "evaluate_tool_use": "evaluate", "status_bar_cache_rates": "evaluate",
 }

@@ -35,6 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--scale", type=float, default=1.0, help="multiply simulated tool durations (demos)")
     p.add_argument("--scripted", action="store_true",
                    help="replay the demo's own scripted model replies instead of calling an endpoint")
+    p.add_argument("--skills", default=None, metavar="DIR",
+                   help="add a Skill tool that loads the skills in DIR on demand (interactive; pair with "
+                        "kvtool serve --skills DIR so the loaded skills are spliced from their KV blocks)")
     p.set_defaults(func=handler)
 
 
@@ -49,10 +52,19 @@ def handler(args: argparse.Namespace) -> int:
         raise KvtoolError("--scripted replays a demo's script; also pass --demo NAME")
     config = AgentConfig(endpoint=args.endpoint, model=args.model, api_key=args.api_key,
                          status_bar=args.status_bar, max_iterations=args.max_iterations, workdir=args.workspace)
-    return asyncio.run(_main(args, config))
+    extra = []
+    if args.skills:
+        if args.demo:
+            raise KvtoolError("--skills adds the Skill tool to the interactive session; demos bring their own tools")
+        from kvtool.agent.skills import skill_tool
+
+        tool, prompt = skill_tool(args.skills)
+        extra.append(tool)
+        config.system_prompt = f"{config.system_prompt}\n\n{prompt}"
+    return asyncio.run(_main(args, config, extra))
 
 
-async def _main(args: argparse.Namespace, config: AgentConfig) -> int:
+async def _main(args: argparse.Namespace, config: AgentConfig, extra_tools: list | None = None) -> int:
     from kvtool.agent.demo_runner import get_demo, run_demo, scripted_backend
     from kvtool.agent.http_backend import OpenAIHTTPBackend
     from kvtool.agent.interactive import interactive_session
@@ -72,7 +84,8 @@ async def _main(args: argparse.Namespace, config: AgentConfig) -> int:
             backend.model = models[0]
     observer = TerminalObserver()
     if not args.demo:
-        return await interactive_session(backend, config, observer, workspace=args.workspace or ".")
+        return await interactive_session(backend, config, observer, workspace=args.workspace or ".",
+                                         extra_tools=extra_tools)
     demo = get_demo(args.demo)
     print(f"demo {demo.name}: {demo.description}\nprompt: {demo.prompt}\n")
     result = await run_demo(demo.name, backend, config, scale=args.scale, workspace=args.workspace,

@@ -51,8 +51,9 @@ async def interactive_session(
     observer: Observer,
     workspace: str = ".",
     readline: Callable[[], str] = sys.stdin.readline,
+    extra_tools: list | None = None,
 ) -> int:
-    agent = Agent(backend, make_demo_tools(workspace), config, observer=observer)
+    agent = Agent(backend, [*make_demo_tools(workspace), *(extra_tools or [])], config, observer=observer)
     loop = asyncio.get_running_loop()
     lines: asyncio.Queue[str | None] = asyncio.Queue()
     _start_reader(loop, lines, readline)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
+from typing import Iterator
 
 from kvtool.bench.scenarios import ChatRequest
 from kvtool.errors import KvtoolError
@@ -39,6 +40,48 @@ def tools_as_system_text(messages: list[dict], tools: list[dict]) -> list[dict]:
     return [{"role": "system", "content": text}, *messages]
 
 
+def open_client(endpoint: str, api_key: str | None = None, timeout_s: float = 600.0, client=None,
+                connections: int = 10):
+    """(base URL without /v1, httpx.Client) for an OpenAI-compatible server."""
+    import httpx
+
+    base = endpoint.rstrip("/")
+    base = base[: -len("/v1")] if base.endswith("/v1") else base
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return base, client or httpx.Client(base_url=base, timeout=timeout_s, headers=headers, limits=limits)
+
+
+def first_model(client, base: str) -> str:
+    try:
+        r = client.get("/v1/models")
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except Exception as exc:
+        raise EndpointError(f"could not list models at {base}/v1/models ({type(exc).__name__}: {exc}); "
+                            "check --endpoint or name the model with --served-model") from None
+
+
+def sse_chunks(response, url: str) -> Iterator[dict]:
+    """The JSON chunks of an OpenAI event stream up to [DONE]; EndpointError on a refusal or a broken stream."""
+    if response.status_code != 200:
+        response.read()
+        raise EndpointError(f"{url} answered {response.status_code}: {response.text[:500]}")
+    for line in response.iter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        try:
+            chunk = json.loads(data)
+        except json.JSONDecodeError:
+            raise EndpointError(f"the endpoint streamed a line that is not JSON: {data[:200]!r}") from None
+        if chunk.get("error"):
+            raise EndpointError(f"the endpoint streamed an error: {chunk['error']}")
+        yield chunk
+
+
 class InProcessBackend:
     """An Engine with a PrefixCache in this process; TTFT includes templating and tokenization."""
 
@@ -60,13 +103,20 @@ class InProcessBackend:
     @classmethod
     def load(cls, model_arg: str | None, device: str = "auto", dtype: str = "auto", cache_bytes: int | None = None,
              block_size: int | None = None, max_tokens: int = 1, announce=print) -> "InProcessBackend":
-        from kvtool.cache.manager import attach_prefix_cache
-        from kvtool.config import EngineConfig
-        from kvtool.engine import Engine
         from kvtool.models.loading import load
         from kvtool.models.resolve import resolve_model_arg
 
         model = load(resolve_model_arg(model_arg, announce=announce), device=device, dtype=dtype)
+        return cls.for_model(model, cache_bytes, block_size, max_tokens)
+
+    @classmethod
+    def for_model(cls, model, cache_bytes: int | None = None, block_size: int | None = None,
+                  max_tokens: int = 1) -> "InProcessBackend":
+        """A fresh Engine with its own PrefixCache over an already loaded model."""
+        from kvtool.cache.manager import attach_prefix_cache
+        from kvtool.config import EngineConfig
+        from kvtool.engine import Engine
+
         engine = Engine(model, EngineConfig(enable_prefix_cache=True))
         attach_prefix_cache(engine, budget_bytes=cache_bytes, block_size=block_size)
         return cls(model, engine, max_tokens)
@@ -103,23 +153,9 @@ class EndpointBackend:
 
     def __init__(self, endpoint: str, model: str | None = None, api_key: str | None = None,
                  max_tokens: int = 1, timeout_s: float = 600.0, client=None):
-        import httpx
-
-        base = endpoint.rstrip("/")
-        base = base[: -len("/v1")] if base.endswith("/v1") else base
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.base, self.max_tokens = base, max_tokens
-        self.client = client or httpx.Client(base_url=base, timeout=timeout_s, headers=headers)
-        self.model = model or self._first_model()
-
-    def _first_model(self) -> str:
-        try:
-            r = self.client.get("/v1/models")
-            r.raise_for_status()
-            return r.json()["data"][0]["id"]
-        except Exception as exc:
-            raise EndpointError(f"could not list models at {self.base}/v1/models ({type(exc).__name__}: {exc}); "
-                                "check --endpoint or name the model with --served-model") from None
+        self.base, self.client = open_client(endpoint, api_key, timeout_s, client)
+        self.max_tokens = max_tokens
+        self.model = model or first_model(self.client, self.base)
 
     def describe(self) -> dict:
         return {"backend": self.kind, "endpoint": self.base, "model": self.model, "tools_rendering": "server"}
@@ -143,21 +179,7 @@ class EndpointBackend:
         first = finished = None
         usage, timings, n_out = {}, {}, 0
         with self.client.stream("POST", "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                r.read()
-                raise EndpointError(f"{self.base}/v1/chat/completions answered {r.status_code}: {r.text[:500]}")
-            for line in r.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                try:
-                    chunk = json.loads(data)
-                except json.JSONDecodeError:
-                    raise EndpointError(f"the endpoint streamed a line that is not JSON: {data[:200]!r}") from None
-                if chunk.get("error"):
-                    raise EndpointError(f"the endpoint streamed an error: {chunk['error']}")
+            for chunk in sse_chunks(r, f"{self.base}/v1/chat/completions"):
                 for choice in chunk.get("choices") or []:
                     delta = choice.get("delta") or {}
                     if any(delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls")):

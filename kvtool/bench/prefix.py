@@ -16,20 +16,22 @@ from __future__ import annotations
 import copy
 import inspect
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
 from kvtool.bench.protocol import device_name, emit, measure, summary, sync, versions
+from kvtool.bench.targets import Target
 from kvtool.config import EngineConfig
 from kvtool.errors import InvalidParameterError
 
-SHAPES = ("qwen3-0.6b",)
 TARGET_SPEEDUP = 15.0  # 2-core CPU, SmolLM2, 2048 + 64 (transformers DynamicCache reuse: 14.5x)
 TARGET_HIT_MS_CUDA = 3.0  # H200, Qwen3-0.6B shape bf16, 4096 + 64
+TARGETS = [Target("speedup", "hit vs cold prefill", ">=", TARGET_SPEEDUP, "x", "2-core CPU, SmolLM2, 2048 + 64",
+                  device_type=None),
+           Target("hit_ms", "prefix hit TTFT", "<=", TARGET_HIT_MS_CUDA, "ms", "H200, Qwen3-0.6B shape, bf16, "
+                  "4096 + 64")]
 
 
 @dataclass
@@ -43,28 +45,6 @@ class PrefixBenchConfig:
     baseline: bool = True  # also time transformers
     seed: int = 0
     out: str | None = None
-
-
-def load_runner(model_arg: str | None, shape: str | None, device: str, dtype: str, announce=print):
-    """(display name, ModelRunner, HF folder for the transformers baseline)."""
-    from kvtool.models.loading import build_runner, load, pick_device, pick_dtype
-    from kvtool.models.resolve import resolve_model_arg
-    from kvtool.models.spec import ModelSpec
-
-    if shape:
-        from transformers import AutoConfig
-
-        from kvtool.testing.tiny import qwen3_0_6b_config, random_checkpoint
-
-        if shape not in SHAPES:
-            raise InvalidParameterError(f"unknown shape {shape!r}; choose one of {SHAPES}")
-        dev = pick_device(device)
-        folder = random_checkpoint(qwen3_0_6b_config(), Path(tempfile.mkdtemp(prefix="kvtool-bench-")))
-        cfg = AutoConfig.from_pretrained(str(folder))
-        runner = build_runner(ModelSpec.from_hf_config(cfg), cfg, folder, dev, pick_dtype(dtype, dev), progress=False)
-        return "Qwen3-0.6B shape (random weights)", runner, folder
-    model = load(resolve_model_arg(model_arg, announce=announce), device=device, dtype=dtype)
-    return model.name, model.runner, model.folder
 
 
 def _kvtool_cold(runner, prompt, chunk) -> float:
@@ -90,9 +70,12 @@ def _kvtool_hit(pc, runner, prompt, chunk, expect_cached, prepare_ms: list | Non
     return ms, token
 
 
-def run_prefix_bench(name: str, runner, cfg: PrefixBenchConfig, hf_folder: Path | None = None,
+def run_prefix_bench(bm, cfg: PrefixBenchConfig | None = None,
                      log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+    """Prefix-cache hit vs cold prefill on ``bm`` (a BenchModel), beside transformers; the JSON record."""
     from kvtool.cache.manager import PrefixCache
+
+    cfg, name, runner = cfg or PrefixBenchConfig(), bm.name, bm.runner
 
     if cfg.prefix_tokens % cfg.block_size:
         raise InvalidParameterError(f"--prefix-tokens ({cfg.prefix_tokens}) must be a multiple of the block size "
@@ -130,7 +113,7 @@ def run_prefix_bench(name: str, runner, cfg: PrefixBenchConfig, hf_folder: Path 
     cold_token = int(runner.prefill(check_prompt, cache, chunk=cfg.prefill_chunk).argmax(-1))
     first_token_match = _kvtool_hit(pc, runner, check_prompt, cfg.prefill_chunk, cfg.prefix_tokens)[1] == cold_token
     if cfg.baseline:
-        results["transformers"] = transformers_baseline(hf_folder, runner, prefix, cold_prompt, suffixes, cfg, log)
+        results["transformers"] = transformers_baseline(bm.hf(), prefix, cold_prompt, suffixes, cfg, log)
     for r in results.values():
         r["speedup"] = r["cold_ms"]["median"] / r["hit_ms"]["median"]
     k = results["kvtool"]
@@ -140,19 +123,16 @@ def run_prefix_bench(name: str, runner, cfg: PrefixBenchConfig, hf_folder: Path 
     record = {"benchmark": "prefix", "model": name, "device": device_name(device), "device_type": device.type,
               "dtype": str(runner.dtype).replace("torch.", ""), "config": asdict(cfg), "results": results,
               "first_token_match": first_token_match, "targets": targets, "cache": pc.stats(),
+              "target_checks": [TARGETS[0].check(k["speedup"], device.type, cfg.prefix_tokens >= 2048),
+                                TARGETS[1].check(k["hit_ms"]["median"], device.type, cfg.prefix_tokens >= 4096)],
               "versions": versions()}
     if "transformers" in results:
         record["hit_vs_transformers_hit"] = results["transformers"]["hit_ms"]["median"] / k["hit_ms"]["median"]
     return record
 
 
-def transformers_baseline(folder, runner, prefix, cold_prompt, suffixes, cfg, log) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    if folder is None:
-        raise InvalidParameterError("the transformers baseline needs the model's HF folder")
-    device = runner.device
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=runner.dtype).to(device).eval()
+def transformers_baseline(hf, prefix, cold_prompt, suffixes, cfg, log) -> dict:
+    device = hf.device
     log("transformers: DynamicCache holding the prefix, deep-copied per request")
     # transformers 5 renamed past_key_values to cache; use whichever this version takes
     cache_kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"

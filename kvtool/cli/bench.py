@@ -1,4 +1,5 @@
-"""`kvtool bench <benchmark>`: `ttft` (context layouts vs the prefix cache) and `prefix` (hit vs cold).
+"""`kvtool bench <benchmark>`: decode, ttft (context layouts), prefix (hit vs cold), skills (composed blocks),
+batching (concurrent streams), and `all` (every one of them, written as one report).
 
 Each benchmark registers its own sub-parser; defaults come from the benchmark's config dataclass.
 """
@@ -11,22 +12,42 @@ import sys
 from kvtool.cli.common import ENGINE, add_model_args
 
 
+def _add_model(p) -> None:
+    from kvtool.bench.loading import MODEL_ALIASES, SHAPES
+
+    add_model_args(p)
+    p.add_argument("--shape", choices=list(SHAPES), default=None, help="random weights in this shape instead of "
+                   f"--model (--model also takes the offline test models: {', '.join(MODEL_ALIASES)})")
+
+
+def _add_endpoint(p, what: str) -> None:
+    p.add_argument("--endpoint", default=None,
+                   help=f"OpenAI-compatible base URL (kvtool serve, vLLM, llama.cpp) {what}")
+    p.add_argument("--served-model", default=None, help="model name for --endpoint (default: first of /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="for --endpoint (or $OPENAI_API_KEY)")
+
+
 def register(subparsers) -> None:
-    from kvtool.bench.prefix import SHAPES, PrefixBenchConfig
+    from kvtool.bench import batching, decode, skills
+    from kvtool.bench.prefix import PrefixBenchConfig
+    from kvtool.bench.report import BENCHMARKS
     from kvtool.bench.scenarios import SCENARIOS, ScenarioConfig
     from kvtool.bench.ttft import TTFTBenchConfig
 
-    p = subparsers.add_parser("bench", help="benchmarks (ttft, prefix); JSON record as the last line")
+    p = subparsers.add_parser("bench", help="benchmarks (decode, ttft, prefix, skills, batching, all); "
+                                            "JSON record as the last line")
     sub = p.add_subparsers(dest="bench_command", metavar="<benchmark>")
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+    d = sub.add_parser("decode", help="bs=1 decode tok/s and cold TTFT, beside transformers generate")
+    _add_model(d)
+    decode.add_args(d)
+    d.set_defaults(func=run_decode)
 
     t, tc, sc = sub.add_parser("ttft", help="TTFT and cache hit rate per context layout (anti-patterns)"), \
         TTFTBenchConfig(), ScenarioConfig()
     add_model_args(t)
-    t.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL (kvtool serve, vLLM, llama.cpp) "
-                   "instead of running the model in-process")
-    t.add_argument("--served-model", default=None, help="model name for --endpoint (default: first of /v1/models)")
-    t.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="for --endpoint (or $OPENAI_API_KEY)")
+    _add_endpoint(t, "instead of running the model in-process")
     t.add_argument("--scenarios", nargs="+", default=tc.scenarios, choices=list(SCENARIOS), metavar="NAME",
                    help=f"subset to run: {' '.join(SCENARIOS)}")
     t.add_argument("--repeats", type=int, default=tc.repeats, help="runs of each scenario from an empty cache")
@@ -45,8 +66,7 @@ def register(subparsers) -> None:
 
     x, xc = sub.add_parser("prefix", help="TTFT of a prefix-cache hit vs a cold prefill, beside transformers"), \
         PrefixBenchConfig()
-    add_model_args(x)
-    x.add_argument("--shape", choices=SHAPES, default=None, help="random weights in this shape instead of --model")
+    _add_model(x)
     x.add_argument("--prefix-tokens", type=int, default=xc.prefix_tokens)
     x.add_argument("--suffix-tokens", type=int, default=xc.suffix_tokens)
     x.add_argument("--repeats", type=int, default=xc.repeats)
@@ -56,9 +76,44 @@ def register(subparsers) -> None:
     x.add_argument("--out", default=xc.out, help="also write the JSON record here")
     x.set_defaults(func=run_prefix)
 
+    s = sub.add_parser("skills", help="composed skill KV blocks vs full prefill: fidelity and TTFT per repair")
+    _add_model(s)
+    skills.add_args(s)
+    s.set_defaults(func=run_skills)
+
+    b = sub.add_parser("batching", help="N concurrent streams: continuous batching vs transformers padded batch")
+    _add_model(b)
+    _add_endpoint(b, "to load-test with the same streams as well")
+    batching.add_args(b)
+    b.set_defaults(func=run_batching)
+
+    a = sub.add_parser("all", help="every benchmark on one model; report.md + report.json + PNG plots")
+    _add_model(a)
+    _add_endpoint(a, "for the serving scenarios (context layouts, batching)")
+    a.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test that finishes in minutes on CPU")
+    a.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS), metavar="NAME",
+                   help=f"subset to run: {' '.join(BENCHMARKS)}")
+    a.add_argument("--out-dir", default=None, help="default: benchmarks/results/report-<device>[-quick]")
+    a.set_defaults(func=run_all)
+
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def _bench_model(args):
+    from kvtool.bench.loading import load_bench_model
+
+    return load_bench_model(args.model, args.shape, args.device, args.dtype, announce=_log)
+
+
+def run_decode(args) -> int:
+    from kvtool.bench.decode import config_from_args, report, run_decode_bench
+
+    cfg = config_from_args(args).validate()
+    with _bench_model(args) as bm:
+        report(run_decode_bench(bm, cfg, log=_log), args.out)
+    return 0
 
 
 def run_ttft(args) -> int:
@@ -80,16 +135,40 @@ def run_ttft(args) -> int:
 
 
 def run_prefix(args) -> int:
-    from kvtool.bench.prefix import PrefixBenchConfig, load_runner, report, run_prefix_bench
+    from kvtool.bench.prefix import PrefixBenchConfig, report, run_prefix_bench
 
     cfg = PrefixBenchConfig(prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens, repeats=args.repeats,
                             warmup=args.warmup, block_size=args.block_size, baseline=args.baseline, out=args.out)
-    name, runner, folder = load_runner(args.model, args.shape, args.device, args.dtype, announce=_log)
-    try:
-        report(run_prefix_bench(name, runner, cfg, folder, log=_log), args.out)
-    finally:
-        if args.shape:  # a random checkpoint written for this run only
-            import shutil
-
-            shutil.rmtree(folder, ignore_errors=True)
+    with _bench_model(args) as bm:
+        report(run_prefix_bench(bm, cfg, log=_log), args.out)
     return 0
+
+
+def run_skills(args) -> int:
+    from kvtool.bench.skills import config_from_args, report, run_skills_bench
+
+    cfg = config_from_args(args).validate()
+    with _bench_model(args) as bm:
+        report(run_skills_bench(bm, cfg, log=_log), cfg.out, cfg.plot)
+    return 0
+
+
+def run_batching(args) -> int:
+    from kvtool.bench.batching import config_from_args, report, run_batching_bench
+
+    cfg = config_from_args(args).validate()
+    endpoint = {"url": args.endpoint, "model": args.served_model, "api_key": args.api_key} if args.endpoint else None
+    with _bench_model(args) as bm:
+        record = run_batching_bench(bm, cfg, endpoint, log=_log)
+    report(record, cfg.out, cfg.png)
+    return 1 if record["errors"] else 0
+
+
+def run_all(args) -> int:
+    from kvtool.bench.report import ReportConfig, run_report
+
+    rc = ReportConfig(model=args.model, shape=args.shape, device=args.device, dtype=args.dtype,
+                      endpoint=args.endpoint, served_model=args.served_model, api_key=args.api_key,
+                      quick=args.quick, only=args.only, out_dir=args.out_dir)
+    record = run_report(rc, log=_log)
+    return 1 if record["errors"] else 0

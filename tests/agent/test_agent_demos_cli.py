@@ -104,3 +104,13 @@ def test_interactive_session_queues_lines_and_exits(endpoint, capsys):
     users = [m["content"] for m in ep.requests[-1]["messages"] if m["role"] == "user"]
     assert "hi" in users and "thanks" in users and len(ep.requests) == 2
     assert "[done; 1 model calls" in out
+
+
+def test_skills_flag_is_for_interactive_sessions(tmp_path, capsys):
+    from kvtool.cli import main
+
+    (tmp_path / "haiku.md").write_text("---\nname: haiku\ndescription: Write haiku.\n---\nThree lines.\n")
+    assert main(["agent", "--skills", str(tmp_path), "--demo", "parallel", "--scripted"]) == 2
+    assert "demos bring their own tools" in capsys.readouterr().err
+    assert main(["agent", "--skills", str(tmp_path / "missing")]) == 2
+    assert "missing" in capsys.readouterr().err

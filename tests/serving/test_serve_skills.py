@@ -105,3 +105,27 @@ def test_server_without_skills_refuses_the_field(smol):
     r = smol.post("/v1/chat/completions", json={"messages": QUESTION, "skills": ["haiku"], "max_tokens": 2})
     assert r.status_code == 400 and "--skills DIR" in r.json()["error"]["message"]
     assert smol.get("/v1/skills").json() == {"object": "list", "data": [], "enabled": False}
+
+
+def test_agent_skill_tool_result_is_spliced_by_the_server(skilled, catalog):
+    """The agent's Skill tool loads a skill on demand; sent to kvtool serve, that turn comes from the block."""
+    import asyncio
+    from pathlib import Path
+
+    from kvtool.agent import Agent, AgentConfig, FakeEndpoint, OpenAIHTTPBackend, reply, skill_tool
+
+    tool, listing = skill_tool(Path(catalog.skills["haiku"].path).parent)
+    assert "- haiku: Write haiku poems." in listing and "- limerick: Write limericks." in listing
+    ep = FakeEndpoint([reply(tool_calls=[("Skill", {"name": "haiku"})], ids=["call_s"]), reply("Done.")])
+    ep.start()
+    try:
+        config = AgentConfig(system_prompt=f"You write poems.\n\n{listing}", max_iterations=3,
+                             wait_for_background=False)
+        result = asyncio.run(Agent(OpenAIHTTPBackend(ep.base_url, "fake-model"), [tool], config).run("A haiku."))
+    finally:
+        ep.stop()
+    assert result.stop_reason != "max_iterations" and len(ep.requests) == 2
+    sent = ep.requests[1]["messages"]  # what the model saw after the Skill call
+    assert any(m["role"] == "tool" and m["content"] == catalog.skills["haiku"].content for m in sent)
+    out = chat(skilled, messages=sent, max_tokens=2)
+    assert out["usage"]["prompt_tokens_details"]["skill_block_tokens"] == len(catalog.block("haiku"))

@@ -1,0 +1,137 @@
+"""`kvtool bench decode`: bs=1 decode tokens/s and cold TTFT, kvtool vs transformers `generate`, same run.
+
+    kvtool bench decode                                    # default model (SmolLM2 offline)
+    kvtool bench decode --shape qwen3-0.6b --ttft-lengths 512 4096   # random weights, GPU targets
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvtool.bench.protocol import device_name, emit, measure, versions
+from kvtool.bench.targets import Target, check_all
+from kvtool.config import EngineConfig
+from kvtool.errors import InvalidParameterError
+
+TARGETS = [Target("decode_tok_s", "decode tok/s, bs=1", ">=", 800, "tok/s"),
+           Target("ttft_ms_512", "cold TTFT @512", "<=", 6, "ms"),
+           Target("ttft_ms_4096", "cold TTFT @4096", "<=", 15, "ms")]
+
+
+@dataclass
+class DecodeBenchConfig:
+    decode_tokens: int = 64
+    ttft_lengths: list[int] = field(default_factory=lambda: [512, 2048])
+    prompt_tokens: int = 32  # prompt before the timed decode steps
+    repeats: int = 3
+    warmup: int = 1
+    prefill_chunk: int = EngineConfig.prefill_chunk
+    baseline: bool = True  # also time transformers
+    seed: int = 0
+    out: str | None = None
+
+    def validate(self, max_position: int | None = None) -> "DecodeBenchConfig":
+        if min(self.decode_tokens, self.prompt_tokens, self.repeats, *self.ttft_lengths) < 1 or self.warmup < 0:
+            raise InvalidParameterError("--decode-tokens, --prompt-tokens, --repeats and --ttft-lengths must be "
+                                        ">= 1 (and --warmup >= 0)")
+        longest = max(self.ttft_lengths + [self.prompt_tokens + self.decode_tokens])
+        if max_position is not None and longest >= max_position:
+            raise InvalidParameterError(f"{longest} tokens do not fit the model's context window of {max_position}; "
+                                        "lower --ttft-lengths or --decode-tokens")
+        return self
+
+
+def add_args(p) -> None:
+    c = DecodeBenchConfig()
+    p.add_argument("--decode-tokens", type=int, default=c.decode_tokens, help="timed greedy decode steps")
+    p.add_argument("--ttft-lengths", type=int, nargs="+", default=c.ttft_lengths, help="cold TTFT prompt lengths")
+    p.add_argument("--repeats", type=int, default=c.repeats)
+    p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the transformers baseline")
+    p.add_argument("--out", default=c.out, help="also write the JSON record here")
+
+
+def config_from_args(args) -> DecodeBenchConfig:
+    return DecodeBenchConfig(decode_tokens=args.decode_tokens, ttft_lengths=args.ttft_lengths, repeats=args.repeats,
+                             baseline=args.baseline, out=args.out)
+
+
+def kvtool_decode(runner, prompt: list[int], n: int) -> float:
+    """Tokens/s over n greedy decode steps after a prefill (host sync per token, as when streaming)."""
+    cache = runner.new_cache(len(prompt) + n + 1)
+    tok = int(runner.prefill(prompt, cache).argmax(-1))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        tok = int(runner(torch.tensor([tok], device=runner.device), cache).argmax(-1))
+    return n / (time.perf_counter() - t0)
+
+
+def kvtool_ttft(runner, prompt: list[int], chunk: int) -> None:
+    cache = runner.new_cache(len(prompt) + 1)
+    int(runner.prefill(prompt, cache, chunk=chunk).argmax(-1))
+
+
+def hf_generate(hf, prompt: list[int], n: int) -> None:
+    ids = torch.tensor([prompt], device=hf.device)
+    with torch.no_grad():
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                    do_sample=False, pad_token_id=0)
+
+
+def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
+                     log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+    """Decode tok/s and cold TTFT of ``bm`` (a BenchModel), beside transformers; returns the JSON record."""
+    cfg = (cfg or DecodeBenchConfig()).validate(bm.runner.spec.max_position)
+    runner, device, n = bm.runner, bm.device, cfg.decode_tokens
+    vocab = runner.spec.vocab_size
+    lo = min(100, vocab // 4)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    prompt = torch.randint(lo, vocab - lo, (cfg.prompt_tokens,), generator=gen).tolist()
+    engines = ["kvtool"] + (["transformers"] if cfg.baseline else [])
+    hf = bm.hf() if cfg.baseline else None
+
+    def hf_decode():  # generate(n + 1) minus generate(1): the decode steps alone
+        t0 = time.perf_counter()
+        hf_generate(hf, prompt, 1)
+        t1 = time.perf_counter()
+        hf_generate(hf, prompt, n + 1)
+        return n / ((time.perf_counter() - t1) - (t1 - t0))
+
+    log(f"decode: {n} tokens after a {len(prompt)}-token prompt ({bm.name} on {device})")
+    fns = {"kvtool": lambda: kvtool_decode(runner, prompt, n), "transformers": hf_decode}
+    rows = {"decode_tok_s": {e: measure(fns[e], cfg.repeats, cfg.warmup, device, e) for e in engines}}
+    for length in cfg.ttft_lengths:
+        ids = torch.randint(lo, vocab - lo, (length,), generator=gen).tolist()
+        log(f"cold TTFT at {length} tokens (ms)")
+        fns = {"kvtool": lambda: kvtool_ttft(runner, ids, cfg.prefill_chunk),
+               "transformers": lambda: hf_generate(hf, ids, 1)}
+        rows[f"ttft_ms_{length}"] = {e: measure(fns[e], cfg.repeats, cfg.warmup, device, e) for e in engines}
+    ratios = {}
+    for metric, row in rows.items():
+        if "transformers" in row:
+            k, t = row["kvtool"]["median"], row["transformers"]["median"]
+            ratios[metric] = round(k / t if metric.startswith("decode") else t / k, 3)  # >1: kvtool is faster
+    measured = {metric: row["kvtool"]["median"] for metric, row in rows.items()}
+    return {"benchmark": "decode", "model": bm.name, "device": device_name(device), "device_type": device.type,
+            "dtype": bm.dtype, "decode_tokens": n, "config": asdict(cfg), "results": rows,
+            "speedup_vs_transformers": ratios, "target_checks": check_all(TARGETS, measured, device.type),
+            "versions": versions()}
+
+
+def format_table(record: dict) -> str:
+    lines = [f"\n{record['model']} on {record['device']}, {record['dtype']}",
+             f"{'metric':<18}{'kvtool':>12}{'transformers':>14}{'ratio':>8}"]
+    for metric, row in record["results"].items():
+        t = row.get("transformers")
+        ratio = record["speedup_vs_transformers"].get(metric)
+        lines.append(f"{metric:<18}{row['kvtool']['median']:>12.2f}"
+                     + (f"{t['median']:>14.2f}{ratio:>7.2f}x" if t else f"{'-':>14}{'-':>8}"))
+    return "\n".join(lines)
+
+
+def report(record: dict, out: str | None) -> None:
+    print(format_table(record))
+    emit(record, out)

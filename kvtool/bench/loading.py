@@ -1,0 +1,145 @@
+"""The model a benchmark runs: a real checkpoint (--model) or random weights in a named shape (--shape).
+
+`kvtool bench all` loads one BenchModel and hands it to every benchmark; the transformers
+baseline of the same weights is loaded once, on first use.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvtool.errors import InvalidParameterError, ModelLoadError
+from kvtool.models.loading import LoadedModel
+
+
+def _qwen3_0_6b():
+    from kvtool.testing.tiny import qwen3_0_6b_config
+
+    return qwen3_0_6b_config()
+
+
+SHAPES = {"qwen3-0.6b": _qwen3_0_6b}  # --shape name -> transformers config of the random checkpoint
+MODEL_ALIASES = ("smollm2", "qwen25")  # offline test models (kvtool.testing.models.<alias>_gguf)
+
+
+class IdTokenizer:
+    """Stands in for the tokenizer of a checkpoint that has none: token i reads "<i>"; no chat template."""
+
+    chat_template = None
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(f"<{int(i)}>" for i in ids)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        raise ModelLoadError("this checkpoint has random weights and no tokenizer; benchmarks that render chat "
+                             "prompts need --model (or the embedded SmolLM2 installed for its tokenizer)")
+
+    def get_vocab(self) -> dict:
+        return {}
+
+
+@dataclass
+class BenchModel:
+    name: str
+    model: LoadedModel  # what Engine and the in-process TTFT backend need
+    random_weights: bool = False
+    temp_folder: Path | None = None  # a random checkpoint written for this run; removed by close()
+    _hf: object = field(default=None, repr=False)
+
+    @property
+    def runner(self):
+        return self.model.runner
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.runner.device
+
+    @property
+    def dtype(self) -> str:
+        return str(self.model.runner.dtype).replace("torch.", "")
+
+    def hf(self):
+        """The transformers model of the same weights, dtype and device (loaded once)."""
+        if self._hf is None:
+            from transformers import AutoModelForCausalLM
+
+            self._hf = AutoModelForCausalLM.from_pretrained(str(self.model.folder), dtype=self.runner.dtype)
+            self._hf = self._hf.to(self.device).eval()
+        return self._hf
+
+    def close(self) -> None:
+        self._hf = None
+        if self.temp_folder is not None:
+            shutil.rmtree(self.temp_folder, ignore_errors=True)
+
+    def __enter__(self) -> "BenchModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def from_checkpoint(folder: Path, name: str, device: str = "auto", dtype: str = "auto", tokenizer=None,
+                    temporary: bool = False) -> BenchModel:
+    """A BenchModel over an HF folder without a tokenizer (random or tiny test checkpoints)."""
+    from transformers import AutoConfig
+
+    from kvtool.models.loading import build_runner, pick_device, pick_dtype
+    from kvtool.models.spec import ModelSpec
+
+    dev = pick_device(device)
+    cfg = AutoConfig.from_pretrained(str(folder))
+    runner = build_runner(ModelSpec.from_hf_config(cfg), cfg, Path(folder), dev, pick_dtype(dtype, dev),
+                          progress=False)
+    info = {"device": str(dev), "dtype": str(runner.dtype).replace("torch.", "")}
+    model = LoadedModel(name=name, folder=Path(folder), runner=runner, tokenizer=tokenizer or IdTokenizer(),
+                        hf_config=cfg, source=str(folder), info=info)
+    return BenchModel(name, model, random_weights=True, temp_folder=Path(folder) if temporary else None)
+
+
+def _embedded_tokenizer():
+    """SmolLM2's tokenizer if the embedded model is installed (ids < 49152 fit any shape here), else None."""
+    from transformers import AutoTokenizer
+
+    from kvtool.models import gguf
+    from kvtool.models.embedded import smollm2_path
+
+    try:
+        return AutoTokenizer.from_pretrained(str(gguf.converted_folder(smollm2_path())))
+    except ModelLoadError:
+        return None
+
+
+def load_bench_model(model_arg: str | None = None, shape: str | None = None, device: str = "auto",
+                     dtype: str = "auto", announce=print) -> BenchModel:
+    """--shape: random weights in that shape (prompts tokenized by SmolLM2's tokenizer when installed);
+    else --model: a hub id, HF folder, GGUF file or an alias in MODEL_ALIASES (default: kvtool's default model)."""
+    from kvtool.models.loading import load
+
+    if shape is not None:
+        if shape not in SHAPES:
+            raise InvalidParameterError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+        if model_arg:
+            raise InvalidParameterError("give either --model or --shape, not both")
+        from kvtool.testing.tiny import random_checkpoint
+
+        folder = random_checkpoint(SHAPES[shape](), Path(tempfile.mkdtemp(prefix="kvtool-bench-")))
+        tokenizer = _embedded_tokenizer()
+        name = f"{shape} shape (random weights{', SmolLM2 tokenizer' if tokenizer else ''})"
+        return from_checkpoint(folder, name, device, dtype, tokenizer, temporary=True)
+    if model_arg in MODEL_ALIASES:
+        from kvtool.testing import models
+
+        path = str(getattr(models, f"{model_arg}_gguf")())
+    else:
+        from kvtool.models.resolve import resolve_model_arg
+
+        path = resolve_model_arg(model_arg, announce=announce)
+    model = load(path, device=device, dtype=dtype, progress=False)
+    return BenchModel(model.name, model)

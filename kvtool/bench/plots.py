@@ -1,0 +1,33 @@
+"""Grouped bar charts for benchmark records: one panel per metric, one bar per engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def bar_panels(path: str | Path, title: str, panels: dict[str, dict[str, float | None]]) -> Path:
+    """panels: {metric label: {engine: value}}; missing values (None) are left out of their panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    engines = list(dict.fromkeys(e for values in panels.values() for e, v in values.items() if v is not None))
+    colors = {e: f"C{i}" for i, e in enumerate(engines)}
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels) + 1, 3.8), squeeze=False)
+    for ax, (metric, values) in zip(axes[0], panels.items()):
+        shown = [(e, v) for e, v in values.items() if v is not None]
+        bars = ax.bar(range(len(shown)), [v for _, v in shown], color=[colors[e] for e, _ in shown])
+        for bar, (_, v) in zip(bars, shown):
+            ax.annotate(f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                        va="bottom", fontsize=8)
+        ax.set_xticks(range(len(shown)))
+        ax.set_xticklabels([e for e, _ in shown], rotation=25, ha="right", fontsize=8)
+        ax.set_title(metric, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,139 @@
+"""`kvtool bench all` and the per-benchmark modules on a tiny random model: records, the report's tables,
+targets beside measured values, errors recorded without stopping the run, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvtool.bench import report as report_mod
+from kvtool.bench.decode import DecodeBenchConfig, run_decode_bench
+from kvtool.bench.protocol import device_name
+from kvtool.bench.report import ReportConfig, run_report
+from kvtool.bench.skills import SkillsBenchConfig, run_skills_bench
+from kvtool.bench.targets import Target
+from kvtool.cli import build_parser, main
+from kvtool.errors import InvalidParameterError
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_targets_apply_only_on_their_device_and_to_measured_values():
+    fast, low = Target("tok_s", "t", ">=", 10, "tok/s"), Target("ms", "m", "<=", 5, "ms", device_type=None)
+    assert [fast.check(v, "cuda")["status"] for v in (12, 10, 9.9, None)] == ["met", "met", "missed", "n/a"]
+    assert fast.check(12, "cpu")["status"] == "n/a" and fast.check(12, "cuda", applies=False)["status"] == "n/a"
+    assert [low.check(v, "cpu")["status"] for v in (4, 6)] == ["met", "missed"]
+    assert fast.check(12, "cuda")["measured"] == 12 and fast.check(12, "cuda")["target"] == ">= 10 tok/s"
+
+
+def test_decode_record_ratios_come_from_the_measured_medians(tiny_bench):
+    cfg = DecodeBenchConfig(decode_tokens=4, ttft_lengths=[16, 32], prompt_tokens=8, repeats=2, warmup=0)
+    rec = run_decode_bench(tiny_bench, cfg, log=lambda s: None)
+    assert list(rec["results"]) == ["decode_tok_s", "ttft_ms_16", "ttft_ms_32"]
+    for metric, row in rec["results"].items():
+        k, t = row["kvtool"]["median"], row["transformers"]["median"]
+        assert row["kvtool"]["n"] == row["transformers"]["n"] == 2 and k > 0 and t > 0
+        want = k / t if metric.startswith("decode") else t / k
+        assert rec["speedup_vs_transformers"][metric] == pytest.approx(want, abs=1e-3)
+    checks = {c["metric"]: c for c in rec["target_checks"]}
+    assert checks["decode_tok_s"]["measured"] == rec["results"]["decode_tok_s"]["kvtool"]["median"]
+    assert checks["ttft_ms_512"]["measured"] is None and {c["status"] for c in checks.values()} == {"n/a"}
+    with pytest.raises(InvalidParameterError, match="context window of 512"):
+        run_decode_bench(tiny_bench, DecodeBenchConfig(ttft_lengths=[600]), log=lambda s: None)
+
+
+def test_skills_on_random_weights_use_synthetic_blocks(tiny_bench):
+    cfg = SkillsBenchConfig(blocks=2, block_tokens=16, prefix_tokens=8, query_tokens=4, greedy_tokens=3,
+                            repairs=["none", "recompute_first_k:k=4"], scaling=[1, 2])
+    rec = run_skills_bench(tiny_bench, cfg, log=lambda s: None)
+    assert rec["block_tokens"] == 32 and rec["prompt_tokens"] == 8 + 32 + 4 and rec["random_weights"]
+    assert [r["repair"] for r in rec["repairs"]][0] == "none" and len(rec["repairs"]) == 2
+    assert rec["repairs"][1]["recomputed_tokens"] == 8  # first 4 tokens of each of the 2 blocks
+    assert [row["blocks"] for row in rec["ttft_scaling"]] == [1, 2]
+    assert {t["status"] for t in rec["target_checks"]} == {"n/a"}  # set for >= 4 blocks
+
+
+def test_bench_all_writes_tables_plots_json_and_records_a_failing_benchmark(tiny_bench, tmp_path, monkeypatch,
+                                                                            capsys):
+    def boom(bm, cfgs, rc, log):
+        raise RuntimeError("prefix exploded")
+
+    monkeypatch.setitem(report_mod.JOBS, "prefix", [("prefix", boom, False)])
+    out = tmp_path / "report"
+    record = run_report(ReportConfig(quick=True, out_dir=str(out)), bm=tiny_bench, log=lambda s: None)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last) == json.loads((out / "report.json").read_text()) == json.loads(json.dumps(record))
+    assert record["errors"]["prefix"] == "RuntimeError: prefix exploded"
+    assert "chat template" in record["errors"]["ttft"]  # random weights, no tokenizer: recorded, not fatal
+    assert set(record["records"]) == {"decode", "skills", "batching"}
+    md = (out / "report.md").read_text()
+    for title in ("## Targets", "## Decode (bs=1) and cold TTFT", "## TTFT per context layout",
+                  "## Prefix-cache hit vs cold prefill", "## Composed skill blocks", "## Concurrent streams"):
+        assert title in md
+    assert device_name(torch.device("cpu")) in md and "| dtype | float32 |" in md
+    assert f"torch {torch.__version__}" in md and "quick" in md
+    assert "**error (prefix):** `RuntimeError: prefix exploded`" in md
+    assert "| metric | kvtool | transformers | kvtool vs transformers |" in md
+    assert "| engine | streams | output tok/s |" in md
+    decode = record["records"]["decode"]["results"]["decode_tok_s"]["kvtool"]["median"]
+    assert f"| decode | decode tok/s, bs=1 | >= 800 tok/s | H200-class CUDA GPU, Qwen3-0.6B shape, bf16 | " \
+           f"{report_mod._num(decode, 'tok/s')} | n/a |" in md
+    for png in ("decode.png", "skills.png", "batching.png"):
+        assert (out / png).read_bytes()[:8] == PNG and f"]({png})" in md
+    assert not (out / "prefix.png").exists()
+
+
+def test_cli_parses_bench_all_and_refuses_bad_input_before_loading(capsys, monkeypatch):
+    args = build_parser().parse_args(["bench", "all", "--quick", "--shape", "qwen3-0.6b", "--endpoint",
+                                      "http://h:8000/v1", "--only", "decode", "batching", "--out-dir", "d"])
+    assert (args.quick, args.shape, args.endpoint, args.only, args.out_dir) == \
+        (True, "qwen3-0.6b", "http://h:8000/v1", ["decode", "batching"], "d")
+    assert args.func.__name__ == "run_all"
+    args = build_parser().parse_args(["bench", "batching", "--streams", "4", "--new-tokens", "16"])
+    assert (args.streams, args.new_tokens, args.func.__name__) == (4, 16, "run_batching")
+
+    import kvtool.bench.loading
+
+    monkeypatch.setattr(kvtool.bench.loading, "load_bench_model", lambda *a, **k: pytest.fail("loaded a model"))
+    assert main(["bench", "batching", "--streams", "0"]) == 2
+    assert "--streams must be >= 1 (got 0)" in capsys.readouterr().err
+    assert main(["bench", "decode", "--ttft-lengths", "0"]) == 2
+    assert "--ttft-lengths must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "all", "--only", "nonsense"])
+
+
+def test_model_and_shape_together_is_a_clear_error():
+    from kvtool.bench.loading import load_bench_model
+
+    with pytest.raises(InvalidParameterError, match="either --model or --shape"):
+        load_bench_model("smollm2", "qwen3-0.6b")
+
+
+def test_bench_decode_cli_prints_the_table_and_the_record_last(tiny_bench, tmp_path, monkeypatch, capsys):
+    import kvtool.bench.loading
+
+    monkeypatch.setattr(kvtool.bench.loading, "load_bench_model", lambda *a, **k: tiny_bench)
+    out = tmp_path / "decode.json"
+    assert main(["bench", "decode", "--decode-tokens", "3", "--ttft-lengths", "8", "--repeats", "1",
+                 "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    record = json.loads(lines[-1])
+    assert record == json.loads(out.read_text()) and record["benchmark"] == "decode"
+    assert any(line.startswith("decode_tok_s") for line in lines)
+    assert any(line.startswith("ttft_ms_8") for line in lines)
+
+
+@pytest.mark.gpu
+def test_gpu_targets_apply_on_cuda(tmp_path):
+    from kvtool.bench.loading import from_checkpoint
+    from kvtool.testing.tiny import tiny_checkpoint
+
+    tiny_checkpoint("qwen3", tmp_path)
+    with from_checkpoint(tmp_path, "tiny-qwen3", device="cuda", dtype="bfloat16") as bm:
+        rec = run_decode_bench(bm, DecodeBenchConfig(decode_tokens=8, ttft_lengths=[256], repeats=2, baseline=False),
+                               log=lambda s: None)
+    status = {c["metric"]: c["status"] for c in rec["target_checks"]}
+    assert status["decode_tok_s"] in ("met", "missed") and status["ttft_ms_512"] == "n/a"
