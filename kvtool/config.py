@@ -18,10 +18,13 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     device: str = "auto"  # auto: cuda, then mps, then cpu
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU; or float32/bfloat16/float16
-    prefill_chunk: int = 512  # tokens per prefill forward; bounds activation memory
+    prefill_chunk: int = 2048  # tokens per prefill forward: bounds activation memory; a later chunk attends
+    # through a mask over all earlier keys (more work than one causal pass), so not smaller than needed
     cache_bytes: int | None = None  # prefix-cache byte budget; None = a fraction of free memory
     prefix_block: int = 16  # tokens per prefix-cache block
     enable_prefix_cache: bool = True
+    fast_decode: str = "auto"  # static-shape decode (CUDA graphs on CUDA): auto (CUDA only) | on | off
+    static_max_tokens: int = 8192  # the fast path's KV slots; longer requests take the reference path
     skills_dir: str | None = None  # a skills folder: compile its blocks and splice them into prompts
     skill_repair: str = "recompute_first_k:k=48"  # how spliced blocks are repaired (kvtool.skills.repair)
 

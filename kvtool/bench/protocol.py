@@ -35,18 +35,25 @@ def sync(device: torch.device | None) -> None:
 
 def measure(fn, repeats: int, warmup: int = 1, device: torch.device | None = None, label: str = "") -> dict:
     """Run fn() warmup + repeats times; fn returns its own metric (ms) or None to be timed."""
-    values = []
+    return measure_side_by_side({label: fn}, repeats, warmup, device)[label]
+
+
+def measure_side_by_side(fns: dict, repeats: int, warmup: int = 1, device: torch.device | None = None) -> dict:
+    """Like measure() for several engines, alternating them run by run (A B A B ...), so a drift of the
+    machine (clock, thermals, a neighbour) hits every engine alike instead of whichever ran last."""
+    values: dict = {label: [] for label in fns}
     for i in range(warmup + repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        out = fn()
-        sync(device)
-        value = out if out is not None else (time.perf_counter() - t0) * 1000.0
-        if i >= warmup:
-            values.append(value)
-        print(f"  {label} run {i + 1}/{warmup + repeats}{' (warm-up)' if i < warmup else ''}: {value:.2f}",
-              file=sys.stderr, flush=True)
-    return summary(values)
+        for label, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            out = fn()
+            sync(device)
+            value = out if out is not None else (time.perf_counter() - t0) * 1000.0
+            if i >= warmup:
+                values[label].append(value)
+            print(f"  {label} run {i + 1}/{warmup + repeats}{' (warm-up)' if i < warmup else ''}: {value:.2f}",
+                  file=sys.stderr, flush=True)
+    return {label: summary(v) for label, v in values.items()}
 
 
 def summary(values: list[float]) -> dict:

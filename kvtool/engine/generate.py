@@ -106,6 +106,20 @@ class Engine:
         self.config = config or EngineConfig()
         self.prefix_cache = prefix_cache  # optional: prepare(prompt, runner) / commit(handle, ids, cache)
         self.end_of_turn = frozenset(model.end_of_turn_ids())
+        self._static = None  # StaticDecoder, built on first use when config.fast_decode allows
+
+    def static_decoder(self, total_tokens: int):
+        """The fast bs=1 decode path for a request of total_tokens, or None (reference path)."""
+        from kvtool.engine.static import StaticDecoder, fast_decode_enabled
+
+        if not fast_decode_enabled(self.config.fast_decode, self.runner.device):
+            return None
+        if self._static is None:
+            slots = min(self.config.static_max_tokens, self.model.context_window)
+            self._static = StaticDecoder(self.runner, slots)
+        if self._static.busy or not self._static.fits(total_tokens):
+            return None  # another generation of this engine is mid-decode, or too long: reference path
+        return self._static
 
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Validate sizes; return the effective max_tokens."""
@@ -161,17 +175,26 @@ class Engine:
         runner, tm = self.runner, gen.timings
         t0 = time.perf_counter()
         cache, cached, handle = self.open_cache(gen, gen.prompt_ids)
+        static = None
         try:
             state = OutputState(self, gen, max_tokens, skip_special_tokens, t0)
             logits = runner.prefill(gen.prompt_ids[cached:], cache, chunk=self.config.prefill_chunk)
             tm.prefill_ms = state.ms()
+            static = self.static_decoder(len(gen.prompt_ids) + max_tokens)
+            if static is not None:
+                static.load(cache)
             while True:
                 event = state.accept(logits)
                 yield event
                 if gen.finish_reason:
                     break
-                logits = runner.forward(torch.tensor([event.token_id]), cache)
+                if static is not None:
+                    logits = static.step(event.token_id)
+                else:
+                    logits = runner.forward(torch.tensor([event.token_id]), cache)
         finally:
+            if static is not None and static.busy:
+                static.store(cache)
             if gen.finish_reason is None:
                 gen.finish_reason = "abort"
             if self.prefix_cache is not None:

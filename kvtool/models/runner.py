@@ -83,12 +83,8 @@ class Attention(nn.Module):
                 proj.bias = nn.Parameter(part, requires_grad=False)
             self._bqkv = b
 
-    def forward(self, x, cos, sin, layer_idx: int, caches: list[KVCache], positions, lengths: list[int],
-                tap: Tap | None):
-        """x [1, N, hidden] holds the new tokens of len(caches) sequences back to back (lengths sum to N).
-
-        Projections run once over all N tokens; RoPE, cache append and attention run per sequence.
-        """
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [1, Hq, T, D], k and v [1, Hkv, T, D] of x [1, T, hidden]; q/k normed (Qwen3), before RoPE."""
         b, n, _ = x.shape
         d = self.head_dim
         if self._wqkv is not None:
@@ -101,6 +97,17 @@ class Attention(nn.Module):
         v = v.view(b, n, self.num_kv_heads, d).transpose(1, 2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x, cos, sin, layer_idx: int, caches: list[KVCache], positions, lengths: list[int],
+                tap: Tap | None):
+        """x [1, N, hidden] holds the new tokens of len(caches) sequences back to back (lengths sum to N).
+
+        Projections run once over all N tokens; RoPE, cache append and attention run per sequence.
+        """
+        b, n, _ = x.shape
+        d = self.head_dim
+        q, k, v = self.qkv(x)
         q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         outs, start = [], 0
         for cache, t in zip(caches, lengths):

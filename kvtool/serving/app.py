@@ -140,7 +140,7 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
     splicer = mount_skills(engine, served, prefix_cache, skills)
     extra = [f for f in (cfg.extra_metrics, prefix_cache and prefix_cache.prometheus_lines) if f]
     metrics = ServerMetrics((lambda: [line for f in extra for line in f()]) if extra else None)
-    worker = Worker(engine, cfg.max_active, cfg.max_queue, metrics)
+    worker = Worker(engine, cfg.max_active, cfg.max_queue, metrics, cfg.prefill_budget)
     started = int(time.time())
 
     @asynccontextmanager

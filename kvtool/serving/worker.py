@@ -2,7 +2,7 @@
 
 Continuous batching: the worker thread drives a BatchScheduler. Every step is one packed
 forward holding one decode token of each running request plus prefill chunks of newly
-admitted ones (at most `prefill_chunk` prompt tokens per step), so concurrent streams
+admitted ones (at most `prefill_budget` prompt tokens per step), so concurrent streams
 share decode steps and a long prompt does not stall the streams already running. Requests
 are admitted first come, first served, up to `max_active` running at once; more than
 `max_active + max_queue` requests in flight get QueueFull (HTTP 429) at once.
@@ -86,7 +86,8 @@ class Worker:
 
     @property
     def running(self) -> int:
-        return len(self.scheduler.running)
+        """Requests admitted and not yet finished (finishing includes handing their KV to the prefix cache)."""
+        return max(0, len(self._handles) - len(self.scheduler.waiting))
 
     @property
     def waiting(self) -> int:

@@ -19,6 +19,7 @@ from kvtool.errors import ContextWindowError, InvalidParameterError
 # consume(layer, rows [R] long slot indices, probs [h, R, S] fp32); S = keys so far, future keys are 0.
 Consumer = Callable[[int, torch.Tensor, torch.Tensor], None]
 ROW_BUDGET_BYTES = 256 << 20  # scores + probs of one row block, all selected heads
+VIZ_CHUNK = 512  # tokens per forward when collecting probabilities (smaller than the engine's: bounds memory)
 
 
 class _Done(Exception):
@@ -68,8 +69,6 @@ def attention_pass(model, ids: Sequence[int], layers: Sequence[int], heads: Sequ
     full=False stops each chunk after the last selected layer and returns None;
     full=True runs every layer and returns (last-token logits [1, V], cache) for decoding on.
     """
-    from kvtool.config import EngineConfig
-
     ids = check_ids(model, ids)
     layers, heads = sorted(set(layers)), list(heads)
     check_layers_heads(model, layers, heads)
@@ -97,7 +96,7 @@ def attention_pass(model, ids: Sequence[int], layers: Sequence[int], heads: Sequ
         if not full and t.layer == last_layer:
             raise _Done
 
-    chunk = chunk or EngineConfig().prefill_chunk
+    chunk = chunk or VIZ_CHUNK
     cache = runner.new_cache(n + 1)
     logits = None
     for begin in range(0, n, chunk):

@@ -31,7 +31,10 @@ def test_targets_apply_only_on_their_device_and_to_measured_values():
 def test_decode_record_ratios_come_from_the_measured_medians(tiny_bench):
     cfg = DecodeBenchConfig(decode_tokens=4, ttft_lengths=[16, 32], prompt_tokens=8, repeats=2, warmup=0)
     rec = run_decode_bench(tiny_bench, cfg, log=lambda s: None)
-    assert list(rec["results"]) == ["decode_tok_s", "ttft_ms_16", "ttft_ms_32"]
+    assert list(rec["results"]) == ["decode_tok_s", "decode_tok_s_fast", "ttft_ms_16", "ttft_ms_32"]
+    fast = rec["results"].pop("decode_tok_s_fast")["kvtool"]
+    assert fast["n"] == 2 and rec["speedup_vs_transformers"]["decode_tok_s_fast"] == pytest.approx(
+        fast["median"] / rec["results"]["decode_tok_s"]["transformers"]["median"], abs=1e-3)
     for metric, row in rec["results"].items():
         k, t = row["kvtool"]["median"], row["transformers"]["median"]
         assert row["kvtool"]["n"] == row["transformers"]["n"] == 2 and k > 0 and t > 0

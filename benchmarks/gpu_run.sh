@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The one prepared run for a CUDA machine (an H200 lease is ~15 minutes in all): the GPU tests, then
+# every benchmark with its baseline in the Qwen3-0.6B shape (bf16, random weights), results under $OUT.
+#
+#   OUT=/tmp/gpu bash benchmarks/gpu_run.sh        # then copy $OUT/*.json into benchmarks/results/
+#
+# Needs torch with CUDA, transformers, triton and kvtool importable (pip install -e . or PYTHONPATH=.).
+# Every step runs even when an earlier one fails; the exit status is the number of failed steps.
+set -u -o pipefail
+OUT=${OUT:-benchmarks/results/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)"
+failed=0
+step() {  # step NAME COMMAND...: run it, keep its log, count a failure
+  local name=$1; shift
+  echo "== $name: $*"
+  "$@" > "$OUT/$name.log" 2>&1 || { echo "   FAILED ($name), see $OUT/$name.log"; failed=$((failed + 1)); }
+  tail -n 3 "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+step gpu-tests python -m pytest -q -m gpu tests
+step rope-kernel python benchmarks/rope_kernel.py --out "$OUT/rope_kernel.json"
+step bench-all python -m kvtool.cli bench all --shape qwen3-0.6b --out-dir "$OUT/report"
+tar -czf "$OUT/report.tgz" -C "$OUT" report 2>/dev/null && rm -rf "$OUT/report"
+exit $failed
