@@ -25,6 +25,7 @@ class AgentConfig:
     model: str | None = None  # None: the first model the endpoint lists
     api_key: str | None = None
     max_iterations: int = 20  # model calls per run()
+    answer_on_last_iteration: bool = False  # the last allowed call offers no tools, so the run ends in an answer
     status_bar: str = "append"  # a name in status_bar.PLACEMENTS: append | replace | off
     status_fields: list[str] | None = None  # None: every registered field, in registry order
     tool_timeout_s: float = 30.0  # per attempt, unless the tool sets its own

@@ -151,14 +151,14 @@ class Agent:
         self.turns.append(turn)
         self.observer.turn_finished(turn)
 
-    async def _model_turn(self) -> Turn:
+    async def _model_turn(self, offer_tools: bool = True) -> Turn:
         self._apply_status()
         policy = self.config.retry
         for attempt in range(1, policy.max_attempts + 1):
             turn = self._turn = Turn(index=len(self.turns))
             self.observer.turn_started(turn)
             work = asyncio.create_task(run_turn(
-                turn, self.backend, list(self.messages), self.registry.openai_schemas(),
+                turn, self.backend, list(self.messages), self.registry.openai_schemas() if offer_tools else [],
                 self.config.sampling, self.executor, self.observer, self._call_ids))
             urgent = asyncio.create_task(self.events.wait_urgent())
             try:
@@ -199,9 +199,10 @@ class Agent:
         if user_text is not None:
             self.events.put(user_message(user_text))
         stop_reason, turns_before = "max_iterations", len(self.turns)
-        for _ in range(self.config.max_iterations):
+        for i in range(self.config.max_iterations):
             self._absorb_events()
-            turn = await self._model_turn()
+            last = i == self.config.max_iterations - 1 and i > 0 and self.config.answer_on_last_iteration
+            turn = await self._model_turn(offer_tools=not last)
             if turn.interrupted or turn.calls:
                 continue
             pending = self.jobs.running() or self.timers.pending()

@@ -121,3 +121,15 @@ def test_stream_that_drops_after_a_tool_ran_keeps_the_result_and_continues(endpo
     assert message_problems(result.messages) == []
     assert "connection" in result.turns[0].warnings[0] or "stream failed" in result.turns[0].warnings[0]
     assert len(clock.sleeps) == 1
+
+
+@pytest.mark.parametrize("answer_last", [False, True])
+def test_last_iteration_can_withhold_tools_so_the_run_ends_in_an_answer(tmp_path, answer_last):
+    clock_tool = [t for t in make_demo_tools(tmp_path, scale=0.01) if t.name == "get_time"]
+    call = reply(tool_calls=[("get_time", {"timezone": "UTC"})])
+    backend = ScriptedBackend([call, call, reply("It is noon.")])
+    config = AgentConfig(status_bar="off", builtin_tools=False, max_iterations=3, answer_on_last_iteration=answer_last)
+    result = asyncio.run(Agent(backend, clock_tool, config).run("time?"))
+    offered = [bool(r.get("tools")) for r in backend.requests]
+    assert offered == [True, True, not answer_last]
+    assert result.final_text == "It is noon." and result.stop_reason == "done"
