@@ -25,6 +25,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     fast_decode: str = "auto"  # static-shape decode (CUDA graphs on CUDA): auto (CUDA only) | on | off
     static_max_tokens: int = 8192  # the fast path's KV slots; longer requests take the reference path
+    static_kv_bytes: int | None = None  # batched fast path's K/V buffers; None: 25% of free device memory
     skills_dir: str | None = None  # a skills folder: compile its blocks and splice them into prompts
     skill_repair: str = "recompute_first_k:k=48"  # how spliced blocks are repaired (kvtool.skills.repair)
 

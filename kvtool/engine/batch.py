@@ -6,6 +6,10 @@ prompt is prefilled over several steps without stalling the streams already runn
 Under KV pressure the most recently admitted request is preempted: its KV is dropped and
 it is re-queued at the front to be recomputed later (its token stream simply continues).
 
+Where EngineConfig.fast_decode allows (CUDA by default), the decode tokens of a step run through a
+BatchedStaticDecoder instead (one static K/V row per request, CUDA graphs), and prefill chunks
+through forward_batch beside it; a request's K/V returns to its own cache when it leaves.
+
 A fault while sampling one request (on_event or the sampler raising) ends that request alone,
 with finish_reason "error" and the exception passed to its on_finish callback.
 """
@@ -32,6 +36,7 @@ class BatchRequest:
     cache: KVCache | None = None
     handle: object = None
     admitted_at: int = -1
+    slot: int | None = None  # its row in the batched static decoder, while decoding there
     preemptions: int = 0
 
 
@@ -45,6 +50,7 @@ class BatchScheduler:
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[BatchRequest] = []
         self.steps = 0
+        self.static = engine.batched_static_decoder(max_running)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, skip_special_tokens: bool = True,
                on_event: Callable[[TokenEvent], None] | None = None,
@@ -77,7 +83,8 @@ class BatchScheduler:
                     self._finish(req, reason, error)
 
     def _kv_tokens(self) -> int:
-        return sum(r.cache.offset for r in self.running if r.cache is not None)
+        return sum(self.static.tokens(r.slot) if r.slot is not None else r.cache.offset
+                   for r in self.running if r.cache is not None)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
@@ -112,6 +119,9 @@ class BatchScheduler:
             self.waiting.appendleft(victim)
 
     def _release(self, req: BatchRequest) -> None:
+        if req.slot is not None:
+            self.static.store(req.slot, req.cache)
+            req.slot = None
         if req.cache is not None and self.engine.prefix_cache is not None:
             known = req.gen.prompt_ids + req.gen.token_ids
             self.engine.prefix_cache.commit(req.handle, known[: req.cache.offset], req.cache)
@@ -142,7 +152,7 @@ class BatchScheduler:
                 plan.append((req, chunk))
         self._preempt_for(sum(len(c) for _, c in plan))
         plan = [(r, c) for r, c in plan if r in self.running]
-        logits = self.engine.runner.forward_batch([(c, r.cache) for r, c in plan])
+        logits = self._forward(plan)
         self.steps += 1
         for (req, chunk), out in zip(plan, logits):
             req.pending = req.pending[len(chunk):]
@@ -164,6 +174,27 @@ class BatchScheduler:
             else:
                 req.pending = [event.token_id]
         return sum(len(c) for _, c in plan)
+
+    def _forward(self, plan: list[tuple[BatchRequest, list[int]]]) -> list:
+        """Logits for each planned chunk: decode tokens through the static decoder when there is one."""
+        fast, slow = [], []
+        for req, chunk in plan:
+            if self.static is not None and len(req.pending) == 1:
+                if req.slot is None and self.static.fits(len(req.gen.prompt_ids) + req.state.max_tokens):
+                    req.slot = self.static.load(req.cache)
+                if req.slot is not None:
+                    fast.append((req, chunk))
+                    continue
+            slow.append((req, chunk))
+        out = {}
+        if slow:
+            for (req, _), logits in zip(slow, self.engine.runner.forward_batch([(c, r.cache) for r, c in slow])):
+                out[id(req)] = logits
+        if fast:
+            by_slot = self.static.step({req.slot: chunk[0] for req, chunk in fast})
+            for req, _ in fast:
+                out[id(req)] = by_slot[req.slot]
+        return [out[id(req)] for req, _ in plan]
 
     def run(self) -> None:
         while not self.idle:

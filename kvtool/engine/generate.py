@@ -121,6 +121,24 @@ class Engine:
             return None  # another generation of this engine is mid-decode, or too long: reference path
         return self._static
 
+    def batched_static_decoder(self, slots: int):
+        """A BatchedStaticDecoder with `slots` rows for continuous batching, or None (eager forward_batch)."""
+        from kvtool.engine.static import BatchedStaticDecoder, fast_decode_enabled
+
+        if not fast_decode_enabled(self.config.fast_decode, self.runner.device):
+            return None
+        from kvtool.cache.manager import default_budget
+
+        s, bucket = self.runner.spec, 256
+        per_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * self.runner.dtype.itemsize
+        budget = self.config.static_kv_bytes
+        budget = default_budget(self.runner.device) if budget is None else budget
+        fit = budget // (slots * per_token) // bucket * bucket  # every slot gets the same, whole buckets
+        if fit < bucket:
+            return None  # too little memory for a useful length: decode through forward_batch
+        return BatchedStaticDecoder(self.runner, slots, min(self.config.static_max_tokens, self.model.context_window,
+                                                            fit), bucket)
+
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Validate sizes; return the effective max_tokens."""
         window = self.model.context_window

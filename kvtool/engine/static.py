@@ -1,9 +1,9 @@
-"""StaticDecoder: fixed-shape bs=1 decode, replayed as CUDA graphs on CUDA (eager elsewhere).
+"""Static decoders: fixed-shape decode steps, replayed as CUDA graphs on CUDA (eager elsewhere).
 
 A plain decode step has shapes that grow with the sequence (keys [1, H, L, D]), and at batch 1
 on a GPU its ~300 small kernel launches, not the hardware, set the speed. The decoder owns
 static K/V buffers of `max_len` slots per layer. For a request it copies the prefilled KV in,
-then each step writes the new token's K/V at its position (index_copy_ with a device-side
+then each step writes the new token's K/V at its position (index_put_ at a device-side
 position) and attends over the first `bucket` slots (a multiple of `bucket_tokens`) with a
 mask that hides the slots after the position. Every step of a bucket therefore runs the same
 kernels on the same tensors: on CUDA each bucket is captured once into a CUDA graph and
@@ -12,7 +12,9 @@ there; the only host sync per token is reading the sampled id to stream it out. 
 request ends, store() appends the decoded tokens' K/V to the request's own KVCache, so the
 prefix cache and everything else see an ordinary cache.
 
-The reference path (ModelRunner.forward) stays; tests hold the two to the same greedy tokens.
+BatchedStaticDecoder does this for many sequences at once (one buffer row per sequence, the
+decode steps of continuous batching); StaticDecoder is its one-slot form for Engine.generate.
+The reference path (ModelRunner.forward) stays; tests hold them to the same tokens.
 """
 
 from __future__ import annotations
@@ -36,100 +38,160 @@ def fast_decode_enabled(mode: str, device: torch.device) -> bool:
 
 
 class StaticDecoder:
+    """The engine's bs=1 fast path: one BatchedStaticDecoder slot, kept across requests (graphs included)."""
+
     def __init__(self, runner, max_len: int, bucket_tokens: int = 256, graphs: bool | None = None):
-        s = runner.spec
-        if max_len < 1 or bucket_tokens < 1:
-            raise ValueError(f"max_len and bucket_tokens must be >= 1 (got {max_len}, {bucket_tokens})")
-        self.runner, self.max_len, self.bucket_tokens = runner, max_len, bucket_tokens
-        dev, dtype = runner.device, runner.dtype
-        shape = (1, s.num_kv_heads, max_len, s.head_dim)
-        # zeros, not empty: masked slots must hold finite values (0 * NaN would leak through softmax)
-        self.k = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(s.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(s.num_layers)]
-        self.cos, self.sin = runner.rope_cos_sin(torch.arange(max_len, device=dev))
-        self.slots = torch.arange(max_len, device=dev)
-        self.token = torch.zeros(1, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.use_graphs = dev.type == "cuda" if graphs is None else graphs
-        if self.use_graphs and dev.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None
-        self.length = 0  # tokens in the buffers for the current request
-        self.start = 0  # tokens the request's cache held when load() copied it in
+        self.batched = BatchedStaticDecoder(runner, 1, max_len, bucket_tokens, graphs)
+        self.max_len, self.use_graphs = max_len, self.batched.use_graphs
+        self.start = 0
         self.busy = False
 
     @property
     def captured_buckets(self) -> list[int]:
-        return sorted(self._graphs)
+        return sorted(bucket for _, bucket in self.batched._graphs)
+
+    @property
+    def length(self) -> int:
+        return self.batched.length[0]
 
     def fits(self, total_tokens: int) -> bool:
         return total_tokens <= self.max_len
 
     def load(self, cache: KVCache) -> None:
         """Take a request: copy its prefilled KV into the static buffers."""
-        n = cache.offset
-        if n >= self.max_len:
-            raise ContextWindowError(f"the static decoder holds {self.max_len} tokens; this cache has {n}")
-        for i, layer in enumerate(cache.layers):
-            self.k[i][:, :, :n] = layer.keys
-            self.v[i][:, :, :n] = layer.values
-        self.length = self.start = n
-        self.busy = True
+        if cache.offset >= self.max_len:
+            raise ContextWindowError(f"the static decoder holds {self.max_len} tokens; this cache has {cache.offset}")
+        self.batched.load(cache)
+        self.start, self.busy = cache.offset, True
 
-    @torch.inference_mode()
     def step(self, token_id: int) -> torch.Tensor:
         """Run token_id at the next position; return its logits [1, V] (fp32, on the device)."""
         if self.length >= self.max_len:
             raise ContextWindowError(f"the static decoder is full ({self.max_len} tokens)")
-        bucket = min(self.max_len, (self.length // self.bucket_tokens + 1) * self.bucket_tokens)
-        self.token.fill_(token_id)
-        self.pos.fill_(self.length)
-        logits = self._replay(bucket) if self.use_graphs else self._forward(bucket)
-        self.length += 1
-        return logits
+        return self.batched.step({0: token_id})[0]
 
     def store(self, cache: KVCache) -> None:
         """Release the request: append the KV of the tokens decoded since load() to its cache."""
         try:
             if cache.offset != self.start:
                 raise ValueError(f"the cache changed while decoding ({cache.offset} != {self.start} tokens)")
-            for i, layer in enumerate(cache.layers):
-                layer.append(self.k[i][:, :, self.start : self.length], self.v[i][:, :, self.start : self.length])
+            self.batched.store(0, cache)
         finally:
             self.busy = False
 
-    def _forward(self, bucket: int) -> torch.Tensor:
-        """One token through the model with static shapes (reads self.token / self.pos)."""
+
+class BatchedStaticDecoder:
+    """StaticDecoder for many sequences at once: the decode steps of continuous batching.
+
+    Each running request owns one row ("slot") of static K/V buffers [slots, H_kv, max_len, D]. A step
+    runs the first `rows` slots (a power of two covering every occupied slot), each at its own
+    position: per-row RoPE, K/V written with one index_put_ per layer, one attention call over a
+    `bucket`-slot window with a per-row mask. Shapes depend only on (rows, bucket), so on CUDA each
+    pair is captured once as a CUDA graph. Rows of free slots compute on a dummy token at position
+    0 of their own (unused) row.
+    """
+
+    def __init__(self, runner, slots: int, max_len: int, bucket_tokens: int = 256, graphs: bool | None = None):
+        s = runner.spec
+        if slots < 1 or max_len < 1 or bucket_tokens < 1:
+            raise ValueError(f"slots, max_len and bucket_tokens must be >= 1 (got {slots}, {max_len}, {bucket_tokens})")
+        self.runner, self.slots, self.max_len, self.bucket_tokens = runner, slots, max_len, bucket_tokens
+        dev, dtype = runner.device, runner.dtype
+        shape = (slots, s.num_kv_heads, max_len, s.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(s.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(s.num_layers)]
+        self.cos, self.sin = runner.rope_cos_sin(torch.arange(max_len, device=dev))
+        self.window = torch.arange(max_len, device=dev)
+        self.rows = torch.arange(slots, device=dev)
+        self.token = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.use_graphs = dev.type == "cuda" if graphs is None else graphs
+        if self.use_graphs and dev.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.length = [0] * slots  # tokens held per slot
+        self.start = [0] * slots  # tokens the request's cache held at load()
+        self.free = list(range(slots))
+
+    def fits(self, total_tokens: int) -> bool:
+        return total_tokens <= self.max_len and bool(self.free)
+
+    def load(self, cache: KVCache) -> int:
+        """Take a request: copy its KV into the lowest free slot; return the slot."""
+        n = cache.offset
+        if n >= self.max_len or not self.free:
+            raise ContextWindowError(f"no free slot of {self.max_len} tokens for a cache of {n}")
+        slot = self.free.pop(self.free.index(min(self.free)))
+        for i, layer in enumerate(cache.layers):
+            self.k[i][slot, :, :n] = layer.keys[0]
+            self.v[i][slot, :, :n] = layer.values[0]
+        self.length[slot] = self.start[slot] = n
+        return slot
+
+    def store(self, slot: int, cache: KVCache) -> None:
+        """Release a slot: append the KV decoded since load() to the request's cache."""
+        try:
+            a, b = self.start[slot], self.length[slot]
+            for i, layer in enumerate(cache.layers):
+                layer.append(self.k[i][slot : slot + 1, :, a:b], self.v[i][slot : slot + 1, :, a:b])
+        finally:
+            self.free.append(slot)
+
+    def tokens(self, slot: int) -> int:
+        return self.length[slot]
+
+    @torch.inference_mode()
+    def step(self, tokens: dict[int, int]) -> dict[int, torch.Tensor]:
+        """Run one token per slot ({slot: token id}); return {slot: logits [1, V]} (fp32, on the device)."""
+        if any(self.length[s] >= self.max_len for s in tokens):
+            raise ContextWindowError(f"a slot of the batched static decoder is full ({self.max_len} tokens)")
+        used = max(tokens) + 1
+        rows = min(self.slots, 1 << (used - 1).bit_length())
+        longest = max(self.length[s] for s in tokens)
+        bucket = min(self.max_len, (longest // self.bucket_tokens + 1) * self.bucket_tokens)
+        tok, pos = [0] * rows, [0] * rows
+        for s, t in tokens.items():
+            tok[s], pos[s] = t, self.length[s]
+        self.token[:rows].copy_(torch.tensor(tok), non_blocking=True)
+        self.pos[:rows].copy_(torch.tensor(pos), non_blocking=True)
+        logits = self._replay(rows, bucket) if self.use_graphs else self._forward(rows, bucket)
+        for s in tokens:
+            self.length[s] += 1
+        return {s: logits[s : s + 1] for s in tokens}
+
+    def _forward(self, rows: int, bucket: int) -> torch.Tensor:
         runner, m = self.runner, self.runner.model
-        x = m.embed_tokens(self.token)[None]  # [1, 1, hidden]
-        cos, sin = self.cos.index_select(0, self.pos), self.sin.index_select(0, self.pos)
-        mask = (self.slots[:bucket] <= self.pos)[None, None, None]  # [1, 1, 1, bucket]
+        pos, idx = self.pos[:rows], self.rows[:rows]
+        x = m.embed_tokens(self.token[:rows])[:, None]  # [rows, 1, hidden]
+        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # [rows, 1, 1, D]
+        mask = (self.window[:bucket][None] <= pos[:, None])[:, None, None]  # [rows, 1, 1, bucket]
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(x))
+            q, k, v = attn.qkv(layer.input_layernorm(x))  # [rows, H, 1, D]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            self.k[i].index_copy_(2, self.pos, k)
-            self.v[i].index_copy_(2, self.pos, v)
-            out = F.scaled_dot_product_attention(q, self.k[i][:, :, :bucket], self.v[i][:, :, :bucket],
+            self.k[i][idx, :, pos] = k[:, :, 0]
+            self.v[i][idx, :, pos] = v[:, :, 0]
+            out = F.scaled_dot_product_attention(q, self.k[i][:rows, :, :bucket], self.v[i][:rows, :, :bucket],
                                                  attn_mask=mask, enable_gqa=True)
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, 1, -1))
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(rows, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return F.linear(m.norm(x[0]), runner.output_weight).float()
+        return F.linear(m.norm(x[:, 0]), runner.output_weight).float()
 
-    def _replay(self, bucket: int) -> torch.Tensor:
-        if bucket not in self._graphs:
+    def _replay(self, rows: int, bucket: int) -> torch.Tensor:
+        key = (rows, bucket)
+        if key not in self._graphs:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm up outside the graph (allocator, cuBLAS handles)
+            with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._forward(bucket)
+                    self._forward(rows, bucket)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(bucket)
+                out = self._forward(rows, bucket)
             self._pool = self._pool or graph.pool()
-            self._graphs[bucket] = (graph, out)
-        graph, out = self._graphs[bucket]
+            self._graphs[key] = (graph, out)
+        graph, out = self._graphs[key]
         graph.replay()
         return out
