@@ -109,6 +109,9 @@ def test_batched_static_decoder_matches_forward_batch(tmp_path):
         for s, w in zip(slots, want):
             assert (got[s] - w).abs().max().item() < 1e-4, f"step {step}, slot {s}"
         toks = [int(w.argmax(-1)) for w in want]
+    held = [k[1, :, : dec.max_len].clone() for k in dec.k]
+    dec.step({2: toks[2]})  # slot 1 holds a request but is not stepped: its K/V must stay as it was
+    assert all(torch.equal(k[1, :, : dec.max_len], h) for k, h in zip(dec.k, held))
     dec.store(1, mine[1])  # slot 1 leaves; the next load takes it again
     assert mine[1].offset == ref[1].offset and torch.allclose(mine[1][0].keys, ref[1][0].keys, atol=1e-5)
     assert dec.free == [3, 1]
@@ -140,6 +143,7 @@ def test_static_kv_buffers_stay_inside_their_byte_budget(smollm2):
     per_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * 4  # fp32
     engine = Engine(smollm2, EngineConfig(fast_decode="on", static_kv_bytes=4 * 700 * per_token))
     dec = engine.batched_static_decoder(4)
+    assert engine.batched_static_decoder(4) is dec  # kept: later schedulers reuse buffers and graphs
     assert dec.max_len == 512  # 700 tokens per slot, rounded down to whole 256-token buckets
     assert sum(k.numel() * k.element_size() for k in dec.k + dec.v) <= 4 * 700 * per_token
     assert Engine(smollm2, EngineConfig(fast_decode="on", static_kv_bytes=per_token * 100)).batched_static_decoder(4) \

@@ -59,26 +59,21 @@ def config_from_args(args) -> DecodeBenchConfig:
                              baseline=args.baseline, out=args.out)
 
 
-def kvtool_decode(runner, prompt: list[int], n: int) -> float:
-    """Tokens/s over n greedy decode steps after a prefill (host sync per token, as when streaming)."""
+def kvtool_decode(runner, prompt: list[int], n: int, decoder=None) -> float:
+    """Tokens/s over n greedy decode steps after a prefill (host sync per token, as when streaming);
+    through `decoder` (the engine's StaticDecoder fast path; CUDA graphs on CUDA) when given."""
     cache = runner.new_cache(len(prompt) + n + 1)
     tok = int(runner.prefill(prompt, cache).argmax(-1))
+    if decoder is not None:
+        decoder.load(cache)
+    step = decoder.step if decoder is not None else (
+        lambda t: runner(torch.tensor([t], device=runner.device), cache))
     t0 = time.perf_counter()
     for _ in range(n):
-        tok = int(runner(torch.tensor([tok], device=runner.device), cache).argmax(-1))
-    return n / (time.perf_counter() - t0)
-
-
-def kvtool_fast_decode(runner, decoder, prompt: list[int], n: int) -> float:
-    """The same greedy steps through the engine's fast path (StaticDecoder; CUDA graphs on CUDA)."""
-    cache = runner.new_cache(len(prompt) + n + 1)
-    tok = int(runner.prefill(prompt, cache).argmax(-1))
-    decoder.load(cache)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        tok = int(decoder.step(tok).argmax(-1))
+        tok = int(step(tok).argmax(-1))
     rate = n / (time.perf_counter() - t0)
-    decoder.store(cache)
+    if decoder is not None:
+        decoder.store(cache)
     return rate
 
 
@@ -118,7 +113,7 @@ def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
 
     decoder = StaticDecoder(runner, len(prompt) + n + 1)
     fns = {"kvtool": lambda: kvtool_decode(runner, prompt, n), "transformers": hf_decode,
-           "kvtool fast path": lambda: kvtool_fast_decode(runner, decoder, prompt, n)}
+           "kvtool fast path": lambda: kvtool_decode(runner, prompt, n, decoder)}
     decode = measure_side_by_side({e: fns[e] for e in [*engines, "kvtool fast path"]}, cfg.repeats, cfg.warmup,
                                   device)
     rows = {"decode_tok_s": {e: decode[e] for e in engines},

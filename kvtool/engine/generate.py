@@ -107,6 +107,7 @@ class Engine:
         self.prefix_cache = prefix_cache  # optional: prepare(prompt, runner) / commit(handle, ids, cache)
         self.end_of_turn = frozenset(model.end_of_turn_ids())
         self._static = None  # StaticDecoder, built on first use when config.fast_decode allows
+        self._batched: dict[int, object] = {}  # slots -> BatchedStaticDecoder, shared by this engine's schedulers
 
     def static_decoder(self, total_tokens: int):
         """The fast bs=1 decode path for a request of total_tokens, or None (reference path)."""
@@ -122,18 +123,27 @@ class Engine:
         return self._static
 
     def batched_static_decoder(self, slots: int):
-        """A BatchedStaticDecoder with `slots` rows for continuous batching, or None (eager forward_batch)."""
+        """A BatchedStaticDecoder with `slots` rows for continuous batching, or None (eager forward_batch).
+
+        Built once per size and kept, so later schedulers reuse its buffers and captured graphs."""
         from kvtool.engine.static import BatchedStaticDecoder, fast_decode_enabled
 
         if not fast_decode_enabled(self.config.fast_decode, self.runner.device):
             return None
+        if slots not in self._batched:
+            self._batched[slots] = self._new_batched_decoder(slots)
+        return self._batched[slots]
+
+    def _new_batched_decoder(self, slots: int):
         from kvtool.cache.manager import default_budget
+        from kvtool.engine.static import BatchedStaticDecoder
 
         s, bucket = self.runner.spec, 256
         per_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * self.runner.dtype.itemsize
         budget = self.config.static_kv_bytes
         budget = default_budget(self.runner.device) if budget is None else budget
-        fit = budget // (slots * per_token) // bucket * bucket  # every slot gets the same, whole buckets
+        # every slot gets the same whole buckets, plus its one scratch position
+        fit = (budget // (slots * per_token) - 1) // bucket * bucket
         if fit < bucket:
             return None  # too little memory for a useful length: decode through forward_batch
         return BatchedStaticDecoder(self.runner, slots, min(self.config.static_max_tokens, self.model.context_window,

@@ -87,8 +87,9 @@ class BatchedStaticDecoder:
     runs the first `rows` slots (a power of two covering every occupied slot), each at its own
     position: per-row RoPE, K/V written with one index_put_ per layer, one attention call over a
     `bucket`-slot window with a per-row mask. Shapes depend only on (rows, bucket), so on CUDA each
-    pair is captured once as a CUDA graph. Rows of free slots compute on a dummy token at position
-    0 of their own (unused) row.
+    pair is captured once as a CUDA graph. Rows not stepped this time (free, or held by a request
+    that is not decoding now) compute on a dummy token and write it to a scratch position (index
+    max_len) that no window covers, so their K/V stays intact.
     """
 
     def __init__(self, runner, slots: int, max_len: int, bucket_tokens: int = 256, graphs: bool | None = None):
@@ -97,11 +98,11 @@ class BatchedStaticDecoder:
             raise ValueError(f"slots, max_len and bucket_tokens must be >= 1 (got {slots}, {max_len}, {bucket_tokens})")
         self.runner, self.slots, self.max_len, self.bucket_tokens = runner, slots, max_len, bucket_tokens
         dev, dtype = runner.device, runner.dtype
-        shape = (slots, s.num_kv_heads, max_len, s.head_dim)
+        shape = (slots, s.num_kv_heads, max_len + 1, s.head_dim)  # + the scratch position
         self.k = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(s.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(s.num_layers)]
-        self.cos, self.sin = runner.rope_cos_sin(torch.arange(max_len, device=dev))
-        self.window = torch.arange(max_len, device=dev)
+        self.cos, self.sin = runner.rope_cos_sin(torch.arange(max_len + 1, device=dev))
+        self.window = torch.arange(max_len + 1, device=dev)
         self.rows = torch.arange(slots, device=dev)
         self.token = torch.zeros(slots, dtype=torch.long, device=dev)
         self.pos = torch.zeros(slots, dtype=torch.long, device=dev)
@@ -122,7 +123,8 @@ class BatchedStaticDecoder:
         n = cache.offset
         if n >= self.max_len or not self.free:
             raise ContextWindowError(f"no free slot of {self.max_len} tokens for a cache of {n}")
-        slot = self.free.pop(self.free.index(min(self.free)))
+        slot = min(self.free)
+        self.free.remove(slot)
         for i, layer in enumerate(cache.layers):
             self.k[i][slot, :, :n] = layer.keys[0]
             self.v[i][slot, :, :n] = layer.values[0]
@@ -150,7 +152,7 @@ class BatchedStaticDecoder:
         rows = min(self.slots, 1 << (used - 1).bit_length())
         longest = max(self.length[s] for s in tokens)
         bucket = min(self.max_len, (longest // self.bucket_tokens + 1) * self.bucket_tokens)
-        tok, pos = [0] * rows, [0] * rows
+        tok, pos = [0] * rows, [self.max_len] * rows  # rows not stepped write to the scratch position
         for s, t in tokens.items():
             tok[s], pos[s] = t, self.length[s]
         self.token[:rows].copy_(torch.tensor(tok), non_blocking=True)
