@@ -13,6 +13,7 @@ import torch
 
 from kvtool.errors import ModelLoadError
 from kvtool.models import gguf
+from kvtool.models.host import tune_host_allocator
 from kvtool.models.runner import ModelRunner
 from kvtool.models.spec import ModelSpec
 
@@ -166,6 +167,9 @@ def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device,
                  progress: bool = True) -> ModelRunner:
     from safetensors import safe_open
     from tqdm import tqdm
+
+    if device.type == "cpu":
+        tune_host_allocator()
 
     with torch.device("meta"):
         runner = ModelRunner(spec, hf_config)
