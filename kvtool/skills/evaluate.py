@@ -7,7 +7,11 @@ Metrics (all vs the full-prefill reference, which also defines the greedy contin
   both fed the reference's greedy tokens (teacher forcing);
 - greedy_exact: the composed model's own greedy output equals the reference's. Greedy decoding
   diverges exactly at the first teacher-forced mismatch, so this is top1 == 1 and
-  `greedy_match_tokens` (the common prefix) is the index of that first mismatch.
+  `greedy_match_tokens` (the common prefix) is the index of that first mismatch;
+- misses / near_tie_misses: teacher-forced steps where the argmaxes differ, and those of them where
+  the reference itself was nearly undecided (log p1 - log p2 < NEAR_TIE nats). A small model's
+  greedy path has such steps, and any change to the context (even recomputing half the block
+  tokens) can flip them, so they say how much of a top-1 shortfall is real divergence.
 With several queries (EvalCase.more_queries) each is scored after the same [prefix][blocks] and
 the record holds the means (cos_min: the minimum; greedy_exact_rate: share of exact queries).
 """
@@ -28,6 +32,8 @@ from kvtool.skills.repair import describe, make_repair
 
 DEFAULT_SWEEP = ("none", "recompute_first_k:k=4", "recompute_first_k:k=16", "recompute_first_k:k=32",
                  "recompute_deviation:ratio=0.05", "recompute_deviation:ratio=0.1", "recompute_deviation:ratio=0.2")
+
+NEAR_TIE = 0.5  # nats between the reference's top two tokens
 
 
 @dataclass
@@ -123,7 +129,8 @@ def aggregate(per_query: list[dict]) -> dict:
     mean = lambda key: sum(m[key] for m in per_query) / len(per_query)  # noqa: E731
     out = {k: mean(k) for k in ("kl_next", "kl_mean", "cos_next", "cos_mean", "top1", "greedy_match_tokens")}
     out.update(cos_min=min(m["cos_min"] for m in per_query), greedy_exact=all(m["greedy_exact"] for m in per_query),
-               greedy_exact_rate=mean("greedy_exact"), queries=len(per_query))
+               greedy_exact_rate=mean("greedy_exact"), queries=len(per_query),
+               misses=sum(m["misses"] for m in per_query), near_tie_misses=sum(m["near_tie_misses"] for m in per_query))
     return out
 
 
@@ -133,7 +140,11 @@ def fidelity(ref_rows: torch.Tensor, rows: torch.Tensor, tokens: list[int]) -> d
     cos = F.cosine_similarity(ref_rows.float(), rows.float(), dim=-1)
     agree = (rows.argmax(-1).cpu() == torch.tensor(tokens)).tolist()
     first_miss = agree.index(False) if False in agree else len(agree)
-    return {"kl_next": float(kl[0]), "kl_mean": float(kl.mean()), "cos_next": float(cos[0]),
+    top2 = ref_lp.topk(2, -1).values
+    margin = (top2[:, 0] - top2[:, 1]).cpu().tolist()
+    missed = [m for m, ok in zip(margin, agree) if not ok]
+    return {"misses": len(missed), "near_tie_misses": sum(m < NEAR_TIE for m in missed),
+            "kl_next": float(kl[0]), "kl_mean": float(kl.mean()), "cos_next": float(cos[0]),
             "cos_mean": float(cos.mean()), "cos_min": float(cos.min()), "top1": sum(agree) / len(agree),
             "greedy_exact": first_miss == len(agree), "greedy_match_tokens": first_miss}
 
@@ -196,7 +207,8 @@ def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy
             row["speedup_warm_prefix"] = full["median"] / warm["median"]
             row["speedup_warm_prefix_cpu"] = full["cpu_median"] / warm["cpu_median"]
         log(f"  {row['repair']:<34} recomputed {row['recomputed_fraction']:6.1%}  top1 {row['top1']:.3f}  "
-            f"cos {row['cos_mean']:.4f}  KL {row['kl_next']:.4f}  TTFT {row['ttft_ms_cold']['median']:.0f} ms "
+            f"(misses {row['misses']}, {row['near_tie_misses']} near ties)  cos {row['cos_mean']:.4f}  "
+            f"KL {row['kl_next']:.4f}  TTFT {row['ttft_ms_cold']['median']:.0f} ms "
             f"({row['speedup_cold']:.1f}x)")
         rows_out.append(row)
     return {"prompt_tokens": len(seq), "prefix_tokens": len(case.prefix), "block_tokens": case.block_tokens,

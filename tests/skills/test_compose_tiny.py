@@ -128,7 +128,20 @@ def test_evaluate_scores_several_queries(tiny, tiny_blocks):
     assert rec["queries_scored"] == 3 and len(rec["greedy_reference"]) == 3 and len(none["per_query"]) == 3
     assert exact["top1"] == 1.0 and exact["greedy_exact_rate"] == 1.0 and exact["kl_next"] < 1e-6
     assert exact["cos_min"] > 0.99999 and 0 <= none["top1"] <= 1 and none["recomputed_fraction"] == 0
+    assert exact["misses"] == 0 and none["misses"] == round((1 - none["top1"]) * 6 * 3)
     assert exact["ttft_ms_cold"]["n"] == 1 and exact["ttft_ms_warm_prefix"]["cpu_median"] >= 0
     rows = ttft_scaling(tiny, case, [1, 2], ["none"], known_full={2: rec["ttft_ms_full"]}, log=lambda m: None)
     assert [r["block_tokens"] for r in rows] == [len(tiny_blocks[0]), case.block_tokens]
     assert rows[1]["ttft_ms_full"] is rec["ttft_ms_full"] and rows[0]["ttft_ms_none"]["median"] > 0
+
+
+def test_fidelity_counts_near_tie_misses():
+    import torch
+
+    from kvtool.skills.evaluate import NEAR_TIE, fidelity
+
+    ref = torch.tensor([[5.0, 0.0, 0.0], [1.0, 1.0 - NEAR_TIE / 2, 0.0], [0.0, 3.0, 0.0]])  # greedy 0, 0, 1
+    comp = torch.tensor([[0.0, 5.0, 0.0], [0.0, 1.0, 0.0], [0.0, 3.0, 0.0]])  # misses steps 0 and 1
+    m = fidelity(ref, comp, [0, 0, 1])
+    assert m["misses"] == 2 and m["near_tie_misses"] == 1 and m["greedy_match_tokens"] == 0
+    assert abs(m["top1"] - 1 / 3) < 1e-9
