@@ -20,11 +20,10 @@ The reference path (ModelRunner.forward) stays; tests hold them to the same toke
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvtool.cache.kv import KVCache
+from kvtool.engine.decode_step import DecodeStep
 from kvtool.errors import ContextWindowError
-from kvtool.models.rope import apply_rope
 
 MODES = ("auto", "on", "off")  # EngineConfig.fast_decode: auto = on for CUDA only
 
@@ -85,8 +84,8 @@ class BatchedStaticDecoder:
 
     Each running request owns one row ("slot") of static K/V buffers [slots, H_kv, max_len, D]. A step
     runs the first `rows` slots (a power of two covering every occupied slot), each at its own
-    position: per-row RoPE, K/V written with one index_put_ per layer, one attention call over a
-    `bucket`-slot window with a per-row mask. Shapes depend only on (rows, bucket), so on CUDA each
+    position (kvtool.engine.decode_step): per-row RoPE, K/V written in place, one attention call over
+    a `bucket`-slot window with a per-row mask. Shapes depend only on (rows, bucket), so on CUDA each
     pair is captured once as a CUDA graph. Rows not stepped this time (free, or held by a request
     that is not decoding now) compute on a dummy token and write it to a scratch position (index
     max_len) that no window covers, so their K/V stays intact.
@@ -101,7 +100,9 @@ class BatchedStaticDecoder:
         shape = (slots, s.num_kv_heads, max_len + 1, s.head_dim)  # + the scratch position
         self.k = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(s.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(s.num_layers)]
-        self.cos, self.sin = runner.rope_cos_sin(torch.arange(max_len + 1, device=dev))
+        self.step_fn = DecodeStep(runner)
+        self.cos, sin = runner.rope_cos_sin(torch.arange(max_len + 1, device=dev))
+        self.sin_signed = self.step_fn.signed_sin(sin)
         self.window = torch.arange(max_len + 1, device=dev)
         self.rows = torch.arange(slots, device=dev)
         self.token = torch.zeros(slots, dtype=torch.long, device=dev)
@@ -163,22 +164,8 @@ class BatchedStaticDecoder:
         return {s: logits[s : s + 1] for s in tokens}
 
     def _forward(self, rows: int, bucket: int) -> torch.Tensor:
-        runner, m = self.runner, self.runner.model
-        pos, idx = self.pos[:rows], self.rows[:rows]
-        x = m.embed_tokens(self.token[:rows])[:, None]  # [rows, 1, hidden]
-        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # [rows, 1, 1, D]
-        mask = (self.window[:bucket][None] <= pos[:, None])[:, None, None]  # [rows, 1, 1, bucket]
-        for i, layer in enumerate(m.layers):
-            attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(x))  # [rows, H, 1, D]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            self.k[i][idx, :, pos] = k[:, :, 0]
-            self.v[i][idx, :, pos] = v[:, :, 0]
-            out = F.scaled_dot_product_attention(q, self.k[i][:rows, :, :bucket], self.v[i][:rows, :, :bucket],
-                                                 attn_mask=mask, enable_gqa=True)
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(rows, 1, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return F.linear(m.norm(x[:, 0]), runner.output_weight).float()
+        return self.step_fn(self.token[:rows], self.pos[:rows], self.rows[:rows], self.k, self.v, bucket,
+                            self.cos, self.sin_signed, self.window)
 
     def _replay(self, rows: int, bucket: int) -> torch.Tensor:
         key = (rows, bucket)
