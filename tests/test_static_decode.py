@@ -50,6 +50,35 @@ def test_static_steps_match_the_reference_across_buckets(family, tmp_path):
         assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+def test_extend_matches_the_reference_prefill(family, tmp_path):
+    tiny_checkpoint(family, tmp_path)
+    runner = tiny_runner(family, tmp_path)
+    ids = torch.randint(0, runner.spec.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = runner.new_cache()
+    dec = StaticDecoder(runner, max_len=64, bucket_tokens=8)
+    dec.load(runner.new_cache())
+    # from empty (causal, 11 tokens padded to 16), then after it (masked window), then a decode step
+    for lo, hi in ((0, 11), (11, 18), (18, 37)):
+        want = runner.prefill(ids[lo:hi], ref)
+        got = dec.extend(ids[lo:hi])
+        assert (got - want).abs().max().item() < 1e-4, (lo, hi)
+    assert (dec.step(ids[37]) - runner(torch.tensor([ids[37]]), ref)).abs().max().item() < 1e-4
+    cache = runner.new_cache()
+    dec.store(cache)
+    assert cache.offset == ref.offset == 38
+    for a, b in zip(cache.layers, ref.layers):
+        assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+    # a prefilled cache loaded, then extended: the prefix-cache hit path
+    hit = runner.new_cache()
+    runner.prefill(ids[:30], hit)
+    dec.load(hit)
+    assert (dec.extend(ids[30:40]) - runner.prefill(ids[30:40], hit.clone())).abs().max().item() < 1e-4
+    with pytest.raises(ContextWindowError, match="do not fit"):
+        dec.extend(ids * 2)
+    dec.store(hit)
+
+
 def test_full_decoder_and_bad_sizes_are_clear_errors(tmp_path):
     tiny_checkpoint("qwen3", tmp_path)
     runner = tiny_runner("qwen3", tmp_path)
@@ -82,6 +111,11 @@ def test_engine_fast_path_gives_the_reference_tokens_and_cache(smollm2):
     got = fast.generate(prompt, SamplingParams(**PARAMS)).run()
     assert got.token_ids == want.token_ids and got.text == want.text
     assert fast._static is not None and not fast._static.busy
+    # a generation that outgrows the static rows carries on through the reference path
+    small = Engine(smollm2, EngineConfig(fast_decode="on", static_max_tokens=len(prompt) + 8))
+    moved = small.generate(prompt, SamplingParams(**PARAMS)).run()
+    assert moved.token_ids == want.token_ids and len(want.token_ids) > 9
+    assert small._static.length == small._static.max_len and not small._static.busy
     # sampling with a seed runs on the same logits: same tokens as well
     sampled = dict(temperature=0.8, top_p=0.9, seed=7, max_tokens=24)
     assert (fast.generate(prompt, SamplingParams(**sampled)).run().token_ids
@@ -134,9 +168,13 @@ def test_static_steps_in_bf16_agree_with_the_reference(tmp_path):
     runner = build_runner(ModelSpec.from_hf_config(cfg), cfg, tmp_path, torch.device("cpu"), torch.bfloat16,
                           progress=False)
     ref_cache, ref_logits = prefilled(runner, 20)
-    cache, _ = prefilled(runner, 20)
+    ids = torch.randint(0, runner.spec.vocab_size, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = runner.new_cache()
+    runner.prefill(ids[:12], cache)
     dec = StaticDecoder(runner, max_len=128, bucket_tokens=16)
     dec.load(cache)
+    got = dec.extend(ids[12:])  # the same 20 tokens: 12 loaded, 8 through extend()
+    assert (got - ref_logits).abs().max().item() <= BF16_TOL and decisive_mismatches(ref_logits, got) == 0
     assert_bf16_steps_agree(runner, dec, ref_cache, ref_logits, 40)
 
 
@@ -151,12 +189,19 @@ def test_cuda_graph_decode_matches_the_reference_on_gpu(tmp_path):
     cfg = AutoConfig.from_pretrained(str(folder))
     runner = build_runner(ModelSpec.from_hf_config(cfg), cfg, folder, torch.device("cuda"), torch.bfloat16)
     ref_cache, ref_logits = prefilled(runner, 300)
-    cache, logits = prefilled(runner, 300)
-    dec = StaticDecoder(runner, max_len=1024)
-    assert dec.use_graphs
-    dec.load(cache)
-    assert_bf16_steps_agree(runner, dec, ref_cache, ref_logits, 64)
-    assert dec.captured_buckets == [512]
+    ids = torch.randint(0, runner.spec.vocab_size, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    hit = runner.new_cache()
+    runner.prefill(ids[:256], hit)
+    for cache, rest in ((runner.new_cache(), ids), (hit, ids[256:])):  # cold (causal graph), then a prefix hit
+        dec = StaticDecoder(runner, max_len=1024)
+        assert dec.use_graphs
+        dec.load(cache)
+        for _ in range(2):  # the second call replays the captured graph
+            dec.batched.length[0] = cache.offset
+            got = dec.extend(rest)
+            assert (got - ref_logits).abs().max().item() <= BF16_TOL and decisive_mismatches(ref_logits, got) == 0
+    assert_bf16_steps_agree(runner, dec, ref_cache.clone(), ref_logits, 64)
+    assert dec.captured_buckets == [512] and ("extend", 0, 64, 512, False) in dec.batched._graphs
 
 
 @pytest.mark.gpu

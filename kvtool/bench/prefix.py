@@ -1,8 +1,9 @@
 """`kvtool bench prefix`: TTFT of a prefix-cache hit vs a cold prefill, beside transformers.
 
 kvtool hit = PrefixCache.prepare (match + gather + copy into the request's cache) + prefill of
-the suffix + first token; exactly the Engine's path, minus detokenization. kvtool cold = prefill
-of prefix + suffix. The transformers baseline, in the same run: a DynamicCache holding the
+the suffix + first token; exactly the Engine's path, minus detokenization (on CUDA, where fast
+decode is on by default, the prompt goes through the static decoder as it does in the engine).
+kvtool cold = prefill of prefix + suffix. The transformers baseline, in the same run: a DynamicCache holding the
 prefix is deep-copied (each request needs its own) and the suffix forwarded; its cold run
 forwards the whole prompt. Both keep only the last position's logits. A fresh random suffix per
 run makes every hit exactly the prefix.
@@ -21,9 +22,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvtool.bench.decode import engine_prefill, kvtool_ttft
 from kvtool.bench.protocol import device_name, emit, measure, summary, sync, versions
 from kvtool.bench.targets import Target
 from kvtool.config import EngineConfig
+from kvtool.engine.static import StaticDecoder, fast_decode_enabled
 from kvtool.errors import InvalidParameterError
 
 TARGET_SPEEDUP = 15.0  # 2-core CPU, SmolLM2, 2048 + 64 (transformers DynamicCache reuse: 14.5x)
@@ -47,14 +50,8 @@ class PrefixBenchConfig:
     out: str | None = None
 
 
-def _kvtool_cold(runner, prompt, chunk) -> float:
-    t0 = time.perf_counter()
-    cache = runner.new_cache(len(prompt) + 1)
-    int(runner.prefill(prompt, cache, chunk=chunk).argmax(-1))
-    return (time.perf_counter() - t0) * 1000.0
-
-
-def _kvtool_hit(pc, runner, prompt, chunk, expect_cached, prepare_ms: list | None = None) -> tuple[float, int]:
+def _kvtool_hit(pc, runner, prompt, chunk, expect_cached, prepare_ms: list | None = None,
+                decoder=None) -> tuple[float, int]:
     t0 = time.perf_counter()
     cache, n, handle = pc.prepare(prompt, runner)
     if prepare_ms is not None:  # the cache's own share of the hit: match + gather + copy
@@ -62,8 +59,7 @@ def _kvtool_hit(pc, runner, prompt, chunk, expect_cached, prepare_ms: list | Non
         prepare_ms.append((time.perf_counter() - t0) * 1000.0)
     n = min(n, len(prompt) - 1)
     cache.truncate(n)
-    token = int(runner.prefill(prompt[n:], cache, chunk=chunk).argmax(-1))
-    ms = (time.perf_counter() - t0) * 1000.0
+    ms, token = engine_prefill(runner, cache, prompt[n:], chunk, decoder, t0)
     pc.commit(handle, prompt[: cache.offset], cache)  # as the engine does, outside the timed part
     if n != expect_cached:
         raise RuntimeError(f"prefix bench: expected a hit of {expect_cached} tokens, got {n}")
@@ -97,13 +93,16 @@ def run_prefix_bench(bm, cfg: PrefixBenchConfig | None = None,
     log(f"prefix bench: {name}, {cfg.prefix_tokens} cached + {cfg.suffix_tokens} new tokens on {device}")
     pc.pin(prefix)  # prefills the prefix once and keeps it
     prepare_ms: list[float] = []
+    # the engine's path: through the static decoder where fast decode is on by default (CUDA)
+    decoder = StaticDecoder(runner, len(cold_prompt) + 1) if fast_decode_enabled("auto", device) else None
 
     def hit():
-        return _kvtool_hit(pc, runner, prefix + next(suffixes), cfg.prefill_chunk, cfg.prefix_tokens, prepare_ms)[0]
+        return _kvtool_hit(pc, runner, prefix + next(suffixes), cfg.prefill_chunk, cfg.prefix_tokens, prepare_ms,
+                           decoder)[0]
 
     results = {"kvtool": {
-        "cold_ms": measure(lambda: _kvtool_cold(runner, cold_prompt, cfg.prefill_chunk), cfg.repeats, cfg.warmup,
-                           device, "kvtool cold"),
+        "cold_ms": measure(lambda: kvtool_ttft(runner, cold_prompt, cfg.prefill_chunk, decoder), cfg.repeats,
+                           cfg.warmup, device, "kvtool cold"),
         "hit_ms": measure(hit, cfg.repeats, cfg.warmup, device, "kvtool hit"),
     }}
     results["kvtool"]["prepare_ms"] = summary(prepare_ms[cfg.warmup:])
@@ -111,7 +110,8 @@ def run_prefix_bench(bm, cfg: PrefixBenchConfig | None = None,
     check_prompt = prefix + next(suffixes)
     cache = runner.new_cache(len(check_prompt) + 1)
     cold_token = int(runner.prefill(check_prompt, cache, chunk=cfg.prefill_chunk).argmax(-1))
-    first_token_match = _kvtool_hit(pc, runner, check_prompt, cfg.prefill_chunk, cfg.prefix_tokens)[1] == cold_token
+    first_token_match = _kvtool_hit(pc, runner, check_prompt, cfg.prefill_chunk, cfg.prefix_tokens,
+                                    decoder=decoder)[1] == cold_token
     if cfg.baseline:
         results["transformers"] = transformers_baseline(bm.hf(), prefix, cold_prompt, suffixes, cfg, log)
     for r in results.values():
@@ -122,7 +122,7 @@ def run_prefix_bench(bm, cfg: PrefixBenchConfig | None = None,
         targets.update(hit_ms_max=TARGET_HIT_MS_CUDA, hit_ms_met=k["hit_ms"]["median"] <= TARGET_HIT_MS_CUDA)
     record = {"benchmark": "prefix", "model": name, "device": device_name(device), "device_type": device.type,
               "dtype": str(runner.dtype).replace("torch.", ""), "config": asdict(cfg), "results": results,
-              "first_token_match": first_token_match, "targets": targets, "cache": pc.stats(),
+              "first_token_match": first_token_match, "path": "static decoder" if decoder else "reference", "targets": targets, "cache": pc.stats(),
               "target_checks": [TARGETS[0].check(k["speedup"], device.type, cfg.prefix_tokens >= 2048),
                                 TARGETS[1].check(k["hit_ms"]["median"], device.type, cfg.prefix_tokens >= 4096)],
               "versions": versions()}

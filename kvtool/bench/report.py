@@ -200,8 +200,9 @@ def _decode_md(records: dict) -> list[str]:
     c, ratios = rec["config"], rec["speedup_vs_transformers"]
     rows = []
     for metric, row in rec["results"].items():
-        label = ("decode tok/s (bs=1, fast path)" if metric == "decode_tok_s_fast" else "decode tok/s (bs=1)"
-                 if metric.startswith("decode") else f"cold TTFT @{metric[8:]} tokens (ms)")
+        base = metric.removesuffix("_fast")
+        label = ("decode tok/s (bs=1)" if base.startswith("decode") else f"cold TTFT @{base[8:]} tokens (ms)") + \
+            (", fast path" if metric != base else "")
         rows.append([label, _stat(row["kvtool"]), _stat(row.get("transformers")), _ratio(ratios.get(metric))])
     return [f"{c['decode_tokens']} greedy tokens after a {c['prompt_tokens']}-token prompt; median (min-max) of "
             f"{c['repeats']} runs after {c['warmup']} warm-up. Ratio > 1: kvtool is faster.", "",
@@ -284,10 +285,12 @@ def _plot_decode(records, path):
     from kvtool.bench.plots import bar_panels
 
     rec = records["decode"]
-    panels = {("decode tok/s" if m.startswith("decode") else f"cold TTFT @{m[8:]} (ms)"):
-              {e: s["median"] for e, s in row.items()} for m, row in rec["results"].items() if m != "decode_tok_s_fast"}
-    if "decode_tok_s_fast" in rec["results"]:
-        panels["decode tok/s"]["kvtool fast path"] = rec["results"]["decode_tok_s_fast"]["kvtool"]["median"]
+    title = lambda m: "decode tok/s" if m.startswith("decode") else f"cold TTFT @{m[8:]} (ms)"  # noqa: E731
+    panels = {title(m): {e: s["median"] for e, s in row.items()} for m, row in rec["results"].items()
+              if not m.endswith("_fast")}
+    for m, row in rec["results"].items():
+        if m.endswith("_fast"):
+            panels[title(m.removesuffix("_fast"))]["kvtool fast path"] = row["kvtool"]["median"]
     bar_panels(path, f"{rec['model']} on {rec['device']}, {rec['dtype']}", panels)
 
 

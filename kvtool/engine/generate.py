@@ -206,16 +206,23 @@ class Engine:
         static = None
         try:
             state = OutputState(self, gen, max_tokens, skip_special_tokens, t0)
-            logits = runner.prefill(gen.prompt_ids[cached:], cache, chunk=self.config.prefill_chunk)
-            tm.prefill_ms = state.ms()
-            static = self.static_decoder(len(gen.prompt_ids) + max_tokens)
-            if static is not None:
+            # The static rows take the prompt when it fits; a generation that outgrows them moves on to the
+            # reference path (its KV handed back to the cache), so no max_tokens keeps a request off the fast path.
+            static = self.static_decoder(len(gen.prompt_ids) + 1)
+            if static is not None:  # the prompt's KV goes straight into the static rows
                 static.load(cache)
+                logits = static.extend(gen.prompt_ids[cached:])
+            else:
+                logits = runner.prefill(gen.prompt_ids[cached:], cache, chunk=self.config.prefill_chunk)
+            tm.prefill_ms = state.ms()
             while True:
                 event = state.accept(logits)
                 yield event
                 if gen.finish_reason:
                     break
+                if static is not None and static.length >= static.max_len:
+                    static.store(cache)
+                    static = None
                 if static is not None:
                     logits = static.step(event.token_id)
                 else:

@@ -47,7 +47,7 @@ class StaticDecoder:
 
     @property
     def captured_buckets(self) -> list[int]:
-        return sorted(bucket for _, bucket in self.batched._graphs)
+        return sorted(key[1] for key in self.batched._graphs if key[0] != "extend")
 
     @property
     def length(self) -> int:
@@ -62,6 +62,10 @@ class StaticDecoder:
             raise ContextWindowError(f"the static decoder holds {self.max_len} tokens; this cache has {cache.offset}")
         self.batched.load(cache)
         self.start, self.busy = cache.offset, True
+
+    def extend(self, ids: list[int]) -> torch.Tensor:
+        """Prefill ids (the prompt, or its part after a prefix hit) at the next positions; logits [1, V] of the last."""
+        return self.batched.extend(0, ids)
 
     def step(self, token_id: int) -> torch.Tensor:
         """Run token_id at the next position; return its logits [1, V] (fp32, on the device)."""
@@ -107,10 +111,13 @@ class BatchedStaticDecoder:
         self.rows = torch.arange(slots, device=dev)
         self.token = torch.zeros(slots, dtype=torch.long, device=dev)
         self.pos = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.ext_token = torch.zeros(max_len, dtype=torch.long, device=dev)  # extend(): tokens, positions,
+        self.ext_pos = torch.zeros(max_len, dtype=torch.long, device=dev)  # and the index of the last real one
+        self.ext_last = torch.zeros(1, dtype=torch.long, device=dev)
         self.use_graphs = dev.type == "cuda" if graphs is None else graphs
         if self.use_graphs and dev.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (rows, bucket) / extend keys
         self._pool = None
         self.length = [0] * slots  # tokens held per slot
         self.start = [0] * slots  # tokens the request's cache held at load()
@@ -158,27 +165,61 @@ class BatchedStaticDecoder:
             tok[s], pos[s] = t, self.length[s]
         self.token[:rows].copy_(torch.tensor(tok), non_blocking=True)
         self.pos[:rows].copy_(torch.tensor(pos), non_blocking=True)
-        logits = self._replay(rows, bucket) if self.use_graphs else self._forward(rows, bucket)
+        logits = (self._replay((rows, bucket), lambda: self._forward(rows, bucket)) if self.use_graphs
+                  else self._forward(rows, bucket))
         for s in tokens:
             self.length[s] += 1
         return {s: logits[s : s + 1] for s in tokens}
+
+    @torch.inference_mode()
+    def extend(self, slot: int, ids: list[int]) -> torch.Tensor:
+        """Run a slot's next len(ids) tokens (a prompt, or its part after a prefix hit); logits [1, V] of the last.
+
+        The tokens are padded to a power of two (at least 16) so lengths share shapes (and CUDA graphs).
+        From an empty slot: positions 0..T-1 and one causal attention call (padding sits after the real
+        tokens, so no real token sees it). Otherwise the padding writes to the scratch position and
+        attention runs over a bucket window with a mask."""
+        t, start = len(ids), self.length[slot]
+        if t < 1:
+            raise ValueError("extend() needs at least one token")
+        if start + t > self.max_len:
+            raise ContextWindowError(f"a slot of the static decoder holds {self.max_len} tokens; "
+                                     f"{start} + {t} do not fit")
+        padded = min(self.max_len, max(16, 1 << (t - 1).bit_length()))
+        causal = start == 0
+        if causal:
+            window, pos = padded, list(range(padded))
+        else:
+            window = min(self.max_len, -(-(start + t) // self.bucket_tokens) * self.bucket_tokens)
+            pos = list(range(start, start + t)) + [self.max_len] * (padded - t)
+        self.ext_token[:padded].copy_(torch.tensor(list(ids) + [0] * (padded - t)), non_blocking=True)
+        self.ext_pos[:padded].copy_(torch.tensor(pos), non_blocking=True)
+        self.ext_last.fill_(t - 1)
+
+        def run():
+            return self.step_fn.extend(self.ext_token[:padded], self.ext_pos[:padded], self.ext_last, slot, self.k,
+                                       self.v, window, causal, self.cos, self.sin_signed, self.window)
+
+        logits = self._replay(("extend", slot, padded, window, causal), run) if self.use_graphs else run()
+        self.length[slot] = start + t
+        return logits
 
     def _forward(self, rows: int, bucket: int) -> torch.Tensor:
         return self.step_fn(self.token[:rows], self.pos[:rows], self.rows[:rows], self.k, self.v, bucket,
                             self.cos, self.sin_signed, self.window)
 
-    def _replay(self, rows: int, bucket: int) -> torch.Tensor:
-        key = (rows, bucket)
+    def _replay(self, key, fn) -> torch.Tensor:
+        """Run fn through the CUDA graph captured for `key` (capturing it on first use)."""
         if key not in self._graphs:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._forward(rows, bucket)
+                    fn()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(rows, bucket)
+                out = fn()
             self._pool = self._pool or graph.pool()
             self._graphs[key] = (graph, out)
         graph, out = self._graphs[key]

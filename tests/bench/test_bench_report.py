@@ -31,10 +31,12 @@ def test_targets_apply_only_on_their_device_and_to_measured_values():
 def test_decode_record_ratios_come_from_the_measured_medians(tiny_bench):
     cfg = DecodeBenchConfig(decode_tokens=4, ttft_lengths=[16, 32], prompt_tokens=8, repeats=2, warmup=0)
     rec = run_decode_bench(tiny_bench, cfg, log=lambda s: None)
-    assert list(rec["results"]) == ["decode_tok_s", "decode_tok_s_fast", "ttft_ms_16", "ttft_ms_32"]
-    fast = rec["results"].pop("decode_tok_s_fast")["kvtool"]
-    assert fast["n"] == 2 and rec["speedup_vs_transformers"]["decode_tok_s_fast"] == pytest.approx(
-        fast["median"] / rec["results"]["decode_tok_s"]["transformers"]["median"], abs=1e-3)
+    assert list(rec["results"]) == ["decode_tok_s", "decode_tok_s_fast", "ttft_ms_16", "ttft_ms_16_fast",
+                                    "ttft_ms_32", "ttft_ms_32_fast"]
+    for metric in ("decode_tok_s", "ttft_ms_16", "ttft_ms_32"):  # the fast path beside the same baseline
+        fast, t = rec["results"].pop(metric + "_fast")["kvtool"], rec["results"][metric]["transformers"]["median"]
+        want = fast["median"] / t if metric.startswith("decode") else t / fast["median"]
+        assert fast["n"] == 2 and rec["speedup_vs_transformers"][metric + "_fast"] == pytest.approx(want, abs=1e-3)
     for metric, row in rec["results"].items():
         k, t = row["kvtool"]["median"], row["transformers"]["median"]
         assert row["kvtool"]["n"] == row["transformers"]["n"] == 2 and k > 0 and t > 0
@@ -140,3 +142,18 @@ def test_gpu_targets_apply_on_cuda(tmp_path):
                                log=lambda s: None)
     status = {c["metric"]: c["status"] for c in rec["target_checks"]}
     assert status["decode_tok_s"] in ("met", "missed") and status["ttft_ms_512"] == "n/a"
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_prefix_record_takes_the_engines_path(tiny_bench, monkeypatch, fast):
+    """Through the reference prefill (CPU default) and through the static decoder (the CUDA default)."""
+    from kvtool.bench import prefix as prefix_mod
+
+    monkeypatch.setattr(prefix_mod, "fast_decode_enabled", lambda mode, device: fast)
+    cfg = prefix_mod.PrefixBenchConfig(prefix_tokens=64, suffix_tokens=8, repeats=2, warmup=1)
+    rec = prefix_mod.run_prefix_bench(tiny_bench, cfg, log=lambda s: None)
+    assert rec["path"] == ("static decoder" if fast else "reference") and rec["first_token_match"]
+    k = rec["results"]["kvtool"]
+    assert k["hit_ms"]["n"] == k["cold_ms"]["n"] == 2 and k["speedup"] == pytest.approx(
+        k["cold_ms"]["median"] / k["hit_ms"]["median"])
+    assert rec["cache"]["hit_tokens"] >= 64 * (cfg.warmup + cfg.repeats)
