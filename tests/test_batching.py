@@ -66,6 +66,33 @@ def test_batched_greedy_equals_unbatched_with_chunked_prefill(solo):
 
 
 @pytest.mark.real_model
+def test_greedy_rows_share_one_argmax_and_other_samplers_run_alone(solo, monkeypatch):
+    engine, prompts, want = solo
+    shared = []
+    original = BatchScheduler._batched_argmax
+
+    def spy(plan, logits):
+        out = original(plan, logits)
+        shared.append(len(out))
+        return out
+
+    monkeypatch.setattr(BatchScheduler, "_batched_argmax", staticmethod(spy))
+    sched = BatchScheduler(engine, max_running=4, prefill_budget=256)
+    params = [SamplingParams(**PARAMS), SamplingParams(**PARAMS, logprobs=2), SamplingParams(**PARAMS),
+              SamplingParams(**PARAMS, repetition_penalty=1.0)]
+    events = []
+    gens = [sched.submit(p, sp, on_event=events.append if i == 1 else None)
+            for i, (p, sp) in enumerate(zip(prompts, params))]
+    sched.run()
+    for i, g in enumerate(gens):
+        assert g.token_ids == want[i], f"request {i} differs"
+    assert max(shared) == 3  # the logprobs request samples alone; the three plain greedy ones share
+    solo_events = list(engine.generate(prompts[1], SamplingParams(**PARAMS, logprobs=2)))
+    assert [e.logprob for e in events] == pytest.approx([e.logprob for e in solo_events], abs=1e-4)
+    assert [len(e.top_logprobs) for e in events] == [2] * len(events)
+
+
+@pytest.mark.real_model
 def test_preemption_under_kv_pressure_keeps_outputs_and_cancel_works(solo):
     engine, prompts, want = solo
     budget = 100

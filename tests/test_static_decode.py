@@ -271,3 +271,21 @@ def test_decode_step_dispatches_few_ops_per_layer(tmp_path):
     layers = runner.spec.num_layers
     assert sum(fast.ops.values()) <= 20 * layers + 16, fast.ops  # + embedding, mask, final norm, lm_head
     assert sum(ref.ops.values()) >= 1.5 * sum(fast.ops.values()), (ref.ops, fast.ops)
+
+
+@pytest.mark.gpu
+def test_engine_on_gpu_samples_there_and_matches_the_reference(tmp_path):
+    """Prefill, decode and sampling all on CUDA: fast path vs reference, greedy and seeded top-p."""
+    from kvtool.bench.loading import from_checkpoint
+
+    tiny_checkpoint("qwen3", tmp_path)
+    bm = from_checkpoint(tmp_path, "tiny-qwen3", device="cuda", dtype="float32")
+    fast, ref = Engine(bm.model), Engine(bm.model, EngineConfig(fast_decode="off"))
+    prompt = list(range(3, 40))
+    for params in (dict(temperature=0, max_tokens=24), dict(temperature=0.9, top_p=0.8, seed=3, max_tokens=24),
+                   dict(temperature=0, max_tokens=8, logprobs=2)):
+        got = fast.generate(prompt, SamplingParams(**params)).run()
+        assert got.token_ids == ref.generate(prompt, SamplingParams(**params)).run().token_ids, params
+    assert fast._static is not None and fast._static.use_graphs
+    assert fast.generate(prompt, SamplingParams(temperature=0.9, seed=3, max_tokens=24)).run().token_ids == \
+        fast.generate(prompt, SamplingParams(temperature=0.9, seed=3, max_tokens=24)).run().token_ids

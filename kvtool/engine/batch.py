@@ -21,6 +21,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from kvtool.cache.kv import KVCache
 from kvtool.config import SamplingParams
 from kvtool.engine.generate import Engine, Generation, OutputState, TokenEvent
@@ -154,14 +156,15 @@ class BatchScheduler:
         plan = [(r, c) for r, c in plan if r in self.running]
         logits = self._forward(plan)
         self.steps += 1
-        for (req, chunk), out in zip(plan, logits):
+        presampled = self._batched_argmax(plan, logits)
+        for j, ((req, chunk), out) in enumerate(zip(plan, logits)):
             req.pending = req.pending[len(chunk):]
             if req.pending:
                 continue  # still prefilling
             if req.gen.timings.prefill_ms == 0.0:
                 req.gen.timings.prefill_ms = req.state.ms()
             try:
-                event = req.state.accept(out)
+                event = req.state.accept(out, presampled.get(j))
                 if req.on_event is not None:
                     req.on_event(event)
             except Exception as exc:
@@ -174,6 +177,18 @@ class BatchScheduler:
             else:
                 req.pending = [event.token_id]
         return sum(len(c) for _, c in plan)
+
+    @staticmethod
+    def _batched_argmax(plan: list[tuple[BatchRequest, list[int]]], logits: list) -> dict[int, int]:
+        """{plan index: token} for the requests sampling now whose sampler is plain greedy: one argmax and one
+        host read for all of them, instead of one each."""
+        rows = [j for j, (req, chunk) in enumerate(plan)
+                if len(req.pending) == len(chunk) and req.state.sampler.plain_greedy]
+        if len(rows) < 2:
+            return {}
+        vocab = plan[rows[0]][0].state.sampler.vocab_size
+        tokens = torch.cat([logits[j].reshape(1, -1)[:, :vocab] for j in rows]).argmax(-1).tolist()
+        return dict(zip(rows, tokens))
 
     def _forward(self, plan: list[tuple[BatchRequest, list[int]]]) -> list:
         """Logits for each planned chunk: decode tokens through the static decoder when there is one."""

@@ -14,7 +14,7 @@ import torch
 
 from kvtool.config import EngineConfig, SamplingParams
 from kvtool.engine.detok import IncrementalDetokenizer, StopStringMatcher
-from kvtool.engine.sampling import Sampler
+from kvtool.engine.sampling import Sample, Sampler
 from kvtool.errors import ContextWindowError, InvalidParameterError
 
 
@@ -253,10 +253,11 @@ class OutputState:
     def ms(self) -> float:
         return (time.perf_counter() - self.t0) * 1000.0
 
-    def accept(self, logits: torch.Tensor) -> TokenEvent:
-        """Sample the next token from logits; update the Generation; set finish_reason when done."""
+    def accept(self, logits: torch.Tensor, token: int | None = None) -> TokenEvent:
+        """Sample the next token from logits (or take `token`, already sampled from them by a batched argmax
+        when the sampler is plain greedy); update the Generation; set finish_reason when done."""
         gen, tm, matcher = self.gen, self.gen.timings, self.matcher
-        sample = self.sampler(logits)
+        sample = self.sampler(logits) if token is None else Sample(token)
         tok, i = sample.token, len(gen.token_ids)
         gen.token_ids.append(tok)
         self.sampler.observe(tok)

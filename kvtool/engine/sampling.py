@@ -21,49 +21,64 @@ class Sample:
 
 
 class Sampler:
+    """Samples on the device the logits live on: the only host sync per token reads the result
+    (token id, and the logprobs when asked for) in one transfer."""
+
     def __init__(self, params: SamplingParams, vocab_size: int, prompt_ids: list[int], device: torch.device):
         self.p = params
         self.vocab_size = vocab_size
+        self.device = torch.device(device)
         self.generator = None
         if params.seed is not None:
-            self.generator = torch.Generator(device="cpu").manual_seed(params.seed)
-        self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # prompt + output, for repetition_penalty
-        self.counts = torch.zeros(vocab_size, dtype=torch.float32)  # output only, for presence/frequency
-        if prompt_ids and params.repetition_penalty != 1.0:
-            self.seen[torch.tensor([t for t in prompt_ids if t < vocab_size], dtype=torch.long)] = True
+            self.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        # seen (prompt + output, for repetition_penalty) and counts (output, presence/frequency), kept only when used
+        self.track = params.repetition_penalty != 1.0 or bool(params.presence_penalty or params.frequency_penalty)
+        self.seen_any = False  # known on the host, so the penalty never syncs to ask
+        self.seen = self.counts = None
+        if self.track:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
+            self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=self.device)
+            ids = [t for t in prompt_ids if t < vocab_size] if params.repetition_penalty != 1.0 else []
+            if ids:
+                self.seen[torch.tensor(ids, dtype=torch.long, device=self.device)] = True
+                self.seen_any = True
+
+    @property
+    def plain_greedy(self) -> bool:
+        """The token is the argmax of the raw logits (so a batch of such requests can share one argmax)."""
+        return self.p.greedy and not self.track and self.p.logprobs is None
 
     def observe(self, token: int) -> None:
-        if token < self.vocab_size:
+        if self.track and token < self.vocab_size:
             self.seen[token] = True
             self.counts[token] += 1
+            self.seen_any = True
 
     def __call__(self, logits: torch.Tensor) -> Sample:
-        """logits [V] (or [1, V]) fp32 on any device -> Sample."""
-        logits = logits.reshape(-1)[: self.vocab_size].float().cpu()
-        top = logprob = None
-        if self.p.logprobs is not None:
-            raw = torch.log_softmax(logits, dim=-1)
+        """logits [V] (or [1, V]) fp32 -> Sample, computed on the sampler's device."""
+        logits = logits.reshape(-1)[: self.vocab_size].float().to(self.device)
         x = self._penalise(logits)
         if self.p.greedy:
-            token = int(torch.argmax(x))
+            token = torch.argmax(x)
         else:
-            x = x / self.p.temperature
-            x = self._truncate(x)
-            probs = torch.softmax(x, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=self.generator))
-        if self.p.logprobs is not None:
-            logprob = float(raw[token])
-            if self.p.logprobs > 0:
-                values, ids = torch.topk(raw, self.p.logprobs)
-                top = [(int(i), float(v)) for i, v in zip(ids, values)]
-        return Sample(token, logprob, top)
+            x = self._truncate(x / self.p.temperature)
+            token = torch.multinomial(torch.softmax(x, dim=-1), 1, generator=self.generator)[0]
+        if self.p.logprobs is None:
+            return Sample(int(token))
+        raw = torch.log_softmax(logits, dim=-1)
+        parts = [token.reshape(1).float(), raw[token].reshape(1)]
+        if self.p.logprobs > 0:
+            values, ids = torch.topk(raw, self.p.logprobs)
+            parts += [values, ids.float()]  # ids < 2^24: exact in fp32
+        out = torch.cat(parts).tolist()
+        k = self.p.logprobs
+        top = [(int(i), v) for i, v in zip(out[2 + k :], out[2 : 2 + k])] if k > 0 else None
+        return Sample(int(out[0]), out[1], top)
 
     def _penalise(self, x: torch.Tensor) -> torch.Tensor:
         p = self.p
-        if p.repetition_penalty != 1.0 and self.seen.any():
-            x = x.clone()
-            picked = x[self.seen]
-            x[self.seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+        if p.repetition_penalty != 1.0 and self.seen_any:
+            x = torch.where(self.seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
         if p.presence_penalty or p.frequency_penalty:
             x = x - p.frequency_penalty * self.counts - p.presence_penalty * (self.counts > 0).float()
         return x
@@ -80,6 +95,5 @@ class Sampler:
             sorted_x, order = torch.sort(x, descending=True)
             cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
             drop = cum - torch.softmax(sorted_x, dim=-1) >= p.top_p  # keep the token that crosses top_p
-            x = x.clone()
-            x[order[drop]] = float("-inf")
+            x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))  # no host sync
         return x
