@@ -28,7 +28,7 @@ from kvtool.config import SamplingParams
 from kvtool.engine.generate import Engine, Generation, OutputState, TokenEvent
 
 
-@dataclass
+@dataclass(eq=False)  # a request is an entity: membership tests and remove() go by identity
 class BatchRequest:
     gen: Generation
     state: OutputState
