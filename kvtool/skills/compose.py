@@ -15,6 +15,7 @@ from typing import Sequence, Union
 import torch
 
 from kvtool.cache.kv import KVCache
+from kvtool.config import EngineConfig
 from kvtool.errors import ContextWindowError
 from kvtool.skills.block import SkillBlock
 from kvtool.skills.repair import PlaceStats, make_repair
@@ -65,7 +66,7 @@ def check_fits(runner, start: int, segments: Sequence[Segment]) -> int:
 
 
 def compose_segments(runner, segments: Sequence[Segment], repair="none", cache: KVCache | None = None,
-                     logits: str = "last", chunk: int = 512) -> Composition:
+                     logits: str = "last", chunk: int = EngineConfig.prefill_chunk) -> Composition:
     """Append segments to `cache` (a new one by default); token runs are prefilled, blocks placed."""
     runner = getattr(runner, "runner", runner)
     repair = make_repair(repair)
@@ -91,7 +92,7 @@ def compose_segments(runner, segments: Sequence[Segment], repair="none", cache: 
 
 
 def compose(runner, prefix_tokens: Sequence[int], blocks: Sequence[SkillBlock], suffix_tokens: Sequence[int],
-            repair="none", logits: str = "last", chunk: int = 512) -> Composition:
+            repair="none", logits: str = "last", chunk: int = EngineConfig.prefill_chunk) -> Composition:
     """Cache for [prefix][blocks...][suffix]; `logits` of the suffix's last token ("all": every suffix token)."""
     return compose_segments(runner, [list(prefix_tokens), *blocks, list(suffix_tokens)], repair, logits=logits,
                             chunk=chunk)

@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from kvtool.config import EngineConfig
 from kvtool.skills.block import SkillBlock
 from kvtool.skills.compose import compose_segments
 from kvtool.skills.repair import describe, make_repair
@@ -34,6 +35,7 @@ DEFAULT_SWEEP = ("none", "recompute_first_k:k=4", "recompute_first_k:k=16", "rec
                  "recompute_deviation:ratio=0.05", "recompute_deviation:ratio=0.1", "recompute_deviation:ratio=0.2")
 
 NEAR_TIE = 0.5  # nats between the reference's top two tokens
+CHUNK = EngineConfig.prefill_chunk  # full prefill and composed token runs prefill as the engine does
 
 
 @dataclass
@@ -92,7 +94,7 @@ def greedy(runner, cache, logits: torch.Tensor, n: int) -> dict:
 
 
 @torch.inference_mode()
-def full_reference(runner, seq: list[int], n: int, chunk: int = 512) -> dict:
+def full_reference(runner, seq: list[int], n: int, chunk: int = CHUNK) -> dict:
     """Full prefill (timed: TTFT) + n greedy steps."""
     def first():
         cache = runner.new_cache(len(seq) + n + 1)
@@ -149,7 +151,7 @@ def fidelity(ref_rows: torch.Tensor, rows: torch.Tensor, tokens: list[int]) -> d
             "greedy_exact": first_miss == len(agree), "greedy_match_tokens": first_miss}
 
 
-def _compose(runner, case: EvalCase, repair, prefix_cache=None, chunk: int = 512):
+def _compose(runner, case: EvalCase, repair, prefix_cache=None, chunk: int = CHUNK):
     if prefix_cache is None:
         return compose_segments(runner, [case.prefix, *case.blocks, case.query], repair, chunk=chunk)
     cache = prefix_cache.clone()
@@ -174,8 +176,8 @@ def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy
         base = runner.new_cache(len(seq) + 1)
         runner.prefill(case.prefix + [t for b in case.blocks for t in b.token_ids], base, logits="none")
         refs += extra_query_scores(runner, base, case.more_queries, None, n_greedy)
-    full = runs(lambda: int(runner.prefill(seq, runner.new_cache(len(seq) + 1)).argmax(-1)), repeats, dev,
-                first=ref["ttft_ms"])
+    full = runs(lambda: int(runner.prefill(seq, runner.new_cache(len(seq) + 1), chunk=CHUNK).argmax(-1)), repeats,
+                dev, first=ref["ttft_ms"])
     log(f"  full TTFT runs (first = reference run): {[round(v) for v in full['runs']]} ms")
     prefix_cache = None
     if warm_prefix:
@@ -214,7 +216,8 @@ def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy
     return {"prompt_tokens": len(seq), "prefix_tokens": len(case.prefix), "block_tokens": case.block_tokens,
             "blocks": [{"name": b.name, "tokens": len(b)} for b in case.blocks], "query_tokens": len(case.query),
             "queries_scored": len(case.queries), "n_greedy": n_greedy,
-            "greedy_reference": [r["tokens"] for r in refs], "ttft_ms_full": full, "repairs": rows_out}
+            "greedy_reference": [r["tokens"] for r in refs], "ttft_ms_full": full, "repairs": rows_out,
+            "prefill_chunk": CHUNK}
 
 
 def ttft_scaling(runner, case: EvalCase, counts: Sequence[int], repairs: Sequence = ("none",), repeats: int = 1,
@@ -230,7 +233,8 @@ def ttft_scaling(runner, case: EvalCase, counts: Sequence[int], repairs: Sequenc
         sub = EvalCase(case.prefix, case.blocks[:count], case.query)
         seq = sub.sequence
         full = (known_full or {}).get(count) or runs(
-            lambda: int(runner.prefill(seq, runner.new_cache(len(seq) + 1)).argmax(-1)), repeats, runner.device)
+            lambda: int(runner.prefill(seq, runner.new_cache(len(seq) + 1), chunk=CHUNK).argmax(-1)), repeats,
+            runner.device)
         row = {"blocks": count, "block_tokens": sub.block_tokens, "ttft_ms_full": full}
         for spec in repairs:
             repair = make_repair(spec)
