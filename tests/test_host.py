@@ -1,4 +1,4 @@
-"""Host allocator tuning: a freed 64 MiB buffer is reused without new page faults (glibc Linux)."""
+"""Host allocator tuning: a freed 64 MiB buffer is reused without new page faults (glibc Linux), in steady state."""
 
 import json
 import os
@@ -15,10 +15,12 @@ def touch():
     t = torch.empty(16 << 20, dtype=torch.float32)  # 64 MiB
     t.fill_(1.0)
     del t
-touch()
+for _ in range(3):  # the first rounds may split the freed block for small objects and grow the heap
+    touch()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-touch()
-print(json.dumps({"tuned": tuned, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}))
+for _ in range(8):
+    touch()
+print(json.dumps({"tuned": tuned, "faults": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 8}))
 """
 
 
@@ -34,7 +36,7 @@ def test_tuned_allocator_reuses_freed_buffers():
     if not on["tuned"]:
         pytest.skip("this libc has no mallopt")
     assert off["tuned"] is False
-    assert off["faults"] > 8000  # 16,384 pages: the untuned allocator maps the buffer afresh
+    assert off["faults"] > 8000  # 16,384 pages a round: the untuned allocator maps the buffer afresh
     assert on["faults"] < 1000
 
 
