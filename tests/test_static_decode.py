@@ -289,3 +289,12 @@ def test_engine_on_gpu_samples_there_and_matches_the_reference(tmp_path):
     assert fast._static is not None and fast._static.use_graphs
     assert fast.generate(prompt, SamplingParams(temperature=0.9, seed=3, max_tokens=24)).run().token_ids == \
         fast.generate(prompt, SamplingParams(temperature=0.9, seed=3, max_tokens=24)).run().token_ids
+
+
+def test_prefill_padding_keeps_few_shapes_and_little_waste():
+    from kvtool.engine.static import padded_length
+
+    assert [padded_length(t, 8192) for t in (1, 16, 17, 300, 512, 513, 4096, 8256)] == \
+        [16, 16, 32, 512, 512, 1024, 4096, 8192]
+    assert padded_length(8300, 10000) == 8704 and padded_length(40, 30) == 30
+    assert len({padded_length(t, 8192) for t in range(1, 8193)}) == 6 + 15  # 16..512, then 1024, 1536, .., 8192

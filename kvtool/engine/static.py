@@ -36,6 +36,13 @@ def fast_decode_enabled(mode: str, device: torch.device) -> bool:
     return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
+def padded_length(tokens: int, max_len: int) -> int:
+    """The static prefill length for `tokens`: a power of two (at least 16) up to 512, then a multiple of 512,
+    so few shapes cover every length and long prompts waste at most 511 padded tokens, not up to half."""
+    padded = max(16, 1 << (tokens - 1).bit_length()) if tokens <= 512 else -(-tokens // 512) * 512
+    return min(max_len, padded)
+
+
 class StaticDecoder:
     """The engine's bs=1 fast path: one BatchedStaticDecoder slot, kept across requests (graphs included)."""
 
@@ -72,6 +79,11 @@ class StaticDecoder:
         if self.length >= self.max_len:
             raise ContextWindowError(f"the static decoder is full ({self.max_len} tokens)")
         return self.batched.step({0: token_id})[0]
+
+    def release(self) -> None:
+        """Drop the request without handing its KV back (a benchmark's throwaway prompt)."""
+        self.batched.free.append(0)
+        self.busy = False
 
     def store(self, cache: KVCache) -> None:
         """Release the request: append the KV of the tokens decoded since load() to its cache."""
@@ -175,7 +187,7 @@ class BatchedStaticDecoder:
     def extend(self, slot: int, ids: list[int]) -> torch.Tensor:
         """Run a slot's next len(ids) tokens (a prompt, or its part after a prefix hit); logits [1, V] of the last.
 
-        The tokens are padded to a power of two (at least 16) so lengths share shapes (and CUDA graphs).
+        The tokens are padded (padded_length) so lengths share shapes (and CUDA graphs).
         From an empty slot: positions 0..T-1 and one causal attention call (padding sits after the real
         tokens, so no real token sees it). Otherwise the padding writes to the scratch position and
         attention runs over a bucket window with a mask."""
@@ -185,7 +197,7 @@ class BatchedStaticDecoder:
         if start + t > self.max_len:
             raise ContextWindowError(f"a slot of the static decoder holds {self.max_len} tokens; "
                                      f"{start} + {t} do not fit")
-        padded = min(self.max_len, max(16, 1 << (t - 1).bit_length()))
+        padded = padded_length(t, self.max_len)
         causal = start == 0
         if causal:
             window, pos = padded, list(range(padded))

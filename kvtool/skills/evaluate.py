@@ -151,23 +151,65 @@ def fidelity(ref_rows: torch.Tensor, rows: torch.Tensor, tokens: list[int]) -> d
             "greedy_exact": first_miss == len(agree), "greedy_match_tokens": first_miss}
 
 
-def _compose(runner, case: EvalCase, repair, prefix_cache=None, chunk: int = CHUNK):
+def _compose(runner, case: EvalCase, repair, prefix_cache=None, chunk: int = CHUNK, query: bool = True):
+    tail = [case.query] if query else []
     if prefix_cache is None:
-        return compose_segments(runner, [case.prefix, *case.blocks, case.query], repair, chunk=chunk)
+        return compose_segments(runner, [case.prefix, *case.blocks, *tail], repair, chunk=chunk)
     cache = prefix_cache.clone()
-    return compose_segments(runner, [*case.blocks, case.query], repair, cache=cache, chunk=chunk)
+    return compose_segments(runner, [*case.blocks, *tail], repair, cache=cache, chunk=chunk)
+
+
+def ttft_decoder(runner, tokens: int, path: str = "auto"):
+    """The StaticDecoder TTFT runs go through, or None for the reference prefill. path: "auto" takes the
+    engine's default (the static path where fast decode is on by default: CUDA), "static" or "reference"."""
+    from kvtool.engine.static import StaticDecoder, fast_decode_enabled
+
+    if path not in ("auto", "static", "reference"):
+        raise ValueError(f"path must be auto, static or reference; got {path!r}")
+    static = path == "static" or (path == "auto" and fast_decode_enabled("auto", runner.device))
+    return StaticDecoder(runner, tokens + 1) if static else None
+
+
+def _first_token(runner, decoder, cache, ids: list[int]) -> int:
+    """The engine's prefill of ids after what `cache` holds; the argmax. The decoder is released unstored."""
+    if decoder is None:
+        return int(runner.prefill(ids, cache, chunk=CHUNK).argmax(-1))
+    decoder.load(cache)
+    try:
+        return int(decoder.extend(ids).argmax(-1))
+    finally:
+        decoder.release()
+
+
+def _static_runs(fn: Callable, n: int, device) -> dict:
+    """runs() after one untimed call: the static path captures its CUDA graphs on first use."""
+    fn()
+    return runs(fn, n, device)
+
+
+def _full_ttft(runner, decoder, seq: list[int]) -> int:
+    return _first_token(runner, decoder, runner.new_cache(len(seq) + 1), seq)
+
+
+def _composed_ttft(runner, decoder, case: EvalCase, repair, prefix_cache=None) -> int:
+    if decoder is None:
+        return int(_compose(runner, case, repair, prefix_cache).logits.argmax(-1))
+    return _first_token(runner, decoder, _compose(runner, case, repair, prefix_cache, query=False).cache, case.query)
 
 
 def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy: int = 32, repeats: int = 1,
-             warm_prefix: bool = True, log: Callable[[str], None] = print) -> dict:
+             warm_prefix: bool = True, log: Callable[[str], None] = print, path: str = "auto") -> dict:
     """One record: the full-prefill reference, then per repair its fidelity and TTFT (cold and warm prefix).
 
     cold: prefix prefilled + blocks placed + query prefilled, first token sampled (argmax).
     warm: the prefix KV comes from a cache (cloned each run, as a prefix-cache hit copies it).
+    TTFT takes the engine's path (ttft_decoder): on CUDA the full prompt, and the query after the composed
+    blocks, go through the static decoder; fidelity is always scored on the reference path.
     """
     runner = getattr(runner, "runner", runner)
     dev = runner.device
     seq = case.sequence
+    decoder = ttft_decoder(runner, len(seq), path)
     log(f"full prefill of {len(seq)} tokens ({len(case.prefix)} prefix + {case.block_tokens} in "
         f"{len(case.blocks)} blocks + {len(case.query)} query), then {n_greedy} greedy tokens")
     ref = full_reference(runner, seq, n_greedy)
@@ -176,9 +218,9 @@ def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy
         base = runner.new_cache(len(seq) + 1)
         runner.prefill(case.prefix + [t for b in case.blocks for t in b.token_ids], base, logits="none")
         refs += extra_query_scores(runner, base, case.more_queries, None, n_greedy)
-    full = runs(lambda: int(runner.prefill(seq, runner.new_cache(len(seq) + 1), chunk=CHUNK).argmax(-1)), repeats,
-                dev, first=ref["ttft_ms"])
-    log(f"  full TTFT runs (first = reference run): {[round(v) for v in full['runs']]} ms")
+    full_fn = lambda: _full_ttft(runner, decoder, seq)  # noqa: E731
+    full = _static_runs(full_fn, repeats, dev) if decoder else runs(full_fn, repeats, dev, first=ref["ttft_ms"])
+    log(f"  full TTFT runs: {[round(v) for v in full['runs']]} ms")
     prefix_cache = None
     if warm_prefix:
         prefix_cache = runner.new_cache(len(case.prefix) + 1)
@@ -194,10 +236,11 @@ def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy
             base.truncate(len(case.prefix) + case.block_tokens)
             per_query += extra_query_scores(runner, base, case.more_queries, refs[1:], n_greedy)
         metrics = {**aggregate(per_query), "per_query": per_query}
-        cold = runs(lambda: int(_compose(runner, case, repair).logits.argmax(-1)), repeats, dev,
-                    first=None if repeats else tuple(first))
-        warm = runs(lambda: int(_compose(runner, case, repair, prefix_cache).logits.argmax(-1)), repeats,
-                    dev) if warm_prefix and repeats else None
+        cold_fn = lambda: _composed_ttft(runner, decoder, case, repair)  # noqa: E731
+        cold = _static_runs(cold_fn, max(1, repeats), dev) if decoder else \
+            runs(cold_fn, repeats, dev, first=None if repeats else tuple(first))
+        warm = runs(lambda: _composed_ttft(runner, decoder, case, repair, prefix_cache), repeats,
+                    dev) if warm_prefix and repeats else None  # after cold, so the graphs are captured
         row = {"repair": describe(repair), "strategy": repair.name,
                "knob": getattr(repair, repair.knob) if repair.knob else None,
                "recomputed_tokens": comp.recomputed_tokens,
@@ -217,29 +260,30 @@ def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy
             "blocks": [{"name": b.name, "tokens": len(b)} for b in case.blocks], "query_tokens": len(case.query),
             "queries_scored": len(case.queries), "n_greedy": n_greedy,
             "greedy_reference": [r["tokens"] for r in refs], "ttft_ms_full": full, "repairs": rows_out,
-            "prefill_chunk": CHUNK}
+            "prefill_chunk": CHUNK, "ttft_path": "static decoder" if decoder else "reference"}
 
 
 def ttft_scaling(runner, case: EvalCase, counts: Sequence[int], repairs: Sequence = ("none",), repeats: int = 1,
-                 known_full: dict[int, dict] | None = None, log: Callable[[str], None] = print) -> list[dict]:
+                 known_full: dict[int, dict] | None = None, log: Callable[[str], None] = print,
+                 path: str = "auto") -> list[dict]:
     """TTFT of full prefill vs composition as the number of blocks (total block tokens) grows.
 
     known_full: full-prefill summaries already measured for some block counts (reused, not re-run).
     Run after evaluate(), which warms every code path up.
     """
     runner = getattr(runner, "runner", runner)
+    decoder = ttft_decoder(runner, len(case.sequence), path)
     out = []
     for count in counts:
         sub = EvalCase(case.prefix, case.blocks[:count], case.query)
         seq = sub.sequence
-        full = (known_full or {}).get(count) or runs(
-            lambda: int(runner.prefill(seq, runner.new_cache(len(seq) + 1), chunk=CHUNK).argmax(-1)), repeats,
-            runner.device)
+        timer = _static_runs if decoder else runs
+        full = (known_full or {}).get(count) or timer(lambda: _full_ttft(runner, decoder, seq), repeats, runner.device)
         row = {"blocks": count, "block_tokens": sub.block_tokens, "ttft_ms_full": full}
         for spec in repairs:
             repair = make_repair(spec)
-            row[f"ttft_ms_{describe(repair)}"] = runs(lambda: int(_compose(runner, sub, repair).logits.argmax(-1)),
-                                                      repeats, runner.device)
+            row[f"ttft_ms_{describe(repair)}"] = timer(lambda: _composed_ttft(runner, decoder, sub, repair), repeats,
+                                                       runner.device)
         log(f"  {count} blocks ({sub.block_tokens} tokens): full {full['median']:.0f} ms, "
             + ", ".join(f"{k[8:]} {v['median']:.0f} ms" for k, v in row.items() if k.startswith("ttft_ms_")
                         and k != "ttft_ms_full"))
