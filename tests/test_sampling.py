@@ -90,3 +90,21 @@ def test_false_start_of_stop_string_is_released():
     out = m.feed("ST") + m.feed("ART and more")
     assert out == "START and more" and not m.stopped
     assert m.finish() == ""
+
+
+def test_single_token_decodes_are_memoised_per_tokenizer():
+    from kvtool.engine.detok import IncrementalDetokenizer, decode_piece
+
+    class Counting:
+        calls = 0
+
+        def decode(self, ids, skip_special_tokens=False):
+            Counting.calls += 1
+            return "".join("<s>" if (i == 0 and not skip_special_tokens) else chr(96 + i) for i in ids if
+                           i or not skip_special_tokens)
+
+    tok = Counting()
+    assert [decode_piece(tok, t) for t in (1, 2, 1, 1, 0)] == ["a", "b", "a", "a", "<s>"]
+    assert Counting.calls == 3 and decode_piece(tok, 0, True) == "" and Counting.calls == 4
+    d = IncrementalDetokenizer(tok)
+    assert "".join(d.add(t) for t in (1, 2, 3, 0, 4)) + d.flush() == "abcd"

@@ -2,6 +2,25 @@
 
 from __future__ import annotations
 
+import weakref
+
+# tokenizer -> {(token, skip_special_tokens): text}. Streaming decodes single tokens again and again (each
+# token's piece, and the one-token prefix of the next step), and a tokenizer call costs ~5 us of Python.
+_PIECES: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+
+
+def decode_piece(tokenizer, token: int, skip_special_tokens: bool = False) -> str:
+    """tokenizer.decode([token]), memoised per tokenizer."""
+    try:
+        cache = _PIECES.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: decode every time
+        return tokenizer.decode([token], skip_special_tokens=skip_special_tokens)
+    key = (token, skip_special_tokens)
+    text = cache.get(key)
+    if text is None:
+        text = cache[key] = tokenizer.decode([token], skip_special_tokens=skip_special_tokens)
+    return text
+
 
 class IncrementalDetokenizer:
     """Turns token ids into text deltas without splitting multi-byte characters.
@@ -18,6 +37,8 @@ class IncrementalDetokenizer:
         self.read_offset = 0
 
     def _decode(self, ids: list[int]) -> str:
+        if len(ids) == 1:
+            return decode_piece(self.tokenizer, ids[0], self.skip)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
     def add(self, token: int) -> str:

@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 
 from kvtool.config import EngineConfig, SamplingParams
-from kvtool.engine.detok import IncrementalDetokenizer, StopStringMatcher
+from kvtool.engine.detok import IncrementalDetokenizer, StopStringMatcher, decode_piece
 from kvtool.engine.sampling import Sample, Sampler
 from kvtool.errors import ContextWindowError, InvalidParameterError
 
@@ -274,4 +274,4 @@ class OutputState:
             text += matcher.feed(self.detok.flush()) + matcher.finish()
             gen.finish_reason = "stop" if matcher.stopped else "length"
         gen.text += text
-        return TokenEvent(i, tok, self.tokenizer.decode([tok]), text, now, sample.logprob, sample.top)
+        return TokenEvent(i, tok, decode_piece(self.tokenizer, tok), text, now, sample.logprob, sample.top)
