@@ -80,13 +80,25 @@ def compose_segments(runner, segments: Sequence[Segment], repair="none", cache: 
         cache = runner.new_cache(total + 1)
     cache.reserve(total + 1)
     out = Composition(cache, None)
+    batch: list[SkillBlock] = []  # consecutive blocks, for a repair that places them together
+
+    def place_batch():
+        if batch:
+            out.placements.extend(repair.place_all(runner, cache, [b.to(runner.device) for b in batch]))
+            batch.clear()
+
     for seg in segments:
         if isinstance(seg, SkillBlock):
-            out.placements.append(repair.place(runner, cache, seg.to(runner.device)))
+            if hasattr(repair, "place_all"):
+                batch.append(seg)
+            else:
+                out.placements.append(repair.place(runner, cache, seg.to(runner.device)))
             out.logits = None
         elif len(seg):
+            place_batch()
             out.logits = runner.prefill(list(seg), cache, chunk=chunk, logits=logits)
             out.prefilled_tokens += len(seg)
+    place_batch()
     out.ms = (time.perf_counter() - t0) * 1000.0
     return out
 

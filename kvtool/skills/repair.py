@@ -3,8 +3,9 @@
 Every strategy appends exactly len(block) tokens at cache.offset (so slot = position) and
 returns PlaceStats. What each does, precisely:
 - none: all tokens reuse the block's KV, keys rotated to the target positions.
-- recompute_first_k (k): the first k tokens are prefilled normally (they attend to the real
-  preceding context, so no false sink survives); tokens k.. reuse the rotated block KV.
+- recompute_first_k (k): the first k tokens are recomputed as a prefill would compute them (they
+  attend to the real preceding context, so no false sink survives); tokens k.. reuse the rotated
+  block KV. Consecutive blocks are placed together (place_all): one recompute pass for all of them.
 - recompute_deviation (ratio, layer): place as `none`, then run all block tokens through layers
   0..layer with the real context (their KV there becomes exact), rank tokens by |fresh - reused|^2
   of K and V at `layer`, and run the top ceil(ratio * n) through the remaining layers, attending
@@ -67,11 +68,22 @@ class RecomputeFirstK:
             raise InvalidParameterError(f"recompute_first_k: k must be an integer >= 0, got {self.k!r}")
 
     def place(self, runner, cache, block) -> PlaceStats:
-        start, k = cache.offset, min(self.k, len(block))
-        if k:
-            runner.prefill(block.token_ids[:k], cache, logits="none")
-        append_relocated(runner, cache, block, lo=k)
-        return PlaceStats(block.name, start, len(block), recomputed=k)
+        return self.place_all(runner, cache, [block])[0]
+
+    def place_all(self, runner, cache, blocks) -> list[PlaceStats]:
+        """Consecutive blocks at once: all relocated, then every block's first k tokens recomputed in one
+        pass over the cache (each attends to everything before it, as a prefill would)."""
+        from kvtool.skills.selective import recompute_slots
+
+        stats, slots, ids = [], [], []
+        for block in blocks:
+            start, k = cache.offset, min(self.k, len(block))
+            append_relocated(runner, cache, block)
+            slots += range(start, start + k)
+            ids += block.token_ids[:k]
+            stats.append(PlaceStats(block.name, start, len(block), recomputed=k))
+        recompute_slots(runner, cache, slots, ids)
+        return stats
 
     def recompute_fraction(self, n: int) -> float:
         return min(self.k, n) / n if n else 0.0

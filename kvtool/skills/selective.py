@@ -51,6 +51,41 @@ SCORES = {
 }
 
 
+def _layer(layer, lkv, x: torch.Tensor, pos: torch.Tensor, cos, sin, slots: torch.Tensor, keep=None):
+    """One layer for the active tokens x [1, n, hidden] at positions pos: fresh K/V written at their slots,
+    attention over every slot at or before each position. keep(k, v) may pick a subset (indices into
+    the n tokens) after the write; returns (x, that subset or None)."""
+    attn, chosen = layer.self_attn, None
+    q, k, v = _qkv(attn, layer.input_layernorm(x))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if keep is not None:
+        chosen = keep(k, v)
+    lkv.keys[:, :, pos] = k
+    lkv.values[:, :, pos] = v
+    if chosen is not None:
+        x, q, pos = x[:, chosen], q[:, :, chosen], pos[chosen]
+        if not len(chosen):
+            return x, chosen
+    mask = slots[None, :] <= pos[:, None]  # [active, end]: causal by position
+    out = F.scaled_dot_product_attention(q, lkv.keys, lkv.values, attn_mask=mask, enable_gqa=True)
+    x = x + attn.o_proj(out.transpose(1, 2).reshape(1, x.shape[1], attn.num_heads * attn.head_dim))
+    return x + layer.mlp(layer.post_attention_layernorm(x)), chosen
+
+
+@torch.inference_mode()
+def recompute_slots(runner, cache, slots: list[int], ids: list[int]) -> None:
+    """Run the tokens ids at cache slots `slots` (slot = position) through every layer, in one pass, over
+    the cache as it stands: each attends to every slot at or before its own, recomputed ones included."""
+    if not slots:
+        return
+    x = runner.model.embed_tokens(torch.as_tensor(ids, dtype=torch.long, device=runner.device))[None]
+    pos = torch.as_tensor(slots, dtype=torch.long, device=runner.device)
+    cos, sin = runner.rope_cos_sin(pos)
+    everything = torch.arange(cache.offset, device=runner.device)
+    for i, layer in enumerate(runner.model.layers):
+        x, _ = _layer(layer, cache[i], x, pos, cos, sin, everything)
+
+
 @torch.inference_mode()
 def recompute_selected(runner, cache, ids: list[int], start: int, ratio: float, select_layer: int = 1,
                        score: str = "kv", first: int = 0) -> SelectiveResult:
@@ -66,32 +101,28 @@ def recompute_selected(runner, cache, ids: list[int], start: int, ratio: float, 
         raise ValueError(f"the block must be the last thing in the cache: start {start} + {n} tokens != {end}")
     layers = runner.model.layers
     select_layer = min(max(select_layer, 0), len(layers) - 1)
-    active = torch.arange(n, device=runner.device)  # block-relative indices still running
     x = runner.model.embed_tokens(torch.as_tensor(ids, dtype=torch.long, device=runner.device))[None]
     slots = torch.arange(end, device=runner.device)
-    deviation, selected = None, list(range(n))
+    pos = start + torch.arange(n, device=runner.device)
+    found: dict = {"deviation": None, "selected": list(range(n))}
+
+    def select(k, v):
+        """At select_layer: score fresh against reused KV, keep the most deviating tokens."""
+        lkv = cache[select_layer]
+        deviation = SCORES[score](k, v, lkv.keys[:, :, pos], lkv.values[:, :, pos])
+        keep = min(n, math.ceil(ratio * n))
+        ranked = deviation.clone()
+        ranked[: min(first, keep)] = float("inf")
+        chosen = ranked.topk(keep).indices.sort().values
+        found.update(deviation=deviation, selected=chosen.tolist())
+        return chosen
+
     for i, layer in enumerate(layers):
-        attn, lkv = layer.self_attn, cache[i]
-        pos = start + active
+        selecting = i == select_layer and ratio < 1.0
         cos, sin = runner.rope_cos_sin(pos)
-        q, k, v = _qkv(attn, layer.input_layernorm(x))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if i == select_layer and ratio < 1.0:
-            old_k, old_v = lkv.keys[:, :, pos], lkv.values[:, :, pos]
-            deviation = SCORES[score](k, v, old_k, old_v)
-        lkv.keys[:, :, pos] = k
-        lkv.values[:, :, pos] = v
-        if deviation is not None and i == select_layer:
-            keep = min(n, math.ceil(ratio * n))
-            ranked = deviation.clone()
-            ranked[: min(first, keep)] = float("inf")
-            chosen = ranked.topk(keep).indices.sort().values
-            selected = chosen.tolist()
-            if keep == 0:
+        x, chosen = _layer(layer, cache[i], x, pos, cos, sin, slots, select if selecting else None)
+        if chosen is not None:
+            pos = pos[chosen]
+            if len(chosen) == 0:
                 break
-            active, x, q, pos = active[chosen], x[:, chosen], q[:, :, chosen], pos[chosen]
-        mask = slots[None, :] <= pos[:, None]  # [active, end]: causal by position
-        out = F.scaled_dot_product_attention(q, lkv.keys, lkv.values, attn_mask=mask, enable_gqa=True)
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(1, len(active), attn.num_heads * attn.head_dim))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return SelectiveResult(selected, deviation)
+    return SelectiveResult(found["selected"], found["deviation"])

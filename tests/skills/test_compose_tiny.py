@@ -37,6 +37,21 @@ def test_first_k_recompute_is_prefill_for_the_recomputed_tokens(tiny, tiny_block
     assert torch.allclose(out.cache.stacked(0, len(PREFIX) + 4)[0], ref.stacked()[0], atol=1e-5)
 
 
+def test_first_k_places_consecutive_blocks_in_one_pass_as_one_by_one(tiny, tiny_blocks):
+    from kvtool.skills.repair import RecomputeFirstK
+
+    repair = RecomputeFirstK(k=3)
+    together = compose(tiny, PREFIX, tiny_blocks, SUFFIX, repair=repair, logits="all")
+    alone = tiny.new_cache()
+    tiny.prefill(PREFIX, alone)
+    for block in tiny_blocks:  # place() one block at a time
+        repair.place(tiny, alone, block)
+    logits = tiny.prefill(SUFFIX, alone, logits="all")
+    assert together.recomputed_tokens == 3 * len(tiny_blocks) and len(tiny_blocks) > 1
+    assert (together.logits - logits).abs().max().item() < 1e-4
+    assert (together.cache.stacked()[0] - alone.stacked()[0]).abs().max().item() < 1e-5
+
+
 def test_no_repair_places_relocated_keys_layer0_exact(tiny, tiny_blocks):
     ref_cache, ref = full(tiny, tiny_blocks)
     out = compose(tiny, PREFIX, tiny_blocks, SUFFIX, repair="none")
