@@ -81,12 +81,10 @@ def engine_prefill(runner, cache, ids: list[int], chunk: int, decoder=None, t0: 
     """(ms to the first token, its id) as Engine.generate gets them: through `decoder` (the static fast path,
     on by default on CUDA) when given, else the reference prefill. The decoder hands its KV back to `cache`
     after the clock stops, as the engine does when the request ends."""
+    from kvtool.engine.static import prefill_logits
+
     t0 = time.perf_counter() if t0 is None else t0
-    if decoder is None:
-        token = int(runner.prefill(ids, cache, chunk=chunk).argmax(-1))
-    else:
-        decoder.load(cache)
-        token = int(decoder.extend(ids).argmax(-1))
+    token = int(prefill_logits(runner, cache, ids, chunk, decoder).argmax(-1))
     ms = (time.perf_counter() - t0) * 1000.0
     if decoder is not None:
         decoder.store(cache)
@@ -155,7 +153,7 @@ def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
     measured = {metric: row["kvtool"]["median"] for metric, row in rows.items()}
     # the engine prefills and decodes through the fast path where it is on by default (CUDA); targets check that
     if device.type == "cuda":
-        measured.update({metric.removesuffix("_fast"): v for metric, v in measured.items() if metric.endswith("_fast")})
+        measured.update({m.removesuffix("_fast"): v for m, v in measured.items() if m.endswith("_fast")})
     return {"benchmark": "decode", "model": bm.name, "device": device_name(device), "device_type": device.type,
             "dtype": bm.dtype, "decode_tokens": n, "config": asdict(cfg), "results": rows,
             "speedup_vs_transformers": ratios, "target_checks": check_all(TARGETS, measured, device.type),

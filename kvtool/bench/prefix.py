@@ -3,8 +3,8 @@
 kvtool hit = PrefixCache.prepare (match + gather + copy into the request's cache) + prefill of
 the suffix + first token; exactly the Engine's path, minus detokenization (on CUDA, where fast
 decode is on by default, the prompt goes through the static decoder as it does in the engine).
-kvtool cold = prefill of prefix + suffix. The transformers baseline, in the same run: a DynamicCache holding the
-prefix is deep-copied (each request needs its own) and the suffix forwarded; its cold run
+kvtool cold = prefill of prefix + suffix. The transformers baseline, in the same run: a DynamicCache
+holding the prefix is deep-copied (each request needs its own) and the suffix forwarded; its cold run
 forwards the whole prompt. Both keep only the last position's logits. A fresh random suffix per
 run makes every hit exactly the prefix.
 
@@ -26,7 +26,7 @@ from kvtool.bench.decode import engine_prefill, kvtool_ttft
 from kvtool.bench.protocol import device_name, emit, measure, summary, sync, versions
 from kvtool.bench.targets import Target
 from kvtool.config import EngineConfig
-from kvtool.engine.static import StaticDecoder, fast_decode_enabled
+from kvtool.engine.static import static_decoder_for
 from kvtool.errors import InvalidParameterError
 
 TARGET_SPEEDUP = 15.0  # 2-core CPU, SmolLM2, 2048 + 64 (transformers DynamicCache reuse: 14.5x)
@@ -94,7 +94,7 @@ def run_prefix_bench(bm, cfg: PrefixBenchConfig | None = None,
     pc.pin(prefix)  # prefills the prefix once and keeps it
     prepare_ms: list[float] = []
     # the engine's path: through the static decoder where fast decode is on by default (CUDA)
-    decoder = StaticDecoder(runner, len(cold_prompt) + 1) if fast_decode_enabled("auto", device) else None
+    decoder = static_decoder_for(runner, len(cold_prompt) + 1)
 
     def hit():
         return _kvtool_hit(pc, runner, prefix + next(suffixes), cfg.prefill_chunk, cfg.prefix_tokens, prepare_ms,
@@ -122,7 +122,8 @@ def run_prefix_bench(bm, cfg: PrefixBenchConfig | None = None,
         targets.update(hit_ms_max=TARGET_HIT_MS_CUDA, hit_ms_met=k["hit_ms"]["median"] <= TARGET_HIT_MS_CUDA)
     record = {"benchmark": "prefix", "model": name, "device": device_name(device), "device_type": device.type,
               "dtype": str(runner.dtype).replace("torch.", ""), "config": asdict(cfg), "results": results,
-              "first_token_match": first_token_match, "path": "static decoder" if decoder else "reference", "targets": targets, "cache": pc.stats(),
+              "first_token_match": first_token_match, "path": "static decoder" if decoder else "reference",
+              "targets": targets, "cache": pc.stats(),
               "target_checks": [TARGETS[0].check(k["speedup"], device.type, cfg.prefix_tokens >= 2048),
                                 TARGETS[1].check(k["hit_ms"]["median"], device.type, cfg.prefix_tokens >= 4096)],
               "versions": versions()}

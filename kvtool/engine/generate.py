@@ -15,6 +15,7 @@ import torch
 from kvtool.config import EngineConfig, SamplingParams
 from kvtool.engine.detok import IncrementalDetokenizer, StopStringMatcher, decode_piece
 from kvtool.engine.sampling import Sample, Sampler
+from kvtool.engine.static import BatchedStaticDecoder, StaticDecoder, fast_decode_enabled, prefill_logits
 from kvtool.errors import ContextWindowError, InvalidParameterError
 
 
@@ -111,8 +112,6 @@ class Engine:
 
     def static_decoder(self, total_tokens: int):
         """The fast bs=1 decode path for a request of total_tokens, or None (reference path)."""
-        from kvtool.engine.static import StaticDecoder, fast_decode_enabled
-
         if not fast_decode_enabled(self.config.fast_decode, self.runner.device):
             return None
         if self._static is None:
@@ -126,8 +125,6 @@ class Engine:
         """A BatchedStaticDecoder with `slots` rows for continuous batching, or None (eager forward_batch).
 
         Built once per size and kept, so later schedulers reuse its buffers and captured graphs."""
-        from kvtool.engine.static import BatchedStaticDecoder, fast_decode_enabled
-
         if not fast_decode_enabled(self.config.fast_decode, self.runner.device):
             return None
         if slots not in self._batched:
@@ -136,10 +133,9 @@ class Engine:
 
     def _new_batched_decoder(self, slots: int):
         from kvtool.cache.manager import default_budget
-        from kvtool.engine.static import BatchedStaticDecoder
 
-        s, bucket = self.runner.spec, 256
-        per_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * self.runner.dtype.itemsize
+        bucket = 256
+        per_token = self.runner.spec.kv_bytes_per_token(self.runner.dtype.itemsize)
         budget = self.config.static_kv_bytes
         budget = default_budget(self.runner.device) if budget is None else budget
         # every slot gets the same whole buckets, plus its one scratch position
@@ -209,11 +205,7 @@ class Engine:
             # The static rows take the prompt when it fits; a generation that outgrows them moves on to the
             # reference path (its KV handed back to the cache), so no max_tokens keeps a request off the fast path.
             static = self.static_decoder(len(gen.prompt_ids) + 1)
-            if static is not None:  # the prompt's KV goes straight into the static rows
-                static.load(cache)
-                logits = static.extend(gen.prompt_ids[cached:])
-            else:
-                logits = runner.prefill(gen.prompt_ids[cached:], cache, chunk=self.config.prefill_chunk)
+            logits = prefill_logits(runner, cache, gen.prompt_ids[cached:], self.config.prefill_chunk, static)
             tm.prefill_ms = state.ms()
             while True:
                 event = state.accept(logits)

@@ -49,12 +49,14 @@ class StaticDecoder:
     def __init__(self, runner, max_len: int, bucket_tokens: int = 256, graphs: bool | None = None):
         self.batched = BatchedStaticDecoder(runner, 1, max_len, bucket_tokens, graphs)
         self.max_len, self.use_graphs = max_len, self.batched.use_graphs
-        self.start = 0
-        self.busy = False
 
     @property
     def captured_buckets(self) -> list[int]:
         return sorted(key[1] for key in self.batched._graphs if key[0] != "extend")
+
+    @property
+    def busy(self) -> bool:
+        return not self.batched.free
 
     @property
     def length(self) -> int:
@@ -68,7 +70,6 @@ class StaticDecoder:
         if cache.offset >= self.max_len:
             raise ContextWindowError(f"the static decoder holds {self.max_len} tokens; this cache has {cache.offset}")
         self.batched.load(cache)
-        self.start, self.busy = cache.offset, True
 
     def extend(self, ids: list[int]) -> torch.Tensor:
         """Prefill ids (the prompt, or its part after a prefix hit) at the next positions; logits [1, V] of the last."""
@@ -82,17 +83,30 @@ class StaticDecoder:
 
     def release(self) -> None:
         """Drop the request without handing its KV back (a benchmark's throwaway prompt)."""
-        self.batched.free.append(0)
-        self.busy = False
+        if self.busy:
+            self.batched.release(0)
 
     def store(self, cache: KVCache) -> None:
         """Release the request: append the KV of the tokens decoded since load() to its cache."""
-        try:
-            if cache.offset != self.start:
-                raise ValueError(f"the cache changed while decoding ({cache.offset} != {self.start} tokens)")
-            self.batched.store(0, cache)
-        finally:
-            self.busy = False
+        if cache.offset != self.batched.start[0]:
+            self.release()
+            raise ValueError(f"the cache changed while decoding ({cache.offset} != {self.batched.start[0]} tokens)")
+        self.batched.store(0, cache)
+
+
+def prefill_logits(runner, cache: KVCache, ids: list[int], chunk: int,
+                   decoder: StaticDecoder | None = None) -> torch.Tensor:
+    """Logits [1, V] of the last of ids run after what `cache` holds: through `decoder` (its rows take the
+    cache's KV, then ids) when given, else the reference prefill into the cache itself."""
+    if decoder is None:
+        return runner.prefill(ids, cache, chunk=chunk)
+    decoder.load(cache)
+    return decoder.extend(ids)
+
+
+def static_decoder_for(runner, tokens: int, mode: str = "auto") -> StaticDecoder | None:
+    """A StaticDecoder of `tokens` slots where fast decode `mode` is on for the runner's device, else None."""
+    return StaticDecoder(runner, tokens) if fast_decode_enabled(mode, runner.device) else None
 
 
 class BatchedStaticDecoder:
@@ -151,6 +165,10 @@ class BatchedStaticDecoder:
         self.length[slot] = self.start[slot] = n
         return slot
 
+    def release(self, slot: int) -> None:
+        """Free a slot without handing its KV back."""
+        self.free.append(slot)
+
     def store(self, slot: int, cache: KVCache) -> None:
         """Release a slot: append the KV decoded since load() to the request's cache."""
         try:
@@ -158,7 +176,7 @@ class BatchedStaticDecoder:
             for i, layer in enumerate(cache.layers):
                 layer.append(self.k[i][slot : slot + 1, :, a:b], self.v[i][slot : slot + 1, :, a:b])
         finally:
-            self.free.append(slot)
+            self.release(slot)
 
     def tokens(self, slot: int) -> int:
         return self.length[slot]

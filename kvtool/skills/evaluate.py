@@ -162,23 +162,23 @@ def _compose(runner, case: EvalCase, repair, prefix_cache=None, chunk: int = CHU
 def ttft_decoder(runner, tokens: int, path: str = "auto"):
     """The StaticDecoder TTFT runs go through, or None for the reference prefill. path: "auto" takes the
     engine's default (the static path where fast decode is on by default: CUDA), "static" or "reference"."""
-    from kvtool.engine.static import StaticDecoder, fast_decode_enabled
+    from kvtool.engine.static import static_decoder_for
 
-    if path not in ("auto", "static", "reference"):
+    modes = {"auto": "auto", "static": "on", "reference": "off"}
+    if path not in modes:
         raise ValueError(f"path must be auto, static or reference; got {path!r}")
-    static = path == "static" or (path == "auto" and fast_decode_enabled("auto", runner.device))
-    return StaticDecoder(runner, tokens + 1) if static else None
+    return static_decoder_for(runner, tokens + 1, modes[path])
 
 
 def _first_token(runner, decoder, cache, ids: list[int]) -> int:
     """The engine's prefill of ids after what `cache` holds; the argmax. The decoder is released unstored."""
-    if decoder is None:
-        return int(runner.prefill(ids, cache, chunk=CHUNK).argmax(-1))
-    decoder.load(cache)
+    from kvtool.engine.static import prefill_logits
+
     try:
-        return int(decoder.extend(ids).argmax(-1))
+        return int(prefill_logits(runner, cache, ids, CHUNK, decoder).argmax(-1))
     finally:
-        decoder.release()
+        if decoder is not None:
+            decoder.release()
 
 
 def _static_runs(fn: Callable, n: int, device) -> dict:

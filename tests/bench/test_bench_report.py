@@ -149,7 +149,10 @@ def test_prefix_record_takes_the_engines_path(tiny_bench, monkeypatch, fast):
     """Through the reference prefill (CPU default) and through the static decoder (the CUDA default)."""
     from kvtool.bench import prefix as prefix_mod
 
-    monkeypatch.setattr(prefix_mod, "fast_decode_enabled", lambda mode, device: fast)
+    from kvtool.engine.static import static_decoder_for
+
+    monkeypatch.setattr(prefix_mod, "static_decoder_for", lambda runner, tokens: static_decoder_for(
+        runner, tokens, "on" if fast else "off"))
     cfg = prefix_mod.PrefixBenchConfig(prefix_tokens=64, suffix_tokens=8, repeats=2, warmup=1)
     rec = prefix_mod.run_prefix_bench(tiny_bench, cfg, log=lambda s: None)
     assert rec["path"] == ("static decoder" if fast else "reference") and rec["first_token_match"]
