@@ -19,7 +19,8 @@ from kvtool.errors import InvalidParameterError
 
 EXAMPLE_SKILLS = Path(__file__).resolve().parents[2] / "examples" / "skills"
 SWEEP = ["none", "recompute_first_k:k=4", "recompute_first_k:k=16", "recompute_first_k:k=48",
-         "recompute_deviation:ratio=0.05", "recompute_deviation:ratio=0.1", "recompute_deviation:ratio=0.2"]
+         "recompute_deviation:ratio=0.05", "recompute_deviation:ratio=0.1", "recompute_deviation:ratio=0.2",
+         "recompute_attended:ratio=0.05", "recompute_attended:ratio=0.1", "recompute_attended:ratio=0.25"]
 
 
 @dataclass

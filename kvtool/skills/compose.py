@@ -1,7 +1,9 @@
 """compose(): build a cache for [prefix][block A][block B]...[suffix] without prefilling the blocks.
 
 Token runs are prefilled normally; each block is placed at the next free position by a repair
-strategy (kvtool.skills.repair), which rotates its keys there and recomputes what it chooses.
+strategy (kvtool.skills.repair), which rotates its keys there and recomputes what it chooses. A
+query-guided repair (recompute_attended) also gets the last token run after the blocks, the query:
+it repairs the blocks by what that run attends to, then prefills it.
 The cache stays position-aligned (slot i holds position i), so anything appended later,
 prefill or decode, continues at the right positions.
 """
@@ -81,22 +83,31 @@ def compose_segments(runner, segments: Sequence[Segment], repair="none", cache: 
     cache.reserve(total + 1)
     out = Composition(cache, None)
     batch: list[SkillBlock] = []  # consecutive blocks, for a repair that places them together
+    guided = getattr(repair, "query_guided", False)
+    placed: list[tuple[PlaceStats, SkillBlock]] = []  # for a query-guided repair: the blocks so far
+    runs = [i for i, seg in enumerate(segments) if not isinstance(seg, SkillBlock) and len(seg)]
+    query_run = runs[-1] if guided and runs and any(isinstance(s, SkillBlock) for s in segments[:runs[-1]]) else -1
 
     def place_batch():
         if batch:
             out.placements.extend(repair.place_all(runner, cache, [b.to(runner.device) for b in batch]))
             batch.clear()
 
-    for seg in segments:
+    for i, seg in enumerate(segments):
         if isinstance(seg, SkillBlock):
             if hasattr(repair, "place_all"):
                 batch.append(seg)
             else:
-                out.placements.append(repair.place(runner, cache, seg.to(runner.device)))
+                block = seg.to(runner.device)
+                out.placements.append(repair.place(runner, cache, block))
+                placed.append((out.placements[-1], block))
             out.logits = None
         elif len(seg):
             place_batch()
-            out.logits = runner.prefill(list(seg), cache, chunk=chunk, logits=logits)
+            if i == query_run:
+                out.logits = repair.repair_run(runner, cache, placed, list(seg), chunk, logits)
+            else:
+                out.logits = runner.prefill(list(seg), cache, chunk=chunk, logits=logits)
             out.prefilled_tokens += len(seg)
     place_batch()
     out.ms = (time.perf_counter() - t0) * 1000.0

@@ -32,7 +32,8 @@ from kvtool.skills.compose import compose_segments
 from kvtool.skills.repair import describe, make_repair
 
 DEFAULT_SWEEP = ("none", "recompute_first_k:k=4", "recompute_first_k:k=16", "recompute_first_k:k=32",
-                 "recompute_deviation:ratio=0.05", "recompute_deviation:ratio=0.1", "recompute_deviation:ratio=0.2")
+                 "recompute_deviation:ratio=0.05", "recompute_deviation:ratio=0.1", "recompute_deviation:ratio=0.2",
+                 "recompute_attended:ratio=0.05", "recompute_attended:ratio=0.1")
 
 NEAR_TIE = 0.5  # nats between the reference's top two tokens
 CHUNK = EngineConfig.prefill_chunk  # full prefill and composed token runs prefill as the engine does
@@ -191,8 +192,13 @@ def _full_ttft(runner, decoder, seq: list[int]) -> int:
     return _first_token(runner, decoder, runner.new_cache(len(seq) + 1), seq)
 
 
+def _guided(repair) -> bool:
+    return getattr(repair, "query_guided", False)
+
+
 def _composed_ttft(runner, decoder, case: EvalCase, repair, prefix_cache=None) -> int:
-    if decoder is None:
+    """First token of the composed context. A query-guided repair prefills the query itself (reference path)."""
+    if decoder is None or _guided(repair):
         return int(_compose(runner, case, repair, prefix_cache).logits.argmax(-1))
     return _first_token(runner, decoder, _compose(runner, case, repair, prefix_cache, query=False).cache, case.query)
 
@@ -204,7 +210,8 @@ def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy
     cold: prefix prefilled + blocks placed + query prefilled, first token sampled (argmax).
     warm: the prefix KV comes from a cache (cloned each run, as a prefix-cache hit copies it).
     TTFT takes the engine's path (ttft_decoder): on CUDA the full prompt, and the query after the composed
-    blocks, go through the static decoder; fidelity is always scored on the reference path.
+    blocks, go through the static decoder (a query-guided repair prefills its query on the reference
+    path; each row names its path); fidelity is always scored on the reference path.
     """
     runner = getattr(runner, "runner", runner)
     dev = runner.device
@@ -231,7 +238,12 @@ def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy
         comp, *first = timed(lambda: _compose(runner, case, repair), dev)  # also the warm-up
         per_query = [fidelity(ref["rows"], teacher_forced(runner, comp.cache, comp.logits, ref["tokens"]),
                               ref["tokens"])]
-        if case.more_queries:
+        if case.more_queries and _guided(repair):  # the repaired blocks depend on the query: compose each
+            for q, r in zip(case.more_queries, refs[1:]):
+                qc = _compose(runner, EvalCase(case.prefix, case.blocks, q), repair)
+                per_query.append(fidelity(r["rows"], teacher_forced(runner, qc.cache, qc.logits, r["tokens"]),
+                                          r["tokens"]))
+        elif case.more_queries:
             base = comp.cache  # [prefix][blocks][query][greedy]: cut back to the shared [prefix][blocks]
             base.truncate(len(case.prefix) + case.block_tokens)
             per_query += extra_query_scores(runner, base, case.more_queries, refs[1:], n_greedy)
@@ -245,6 +257,7 @@ def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy
                "knob": getattr(repair, repair.knob) if repair.knob else None,
                "recomputed_tokens": comp.recomputed_tokens,
                "recomputed_fraction": comp.recomputed_tokens / max(1, case.block_tokens),
+               "ttft_path": "static decoder" if decoder and not _guided(repair) else "reference",
                **metrics, "ttft_ms_cold": cold, "ttft_ms_warm_prefix": warm,
                "speedup_cold": full["median"] / cold["median"],
                "speedup_cold_cpu": full["cpu_median"] / cold["cpu_median"]}

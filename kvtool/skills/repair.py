@@ -10,12 +10,22 @@ returns PlaceStats. What each does, precisely:
   0..layer with the real context (their KV there becomes exact), rank tokens by |fresh - reused|^2
   of K and V at `layer`, and run the top ceil(ratio * n) through the remaining layers, attending
   to the composed cache (CacheBlend-style selective recompute).
+- recompute_attended (ratio, window): query-guided. Blocks are placed as `none`; the token run that
+  follows the last block (the query) is prefilled once to measure the attention each block token
+  receives from its last `window` tokens (all layers and heads). The floor(ratio * n) most attended
+  block tokens (n: all blocks before that run, ranked together) are recomputed through every layer
+  in one pass, and the query is prefilled again over the repaired cache. It spends the recompute
+  budget where the answer looks, at the cost of one extra query prefill; false sinks (the heavily
+  attended first tokens of a block) are among what it picks. Without a token run after the blocks
+  it recomputes nothing. Token runs between blocks keep the KV they got against unrepaired blocks.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+
+import torch
 
 from kvtool.errors import InvalidParameterError
 from kvtool.kernels import rerotate
@@ -53,9 +63,6 @@ class NoRepair:
         append_relocated(runner, cache, block)
         return PlaceStats(block.name, cache.offset - len(block), len(block))
 
-    def recompute_fraction(self, n: int) -> float:
-        return 0.0
-
 
 @dataclass
 class RecomputeFirstK:
@@ -84,9 +91,6 @@ class RecomputeFirstK:
             stats.append(PlaceStats(block.name, start, len(block), recomputed=k))
         recompute_slots(runner, cache, slots, ids)
         return stats
-
-    def recompute_fraction(self, n: int) -> float:
-        return min(self.k, n) / n if n else 0.0
 
 
 @dataclass
@@ -122,11 +126,46 @@ class RecomputeDeviation:
         layers = min(self.layer, runner.spec.num_layers - 1) + 1
         return PlaceStats(block.name, start, len(block), recomputed=len(result.selected), partial_layers=layers)
 
-    def recompute_fraction(self, n: int) -> float:
-        return math.ceil(self.ratio * n) / n if n else 0.0
+
+@dataclass
+class RecomputeAttended:
+    ratio: float = 0.1
+    window: int = 64
+    name = "recompute_attended"
+    knob = "ratio"
+    query_guided = True  # compose_segments hands it the token run after the blocks (repair_run)
+
+    def __post_init__(self):
+        if not (isinstance(self.ratio, (int, float)) and 0.0 <= self.ratio <= 1.0):
+            raise InvalidParameterError(f"recompute_attended: ratio must be in [0, 1], got {self.ratio!r}")
+        if not isinstance(self.window, int) or self.window < 1:
+            raise InvalidParameterError(f"recompute_attended: window must be an integer >= 1, got {self.window!r}")
+
+    def place(self, runner, cache, block) -> PlaceStats:
+        append_relocated(runner, cache, block)
+        return PlaceStats(block.name, cache.offset - len(block), len(block))
+
+    def repair_run(self, runner, cache, placed: list, ids: list[int], chunk: int, logits: str):
+        """placed: (PlaceStats, block) of the blocks before the query `ids`, which come next in `cache`.
+        Recomputes the most attended block tokens, prefills ids over the result and returns its logits."""
+        from kvtool.skills.selective import attention_received, recompute_slots
+
+        start = cache.offset
+        received = attention_received(runner, cache, ids, self.window, chunk)
+        cache.truncate(start)
+        slots = torch.cat([torch.arange(p.start, p.start + p.tokens) for p, _ in placed])
+        keep = int(self.ratio * len(slots))  # at most ratio of the block tokens
+        chosen = slots[received[slots.to(received.device)].topk(keep).indices.cpu()].sort().values.tolist()
+        token_at = {p.start + i: t for p, block in placed for i, t in enumerate(block.token_ids)}
+        recompute_slots(runner, cache, chosen, [token_at[s] for s in chosen])
+        for p, _ in placed:
+            p.recomputed = sum(p.start <= s < p.start + p.tokens for s in chosen)
+        return runner.prefill(ids, cache, chunk=chunk, logits=logits)
 
 
-REPAIRS: dict[str, type] = {cls.name: cls for cls in (NoRepair, RecomputeFirstK, RecomputeDeviation)}
+
+REPAIRS: dict[str, type] = {cls.name: cls for cls in (NoRepair, RecomputeFirstK, RecomputeDeviation,
+                                                      RecomputeAttended)}
 
 
 def make_repair(spec="none", **knobs):

@@ -1,4 +1,5 @@
-"""Selective recompute: re-run chosen tokens layer by layer over a composed cache (CacheBlend-style).
+"""Selective recompute: re-run chosen tokens layer by layer over a composed cache (CacheBlend-style),
+and the attention a query pays to earlier slots (what recompute_attended ranks block tokens by).
 
 The cache holds a position-aligned sequence (slot i = position i). Tokens at slots
 [start, start + n) already hold reused (relocated) KV. Running them again, each layer computes
@@ -70,6 +71,38 @@ def _layer(layer, lkv, x: torch.Tensor, pos: torch.Tensor, cos, sin, slots: torc
     out = F.scaled_dot_product_attention(q, lkv.keys, lkv.values, attn_mask=mask, enable_gqa=True)
     x = x + attn.o_proj(out.transpose(1, 2).reshape(1, x.shape[1], attn.num_heads * attn.head_dim))
     return x + layer.mlp(layer.post_attention_layernorm(x)), chosen
+
+
+ROW_BUDGET_BYTES = 128 << 20  # scores + probabilities of one block of query rows, all heads
+
+
+@torch.inference_mode()
+def attention_received(runner, cache, ids: list[int], window: int, chunk: int) -> torch.Tensor:
+    """Prefill ids after what `cache` holds (they stay appended) and return, for every slot before them,
+    the attention probability it receives from the last `window` of ids, summed over layers, heads and
+    those rows: [start] fp32 on the runner's device. Probabilities are softmax(q_rot·kᵀ/√d) in fp32 over
+    the keys each row sees (the fused path never materialises them), a block of rows at a time."""
+    from kvtool.viz.probs import reference_probs
+
+    start = cache.offset
+    first_row = start + max(0, len(ids) - window)
+    received = torch.zeros(start, dtype=torch.float32, device=runner.device)
+    group = runner.spec.num_heads // runner.spec.num_kv_heads
+
+    def tap(t) -> None:
+        end = t.cache[t.layer].offset
+        lo = max(first_row, end - t.q_rot.shape[2])
+        if lo >= end:
+            return
+        keys = t.cache[t.layer].keys[0].repeat_interleave(group, 0)  # [Hq, end, D]
+        step = max(1, ROW_BUDGET_BYTES // (8 * runner.spec.num_heads * end))
+        for r in range(lo, end, step):
+            rows = torch.arange(r, min(end, r + step), device=runner.device)
+            q = t.q_rot[0][:, rows - (end - t.q_rot.shape[2])]
+            received.add_(reference_probs(q, keys, rows)[:, :, :start].sum((0, 1)))
+
+    runner.prefill(ids, cache, chunk=chunk, logits="none", tap=tap)
+    return received
 
 
 @torch.inference_mode()

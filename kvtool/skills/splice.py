@@ -3,7 +3,9 @@
 prepare(prompt_ids, runner) -> (cache, n_ready, handle): the cache holds exactly the first
 n_ready prompt tokens: the inner hook's prefix hit (if any), then for every block found after it
 the gap before it (prefilled) and the block (placed by the repair strategy); n_ready ends at the
-last block, and the engine prefills the rest. commit() passes through to the inner hook, so a
+last block, and the engine prefills the rest. A query-guided repair (recompute_attended) repairs the
+blocks by what the rest of the prompt attends to, so prepare() prefills that too, all but the last
+token, which the engine prefills. commit() passes through to the inner hook, so a
 conversation's next turn reuses the composed KV as an ordinary prefix hit (composition is causal:
 the KV of a token prefix does not depend on what follows it).
 """
@@ -25,7 +27,7 @@ class SpliceStats:
     prefix_hit_tokens: int = 0  # served by the inner hook (prefix cache)
     block_tokens: int = 0  # covered by skill blocks (reused + recomputed)
     recomputed_block_tokens: int = 0  # of those, recomputed by the repair
-    gap_tokens: int = 0  # prefilled by prepare() before/between blocks
+    gap_tokens: int = 0  # prefilled by prepare() before/between blocks (and after them for a query-guided repair)
     ready_tokens: int = 0  # n_ready handed to the engine
     blocks: list[dict] = field(default_factory=list)  # name, start, tokens, recomputed
     repair: str = "none"
@@ -77,6 +79,9 @@ class SkillSplicer:
             for match, block in found:
                 segments += [prompt_ids[pos:match.start], block]
                 pos = match.end
+            if getattr(self.repair, "query_guided", False) and pos < len(prompt_ids) - 1:
+                segments.append(prompt_ids[pos:-1])  # the repair needs the query; the engine prefills the last token
+                pos = len(prompt_ids) - 1
             done = compose_segments(runner, segments, self.repair, cache=cache, logits="none", chunk=self.chunk)
             stats.block_tokens, stats.recomputed_block_tokens = done.block_tokens, done.recomputed_tokens
             stats.gap_tokens = done.prefilled_tokens

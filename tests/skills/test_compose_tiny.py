@@ -18,7 +18,8 @@ def full(tiny, blocks, prefix=PREFIX, suffix=SUFFIX):
     return cache, tiny.prefill(seq, cache, logits="all")
 
 
-@pytest.mark.parametrize("repair", ["recompute_first_k:k=1000", "recompute_deviation:ratio=1.0"])
+@pytest.mark.parametrize("repair", ["recompute_first_k:k=1000", "recompute_deviation:ratio=1.0",
+                                    "recompute_attended:ratio=1.0"])
 def test_recomputing_everything_equals_full_prefill(tiny, tiny_blocks, repair):
     ref_cache, ref = full(tiny, tiny_blocks)
     out = compose(tiny, PREFIX, tiny_blocks, SUFFIX, repair=repair, logits="all")
@@ -91,6 +92,35 @@ def test_deviation_scores_and_forced_first_tokens(tiny, tiny_blocks):
         assert isinstance(cache, KVCache) and cache.offset == len(PREFIX) + len(block)
 
 
+def test_attended_recomputes_the_block_tokens_the_query_attends_to_most(tiny, tiny_blocks):
+    from kvtool.skills.selective import attention_received
+
+    n = sum(len(b) for b in tiny_blocks)
+    plain = compose(tiny, PREFIX, tiny_blocks, [], repair="none").cache
+    received = attention_received(tiny, plain.clone(), SUFFIX, window=4, chunk=3)
+    assert received.shape == (len(PREFIX) + n,) and received.sum() > 0
+    lo = len(PREFIX)
+    expected = sorted((lo + received[lo:].topk(int(0.3 * n)).indices).tolist())
+    out = compose(tiny, PREFIX, tiny_blocks, SUFFIX, repair="recompute_attended:ratio=0.3,window=4")
+    assert out.recomputed_tokens == int(0.3 * n) == len(expected)
+    assert [p.recomputed for p in out.placements] == [sum(lo <= s < lo + len(tiny_blocks[0]) for s in expected),
+                                                       sum(s >= lo + len(tiny_blocks[0]) for s in expected)]
+    k_none, _ = plain.stacked(0, lo + n)
+    k_out, _ = out.cache.stacked(0, lo + n)
+    changed = ((k_out[1:] - k_none[1:]).abs().amax((0, 1, 3)) > 1e-6).nonzero().flatten().tolist()
+    assert changed == expected  # exactly the most attended block tokens got fresh KV (layer 0 never changes)
+    _, ref = full(tiny, tiny_blocks)
+    assert (out.logits - ref[-1:]).abs().max() < (compose(tiny, PREFIX, tiny_blocks, SUFFIX).logits - ref[-1:]).abs().max()
+
+
+def test_attended_without_a_query_after_the_blocks_recomputes_nothing(tiny, tiny_blocks):
+    out = compose_segments(tiny, [PREFIX, *tiny_blocks], "recompute_attended:ratio=0.5")
+    assert out.recomputed_tokens == 0 and out.logits is None
+    a, b = tiny_blocks  # only the last token run after the blocks is the query; the gap is prefilled as usual
+    out = compose_segments(tiny, [PREFIX, a, [5, 6, 7], b, SUFFIX], "recompute_attended:ratio=0.5")
+    assert out.recomputed_tokens == int(0.5 * (len(a) + len(b))) and out.prefilled_tokens == len(PREFIX) + 3 + 6
+
+
 def test_more_recompute_gets_closer_to_full(tiny, tiny_blocks):
     _, ref = full(tiny, tiny_blocks)
     err = {}
@@ -120,7 +150,8 @@ def test_positions_beyond_the_context_window(tiny, tiny_blocks):
 
 
 def test_repair_registry_and_parsing():
-    assert set(REPAIRS) == {"none", "recompute_first_k", "recompute_deviation"}
+    assert set(REPAIRS) == {"none", "recompute_first_k", "recompute_deviation", "recompute_attended"}
+    assert describe(make_repair("recompute_attended:ratio=0.2,window=16")) == "recompute_attended:ratio=0.2,window=16"
     r = make_repair("recompute_deviation:ratio=0.25,layer=2,score=v,first=3")
     assert (r.ratio, r.layer, r.score, r.first) == (0.25, 2, "v", 3)
     assert describe(r) == "recompute_deviation:ratio=0.25,layer=2,score=v,first=3"
@@ -129,7 +160,8 @@ def test_repair_registry_and_parsing():
                      ("recompute_first_k:k=x", "not a number"), ("recompute_first_k:k=-1", "k must be"),
                      ("recompute_deviation:ratio=2", "ratio must be"), ("recompute_deviation:layer=0", "layer must"),
                      ("recompute_deviation:score=l1", "score must be one of"),
-                     ("recompute_deviation:first=-2", "first must be")]:
+                     ("recompute_deviation:first=-2", "first must be"),
+                     ("recompute_attended:ratio=-0.1", "ratio must be"), ("recompute_attended:window=0", "window must")]:
         with pytest.raises(InvalidParameterError, match=why):
             make_repair(bad)
 

@@ -110,6 +110,41 @@ def test_engine_splices_blocks_and_full_recompute_matches_plain(smollm2, catalog
     assert len(gen.token_ids) >= 1
 
 
+def test_attention_received_matches_transformers_eager(smollm2, smollm2_hf):
+    from kvtool.skills.selective import attention_received
+
+    ids = conversation_ids(smollm2, None)
+    head, tail = ids[: len(ids) - 9], ids[len(ids) - 9:]
+    cache = smollm2.runner.new_cache(len(ids) + 1)
+    smollm2.runner.prefill(head, cache)
+    ours = attention_received(smollm2.runner, cache, tail, window=6, chunk=4)  # rows split across chunks
+    previous = smollm2_hf.config._attn_implementation
+    with torch.no_grad():
+        smollm2_hf.set_attn_implementation("eager")
+        try:
+            att = torch.stack(smollm2_hf(torch.tensor([ids]), output_attentions=True).attentions)  # [L, 1, H, T, T]
+        finally:
+            smollm2_hf.set_attn_implementation(previous)
+    ref = att[:, 0, :, len(ids) - 6:, : len(head)].float().sum((0, 1, 2))
+    assert cache.offset == len(ids) and ours.shape == ref.shape
+    assert (ours - ref).abs().max().item() <= 1e-4 * ref.max().item()
+
+
+def test_engine_splices_with_query_guided_repair(smollm2, catalog):
+    ids = conversation_ids(smollm2, catalog, "haiku", "limerick")
+    params = kvtool.SamplingParams(temperature=0, max_tokens=3)
+    plain = Engine(smollm2).generate(ids, params).run()
+    exact = SkillSplicer(catalog, repair="recompute_attended:ratio=1.0")
+    assert Engine(smollm2, prefix_cache=exact).generate(ids, params).run().token_ids == plain.token_ids
+    guided = SkillSplicer(catalog, repair="recompute_attended:ratio=0.25,window=16")
+    gen = Engine(smollm2, prefix_cache=guided).generate(ids, params).run()
+    stats, n_blocks = guided.last_stats, len(catalog.block("haiku")) + len(catalog.block("limerick"))
+    assert stats.block_tokens == n_blocks and stats.recomputed_block_tokens == int(0.25 * n_blocks)
+    assert stats.ready_tokens == len(ids) - 1 and stats.gap_tokens == len(ids) - 1 - n_blocks
+    assert gen.timings.skill_block_tokens == stats.reused_block_tokens
+    assert gen.timings.prefill_tokens == len(ids) - stats.reused_block_tokens and len(gen.token_ids) >= 1
+
+
 def test_cli_eval_reports_metrics_json_and_plot(smollm2, skills_dir, cache_dir, tmp_path, monkeypatch, capsys):
     import kvtool.cli.skill as cli_skill
     from kvtool.cli import main
@@ -119,6 +154,7 @@ def test_cli_eval_reports_metrics_json_and_plot(smollm2, skills_dir, cache_dir, 
     argv = ["skill", "eval", str(skills_dir), "--blocks", "1", "--prefix-tokens", "0", "--greedy-tokens", "4",
             "--queries", "2", "--repeats", "0", "--scaling", "1", "--cache-dir", str(cache_dir),
             "--repair", "none", "--repair", "recompute_first_k:k=100000", "--repair", "recompute_deviation:ratio=0.2",
+            "--repair", "recompute_attended:ratio=0.2",
             "--out", str(out), "--plot", str(plot)]
     assert main(argv) == 0
     rec = json.loads(out.read_text())
@@ -132,6 +168,9 @@ def test_cli_eval_reports_metrics_json_and_plot(smollm2, skills_dir, cache_dir, 
         assert 0 <= r["top1"] <= 1 and -1 <= r["cos_mean"] <= 1 + 1e-5 and r["kl_next"] >= -1e-6
         assert r["ttft_ms_cold"]["median"] > 0 and len(r["per_query"]) == 2
     assert 0 < rows["recompute_deviation"]["recomputed_fraction"] <= 0.25
+    guided = rows["recompute_attended"]  # composed per query; more of the answer's context repaired than none
+    assert 0.19 < guided["recomputed_fraction"] <= 0.2 and guided["ttft_path"] == "reference"
+    assert guided["kl_mean"] < rows["none"]["kl_mean"]
     assert plot.stat().st_size > 10_000
 
 
