@@ -107,12 +107,16 @@ def test_bench_ttft_cli_end_to_end_in_process(smollm2, tmp_path, monkeypatch, ca
     import kvtool.models.loading
     from kvtool.cli import main
 
-    monkeypatch.setattr(kvtool.models.loading, "load", lambda *a, **k: smollm2)  # reuse the session's model
+    from kvtool.testing.models import smollm2_gguf
+
+    loaded = []
+    monkeypatch.setattr(kvtool.models.loading, "load",  # reuse the session's model; record what --model named
+                        lambda path, *a, **k: loaded.append(path) or smollm2)
     out = tmp_path / "ttft.json"
     rc = main(["bench", "ttft", "--model", "smollm2", "--scenarios", "shared-prefix", "timestamp",
                "--requests", "2", "--policy-paragraphs", "0", "--tools", "1", "--max-tokens", "1",
                "--out", str(out)])
-    assert rc == 0
+    assert rc == 0 and loaded == [str(smollm2_gguf())]  # the alias names the offline model
     stdout = capsys.readouterr().out.strip().splitlines()
     record = json.loads(stdout[-1])
     assert json.loads(out.read_text()) == record

@@ -133,13 +133,17 @@ def load_bench_model(model_arg: str | None = None, shape: str | None = None, dev
         tokenizer = _embedded_tokenizer()
         name = f"{shape} shape (random weights{', SmolLM2 tokenizer' if tokenizer else ''})"
         return from_checkpoint(folder, name, device, dtype, tokenizer, temporary=True)
+    model = load(model_path(model_arg, announce), device=device, dtype=dtype, progress=False)
+    return BenchModel(model.name, model)
+
+
+def model_path(model_arg: str | None, announce=print) -> str:
+    """What a benchmark's --model names: an alias in MODEL_ALIASES (the offline test models), else a hub id,
+    HF folder or GGUF file (None: kvtool's default model)."""
     if model_arg in MODEL_ALIASES:
         from kvtool.testing import models
 
-        path = str(getattr(models, f"{model_arg}_gguf")())
-    else:
-        from kvtool.models.resolve import resolve_model_arg
+        return str(getattr(models, f"{model_arg}_gguf")())
+    from kvtool.models.resolve import resolve_model_arg
 
-        path = resolve_model_arg(model_arg, announce=announce)
-    model = load(path, device=device, dtype=dtype, progress=False)
-    return BenchModel(model.name, model)
+    return resolve_model_arg(model_arg, announce=announce)
