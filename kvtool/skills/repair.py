@@ -18,6 +18,8 @@ returns PlaceStats. What each does, precisely:
   budget where the answer looks, at the cost of one extra query prefill; false sinks (the heavily
   attended first tokens of a block) are among what it picks. Without a token run after the blocks
   it recomputes nothing. Token runs between blocks keep the KV they got against unrepaired blocks.
+  All layers score: on SmolLM2, ranking by the first half of the layers only (which could stop the
+  measuring prefill halfway) more than doubled the next-token KL at 25% recomputed (0.032 vs 0.013).
 """
 
 from __future__ import annotations
