@@ -37,8 +37,8 @@ def register(subparsers) -> None:
                    help="a skills folder (NAME/SKILL.md, *.md): compile (or load cached) KV blocks at start and "
                         "splice them into prompts that contain a skill; requests may ask for skills by name")
     p.add_argument("--skill-repair", default=ENGINE.skill_repair, metavar="SPEC",
-                   help="repair of spliced blocks: none | recompute_first_k:k=N | recompute_deviation:ratio=R "
-                        "(default: %(default)s)")
+                   help="repair of spliced blocks: none | recompute_first_k:k=N | recompute_deviation:ratio=R | "
+                        "recompute_attended:ratio=R (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
 
