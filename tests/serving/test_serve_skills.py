@@ -129,3 +129,19 @@ def test_agent_skill_tool_result_is_spliced_by_the_server(skilled, catalog):
     assert any(m["role"] == "tool" and m["content"] == catalog.skills["haiku"].content for m in sent)
     out = chat(skilled, messages=sent, max_tokens=2)
     assert out["usage"]["prompt_tokens_details"]["skill_block_tokens"] == len(catalog.block("haiku"))
+
+
+def test_query_guided_repair_through_the_server(smollm2, catalog):
+    from kvtool.serving import ServerConfig, create_app
+    from kvtool.serving.server import BackgroundServer
+
+    spec = "recompute_attended:ratio=0.25,window=64"
+    app = create_app(smollm2, EngineConfig(skill_repair=spec), ServerConfig(default_max_tokens=4), skills=catalog)
+    with BackgroundServer(app) as srv, httpx.Client(base_url=srv.base_url, timeout=120) as client:
+        assert client.get("/v1/skills").json()["repair"] == spec
+        out = chat(client, messages=QUESTION, skills=["haiku"])
+    n_block = len(catalog.block("haiku"))
+    usage, timings = out["usage"], out["timings"]
+    assert usage["prompt_tokens_details"]["skill_block_tokens"] == n_block - int(0.25 * n_block)
+    assert timings["prefill_tokens"] == usage["prompt_tokens"] - timings["skill_block_tokens"]
+    assert usage["completion_tokens"] >= 1
