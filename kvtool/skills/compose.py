@@ -20,7 +20,7 @@ from kvtool.cache.kv import KVCache
 from kvtool.config import EngineConfig
 from kvtool.errors import ContextWindowError
 from kvtool.skills.block import SkillBlock
-from kvtool.skills.repair import PlaceStats, make_repair
+from kvtool.skills.repair import PlaceStats, is_query_guided, make_repair
 
 Segment = Union[Sequence[int], SkillBlock]
 
@@ -83,7 +83,7 @@ def compose_segments(runner, segments: Sequence[Segment], repair="none", cache: 
     cache.reserve(total + 1)
     out = Composition(cache, None)
     batch: list[SkillBlock] = []  # consecutive blocks, for a repair that places them together
-    guided = getattr(repair, "query_guided", False)
+    guided = is_query_guided(repair)
     placed: list[tuple[PlaceStats, SkillBlock]] = []  # for a query-guided repair: the blocks so far
     runs = [i for i, seg in enumerate(segments) if not isinstance(seg, SkillBlock) and len(seg)]
     query_run = runs[-1] if guided and runs and any(isinstance(s, SkillBlock) for s in segments[:runs[-1]]) else -1
@@ -100,7 +100,8 @@ def compose_segments(runner, segments: Sequence[Segment], repair="none", cache: 
             else:
                 block = seg.to(runner.device)
                 out.placements.append(repair.place(runner, cache, block))
-                placed.append((out.placements[-1], block))
+                if guided:
+                    placed.append((out.placements[-1], block))
             out.logits = None
         elif len(seg):
             place_batch()

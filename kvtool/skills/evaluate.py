@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from kvtool.config import EngineConfig
 from kvtool.skills.block import SkillBlock
 from kvtool.skills.compose import compose_segments
-from kvtool.skills.repair import describe, make_repair
+from kvtool.skills.repair import describe, is_query_guided, make_repair
 
 DEFAULT_SWEEP = ("none", "recompute_first_k:k=4", "recompute_first_k:k=16", "recompute_first_k:k=32",
                  "recompute_deviation:ratio=0.05", "recompute_deviation:ratio=0.1", "recompute_deviation:ratio=0.2",
@@ -192,13 +192,9 @@ def _full_ttft(runner, decoder, seq: list[int]) -> int:
     return _first_token(runner, decoder, runner.new_cache(len(seq) + 1), seq)
 
 
-def _guided(repair) -> bool:
-    return getattr(repair, "query_guided", False)
-
-
 def _composed_ttft(runner, decoder, case: EvalCase, repair, prefix_cache=None) -> int:
     """First token of the composed context. A query-guided repair prefills the query itself (reference path)."""
-    if decoder is None or _guided(repair):
+    if decoder is None or is_query_guided(repair):
         return int(_compose(runner, case, repair, prefix_cache).logits.argmax(-1))
     return _first_token(runner, decoder, _compose(runner, case, repair, prefix_cache, query=False).cache, case.query)
 
@@ -238,7 +234,7 @@ def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy
         comp, *first = timed(lambda: _compose(runner, case, repair), dev)  # also the warm-up
         per_query = [fidelity(ref["rows"], teacher_forced(runner, comp.cache, comp.logits, ref["tokens"]),
                               ref["tokens"])]
-        if case.more_queries and _guided(repair):  # the repaired blocks depend on the query: compose each
+        if case.more_queries and is_query_guided(repair):  # the repaired blocks depend on the query: compose each
             for q, r in zip(case.more_queries, refs[1:]):
                 qc = _compose(runner, EvalCase(case.prefix, case.blocks, q), repair)
                 per_query.append(fidelity(r["rows"], teacher_forced(runner, qc.cache, qc.logits, r["tokens"]),
@@ -257,7 +253,7 @@ def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy
                "knob": getattr(repair, repair.knob) if repair.knob else None,
                "recomputed_tokens": comp.recomputed_tokens,
                "recomputed_fraction": comp.recomputed_tokens / max(1, case.block_tokens),
-               "ttft_path": "static decoder" if decoder and not _guided(repair) else "reference",
+               "ttft_path": "static decoder" if decoder and not is_query_guided(repair) else "reference",
                **metrics, "ttft_ms_cold": cold, "ttft_ms_warm_prefix": warm,
                "speedup_cold": full["median"] / cold["median"],
                "speedup_cold_cpu": full["cpu_median"] / cold["cpu_median"]}

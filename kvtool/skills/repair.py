@@ -24,7 +24,6 @@ returns PlaceStats. What each does, precisely:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -143,9 +142,7 @@ class RecomputeAttended:
         if not isinstance(self.window, int) or self.window < 1:
             raise InvalidParameterError(f"recompute_attended: window must be an integer >= 1, got {self.window!r}")
 
-    def place(self, runner, cache, block) -> PlaceStats:
-        append_relocated(runner, cache, block)
-        return PlaceStats(block.name, cache.offset - len(block), len(block))
+    place = NoRepair.place  # blocks go in as-is; the repair happens in repair_run
 
     def repair_run(self, runner, cache, placed: list, ids: list[int], chunk: int, logits: str):
         """placed: (PlaceStats, block) of the blocks before the query `ids`, which come next in `cache`.
@@ -165,9 +162,13 @@ class RecomputeAttended:
         return runner.prefill(ids, cache, chunk=chunk, logits=logits)
 
 
-
 REPAIRS: dict[str, type] = {cls.name: cls for cls in (NoRepair, RecomputeFirstK, RecomputeDeviation,
                                                       RecomputeAttended)}
+
+
+def is_query_guided(repair) -> bool:
+    """True for a repair that needs the token run after the blocks (compose_segments calls its repair_run)."""
+    return getattr(repair, "query_guided", False)
 
 
 def make_repair(spec="none", **knobs):

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvtool.skills.catalog import SkillCatalog
 from kvtool.skills.compose import compose_segments
-from kvtool.skills.repair import describe, make_repair
+from kvtool.skills.repair import describe, is_query_guided, make_repair
 
 
 @dataclass
@@ -79,7 +79,7 @@ class SkillSplicer:
             for match, block in found:
                 segments += [prompt_ids[pos:match.start], block]
                 pos = match.end
-            if getattr(self.repair, "query_guided", False) and pos < len(prompt_ids) - 1:
+            if is_query_guided(self.repair) and pos < len(prompt_ids) - 1:
                 segments.append(prompt_ids[pos:-1])  # the repair needs the query; the engine prefills the last token
                 pos = len(prompt_ids) - 1
             done = compose_segments(runner, segments, self.repair, cache=cache, logits="none", chunk=self.chunk)
