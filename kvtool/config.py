@@ -18,6 +18,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     device: str = "auto"  # auto: cuda, then mps, then cpu
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU; or float32/bfloat16/float16
+    weights: str = "dense"  # dense | int4: 4-bit projections, bf16 head (CPU decode ~2x; kvtool.kernels.quant)
     prefill_chunk: int = 2048  # tokens per prefill forward: bounds activation memory; a later chunk attends
     # through a mask over all earlier keys (more work than one causal pass), so not smaller than needed
     cache_bytes: int | None = None  # prefix-cache byte budget; None = a fraction of free memory

@@ -102,11 +102,12 @@ class InProcessBackend:
 
     @classmethod
     def load(cls, model_arg: str | None, device: str = "auto", dtype: str = "auto", cache_bytes: int | None = None,
-             block_size: int | None = None, max_tokens: int = 1, announce=print) -> "InProcessBackend":
+             block_size: int | None = None, max_tokens: int = 1, announce=print,
+             weights: str = "dense") -> "InProcessBackend":
         from kvtool.bench.loading import model_path
         from kvtool.models.loading import load
 
-        model = load(model_path(model_arg, announce), device=device, dtype=dtype)
+        model = load(model_path(model_arg, announce), device=device, dtype=dtype, weights=weights)
         return cls.for_model(model, cache_bytes, block_size, max_tokens)
 
     @classmethod

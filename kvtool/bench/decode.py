@@ -2,6 +2,9 @@
 
     kvtool bench decode                                    # default model (SmolLM2 offline)
     kvtool bench decode --shape qwen3-0.6b --ttft-lengths 512 4096   # random weights, GPU targets
+
+On a CPU it also times a copy of the model with int4 projections (`--weights int4`) in the same
+runs, and records how far its next-token distributions move from the dense model's.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class DecodeBenchConfig:
     warmup: int = 1
     prefill_chunk: int = EngineConfig.prefill_chunk
     baseline: bool = True  # also time transformers
+    int4: bool = True  # on CPU, also time an int4-projection copy of a dense model (and its fidelity)
     seed: int = 0
     out: str | None = None
 
@@ -51,12 +55,14 @@ def add_args(p) -> None:
     p.add_argument("--ttft-lengths", type=int, nargs="+", default=c.ttft_lengths, help="cold TTFT prompt lengths")
     p.add_argument("--repeats", type=int, default=c.repeats)
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the transformers baseline")
+    p.add_argument("--no-int4", dest="int4", action="store_false",
+                   help="skip the int4-projection copy (timed on CPU only)")
     p.add_argument("--out", default=c.out, help="also write the JSON record here")
 
 
 def config_from_args(args) -> DecodeBenchConfig:
     return DecodeBenchConfig(decode_tokens=args.decode_tokens, ttft_lengths=args.ttft_lengths, repeats=args.repeats,
-                             baseline=args.baseline, out=args.out)
+                             baseline=args.baseline, int4=args.int4, out=args.out)
 
 
 def kvtool_decode(runner, prompt: list[int], n: int, decoder=None) -> float:
@@ -96,6 +102,37 @@ def kvtool_ttft(runner, prompt: list[int], chunk: int, decoder=None) -> float:
     return engine_prefill(runner, runner.new_cache(len(prompt) + 1), prompt, chunk, decoder, t0)[0]
 
 
+def int4_copy(bm):
+    """The bench model's runner rebuilt from its folder with int4 projections, or None where that does not apply."""
+    from kvtool.models.loading import build_runner
+    from kvtool.kernels.quant import unsupported
+
+    runner = bm.runner
+    if runner.device.type != "cpu" or runner.weights != "dense" or unsupported(runner.output_weight):
+        return None
+    return build_runner(runner.spec, bm.model.hf_config, bm.model.folder, runner.device, runner.dtype,
+                        progress=False, weights="int4")
+
+
+@torch.inference_mode()
+def int4_fidelity(dense, packed, prompt: list[int], n: int) -> dict:
+    """Next-token KL(dense || int4), max |logprob diff| and top-1 agreement over n greedy decode steps of the
+    dense model, the int4 copy fed the same tokens one at a time (so every step runs its int4 kernel)."""
+    caches = dense.new_cache(len(prompt) + n + 1), packed.new_cache(len(prompt) + n + 1)
+    p = dense.prefill(prompt, caches[0]).log_softmax(-1)
+    q = packed.prefill(prompt, caches[1]).log_softmax(-1)
+    kl, diff, agree = [], [], 0
+    for _ in range(n):
+        token = int(p.argmax(-1))
+        kl.append(float((p.exp() * (p - q)).sum()))
+        diff.append(float((p - q).abs().max()))
+        agree += int(q.argmax(-1)) == token
+        p = dense(torch.tensor([token]), caches[0]).log_softmax(-1)
+        q = packed(torch.tensor([token]), caches[1]).log_softmax(-1)
+    return {"steps": n, "kl_mean": sum(kl) / n, "kl_max": max(kl), "max_abs_logprob_diff": max(diff),
+            "top1_agreement": agree / n}
+
+
 def hf_generate(hf, prompt: list[int], n: int) -> None:
     ids = torch.tensor([prompt], device=hf.device)
     with torch.no_grad():
@@ -128,10 +165,20 @@ def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
     decoder = StaticDecoder(runner, len(prompt) + n + 1)
     fns = {"kvtool": lambda: kvtool_decode(runner, prompt, n), "transformers": hf_decode,
            "kvtool fast path": lambda: kvtool_decode(runner, prompt, n, decoder)}
-    decode = measure_side_by_side({e: fns[e] for e in [*engines, "kvtool fast path"]}, cfg.repeats, cfg.warmup,
-                                  device)
+    labels = [*engines, "kvtool fast path"]
+    packed = int4_copy(bm) if cfg.int4 else None
+    if packed is not None:
+        log("int4 copy: projections in 4 bits, timed in the same runs")
+        fns["kvtool int4"] = lambda: kvtool_decode(packed, prompt, n)
+        labels.append("kvtool int4")
+    decode = measure_side_by_side({e: fns[e] for e in labels}, cfg.repeats, cfg.warmup, device)
     rows = {"decode_tok_s": {e: decode[e] for e in engines},
             "decode_tok_s_fast": {"kvtool": decode["kvtool fast path"]}}
+    fidelity = None
+    if packed is not None:
+        rows["decode_tok_s_int4"] = {"kvtool": decode["kvtool int4"]}
+        fidelity = int4_fidelity(runner, packed, prompt, n)
+        del packed
     prefiller = StaticDecoder(runner, max(cfg.ttft_lengths) + 1)
     for length in cfg.ttft_lengths:
         ids = torch.randint(lo, vocab - lo, (length,), generator=gen).tolist()
@@ -146,18 +193,18 @@ def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
     del prefiller
     ratios = {}
     for metric, row in rows.items():
-        base = rows[metric.removesuffix("_fast")]
+        base = rows[metric.removesuffix("_fast").removesuffix("_int4")]
         if "transformers" in base:
             k, t = row["kvtool"]["median"], base["transformers"]["median"]
             ratios[metric] = round(k / t if metric.startswith("decode") else t / k, 3)  # >1: kvtool is faster
-    measured = {metric: row["kvtool"]["median"] for metric, row in rows.items()}
+    measured = {metric: row["kvtool"]["median"] for metric, row in rows.items() if not metric.endswith("_int4")}
     # the engine prefills and decodes through the fast path where it is on by default (CUDA); targets check that
     if device.type == "cuda":
         measured.update({m.removesuffix("_fast"): v for m, v in measured.items() if m.endswith("_fast")})
     return {"benchmark": "decode", "model": bm.name, "device": device_name(device), "device_type": device.type,
             "dtype": bm.dtype, "decode_tokens": n, "config": asdict(cfg), "results": rows,
             "speedup_vs_transformers": ratios, "target_checks": check_all(TARGETS, measured, device.type),
-            "versions": versions()}
+            **({"int4_fidelity": fidelity} if fidelity else {}), "versions": versions()}
 
 
 def format_table(record: dict) -> str:
@@ -168,6 +215,10 @@ def format_table(record: dict) -> str:
         ratio = record["speedup_vs_transformers"].get(metric)
         lines.append(f"{metric:<18}{row['kvtool']['median']:>12.2f}"
                      + (f"{t['median']:>14.2f}" if t else f"{'-':>14}") + (f"{ratio:>7.2f}x" if ratio else f"{'-':>8}"))
+    fid = record.get("int4_fidelity")
+    if fid:
+        lines.append(f"int4 vs dense over {fid['steps']} greedy steps: top-1 agreement {fid['top1_agreement']:.3f}, "
+                     f"KL mean {fid['kl_mean']:.5f} (max {fid['kl_max']:.5f})")
     return "\n".join(lines)
 
 

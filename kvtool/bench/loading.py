@@ -62,7 +62,7 @@ class BenchModel:
 
     @property
     def dtype(self) -> str:
-        return str(self.model.runner.dtype).replace("torch.", "")
+        return self.model.runner.precision
 
     def hf(self):
         """The transformers model of the same weights, dtype and device (loaded once)."""
@@ -86,7 +86,7 @@ class BenchModel:
 
 
 def from_checkpoint(folder: Path, name: str, device: str = "auto", dtype: str = "auto", tokenizer=None,
-                    temporary: bool = False) -> BenchModel:
+                    temporary: bool = False, weights: str = "dense") -> BenchModel:
     """A BenchModel over an HF folder without a tokenizer (random or tiny test checkpoints)."""
     from transformers import AutoConfig
 
@@ -96,7 +96,7 @@ def from_checkpoint(folder: Path, name: str, device: str = "auto", dtype: str = 
     dev = pick_device(device)
     cfg = AutoConfig.from_pretrained(str(folder))
     runner = build_runner(ModelSpec.from_hf_config(cfg), cfg, Path(folder), dev, pick_dtype(dtype, dev),
-                          progress=False)
+                          progress=False, weights=weights)
     info = {"device": str(dev), "dtype": str(runner.dtype).replace("torch.", "")}
     model = LoadedModel(name=name, folder=Path(folder), runner=runner, tokenizer=tokenizer or IdTokenizer(),
                         hf_config=cfg, source=str(folder), info=info)
@@ -117,7 +117,7 @@ def _embedded_tokenizer():
 
 
 def load_bench_model(model_arg: str | None = None, shape: str | None = None, device: str = "auto",
-                     dtype: str = "auto", announce=print) -> BenchModel:
+                     dtype: str = "auto", announce=print, weights: str = "dense") -> BenchModel:
     """--shape: random weights in that shape (prompts tokenized by SmolLM2's tokenizer when installed);
     else --model: a hub id, HF folder, GGUF file or an alias in MODEL_ALIASES (default: kvtool's default model)."""
     from kvtool.models.loading import load
@@ -132,8 +132,8 @@ def load_bench_model(model_arg: str | None = None, shape: str | None = None, dev
         folder = random_checkpoint(SHAPES[shape](), Path(tempfile.mkdtemp(prefix="kvtool-bench-")))
         tokenizer = _embedded_tokenizer()
         name = f"{shape} shape (random weights{', SmolLM2 tokenizer' if tokenizer else ''})"
-        return from_checkpoint(folder, name, device, dtype, tokenizer, temporary=True)
-    model = load(model_path(model_arg, announce), device=device, dtype=dtype, progress=False)
+        return from_checkpoint(folder, name, device, dtype, tokenizer, temporary=True, weights=weights)
+    model = load(model_path(model_arg, announce), device=device, dtype=dtype, progress=False, weights=weights)
     return BenchModel(model.name, model)
 
 

@@ -34,6 +34,7 @@ class ReportConfig:
     shape: str | None = None
     device: str = EngineConfig.device
     dtype: str = EngineConfig.dtype
+    weights: str = EngineConfig.weights
     endpoint: str | None = None  # OpenAI-compatible server for the serving scenarios
     served_model: str | None = None  # None: the first of the endpoint's /v1/models
     api_key: str | None = field(default=None, repr=False)  # never written to the report
@@ -129,7 +130,7 @@ def run_report(rc: ReportConfig, bm=None, log=lambda s: print(s, file=sys.stderr
 
     rc.validate()
     own = bm is None
-    bm = bm or load_bench_model(rc.model, rc.shape, rc.device, rc.dtype, announce=log)
+    bm = bm or load_bench_model(rc.model, rc.shape, rc.device, rc.dtype, announce=log, weights=rc.weights)
     try:
         dev = bm.device
         cfgs = sub_configs(rc.quick, dev.type)
@@ -195,18 +196,35 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
+# decode record metrics: base name + one of these suffixes -> the kvtool variant it measures
+DECODE_VARIANTS = {"_fast": "kvtool fast path", "_int4": "kvtool int4 projections"}
+
+
+def _decode_variant(metric: str) -> tuple[str, str | None]:
+    """(base metric, variant label or None for plain kvtool)."""
+    for suffix, label in DECODE_VARIANTS.items():
+        if metric.endswith(suffix):
+            return metric.removesuffix(suffix), label
+    return metric, None
+
+
 def _decode_md(records: dict) -> list[str]:
     rec = records["decode"]
     c, ratios = rec["config"], rec["speedup_vs_transformers"]
     rows = []
     for metric, row in rec["results"].items():
-        base = metric.removesuffix("_fast")
+        base, variant = _decode_variant(metric)
         label = ("decode tok/s (bs=1)" if base.startswith("decode") else f"cold TTFT @{base[8:]} tokens (ms)") + \
-            (", fast path" if metric != base else "")
+            (f", {variant.removeprefix('kvtool ')}" if variant else "")
         rows.append([label, _stat(row["kvtool"]), _stat(row.get("transformers")), _ratio(ratios.get(metric))])
-    return [f"{c['decode_tokens']} greedy tokens after a {c['prompt_tokens']}-token prompt; median (min-max) of "
-            f"{c['repeats']} runs after {c['warmup']} warm-up. Ratio > 1: kvtool is faster.", "",
-            *_table(["metric", "kvtool", "transformers", "kvtool vs transformers"], rows)]
+    lines = [f"{c['decode_tokens']} greedy tokens after a {c['prompt_tokens']}-token prompt; median (min-max) of "
+             f"{c['repeats']} runs after {c['warmup']} warm-up. Ratio > 1: kvtool is faster.", "",
+             *_table(["metric", "kvtool", "transformers", "kvtool vs transformers"], rows)]
+    fid = rec.get("int4_fidelity")
+    if fid:
+        lines += ["", f"int4 projections vs the dense model over {fid['steps']} greedy steps: top-1 agreement "
+                      f"{fid['top1_agreement']:.3f}, next-token KL mean {fid['kl_mean']:.5f} (max {fid['kl_max']:.5f})."]
+    return lines
 
 
 def _ttft_md(records: dict) -> list[str]:
@@ -287,10 +305,11 @@ def _plot_decode(records, path):
     rec = records["decode"]
     title = lambda m: "decode tok/s" if m.startswith("decode") else f"cold TTFT @{m[8:]} (ms)"  # noqa: E731
     panels = {title(m): {e: s["median"] for e, s in row.items()} for m, row in rec["results"].items()
-              if not m.endswith("_fast")}
+              if _decode_variant(m)[1] is None}
     for m, row in rec["results"].items():
-        if m.endswith("_fast"):
-            panels[title(m.removesuffix("_fast"))]["kvtool fast path"] = row["kvtool"]["median"]
+        base, variant = _decode_variant(m)
+        if variant:
+            panels[title(base)][variant] = row["kvtool"]["median"]
     bar_panels(path, f"{rec['model']} on {rec['device']}, {rec['dtype']}", panels)
 
 

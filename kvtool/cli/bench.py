@@ -104,7 +104,7 @@ def _log(message: str) -> None:
 def _bench_model(args):
     from kvtool.bench.loading import load_bench_model
 
-    return load_bench_model(args.model, args.shape, args.device, args.dtype, announce=_log)
+    return load_bench_model(args.model, args.shape, args.device, args.dtype, announce=_log, weights=args.weights)
 
 
 def run_decode(args) -> int:
@@ -129,7 +129,7 @@ def run_ttft(args) -> int:
         backend = EndpointBackend(args.endpoint, args.served_model, args.api_key, args.max_tokens)
     else:
         backend = InProcessBackend.load(args.model, args.device, args.dtype, args.cache_bytes, args.block_size,
-                                        args.max_tokens, announce=_log)
+                                        args.max_tokens, announce=_log, weights=args.weights)
     report(run_ttft_bench(backend, cfg, scenario_cfg, log=_log), args.out, args.png)
     return 0
 
@@ -167,7 +167,7 @@ def run_batching(args) -> int:
 def run_all(args) -> int:
     from kvtool.bench.report import ReportConfig, run_report
 
-    rc = ReportConfig(model=args.model, shape=args.shape, device=args.device, dtype=args.dtype,
+    rc = ReportConfig(model=args.model, shape=args.shape, device=args.device, dtype=args.dtype, weights=args.weights,
                       endpoint=args.endpoint, served_model=args.served_model, api_key=args.api_key,
                       quick=args.quick, only=args.only, out_dir=args.out_dir)
     record = run_report(rc, log=_log)

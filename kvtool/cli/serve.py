@@ -67,8 +67,10 @@ def run(args) -> int:
     make_repair(args.skill_repair)  # a bad spec fails before the model loads
     model = load_from_args(args)
     auth = "API key required" if cfg.api_key else "no API key"
+    weights = model.info.get("weights", "dense")
     print(f"kvtool: serving {cfg.served_model_name or model.name} on http://{cfg.host}:{cfg.port}/v1 "
-          f"({model.info.get('device')}, {model.info.get('dtype')}, {auth})", file=sys.stderr)
+          f"({model.info.get('device')}, {model.info.get('dtype')}{'' if weights == 'dense' else f', {weights} weights'}, "
+          f"{auth})", file=sys.stderr)
     from kvtool.config import EngineConfig
 
     engine_config = EngineConfig(cache_bytes=args.cache_bytes, enable_prefix_cache=not args.no_prefix_cache,

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvtool.models.runner import linear
+
 
 def _norm(module, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, x.shape[-1:], module.weight, module.eps)
@@ -54,7 +56,7 @@ class DecodeStep:
         attn, n, hq, hkv, d = layer.self_attn, x.shape[0], self.hq, self.hkv, self.d
         h = _norm(layer.input_layernorm, x)
         if attn._wqkv is not None:
-            qkv = F.linear(h, attn._wqkv, attn._bqkv).view(n, hq + 2 * hkv, d)
+            qkv = linear(h, attn._wqkv, attn._bqkv).view(n, hq + 2 * hkv, d)
         else:
             qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], -1).view(n, hq + 2 * hkv, d)
         qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv :]
@@ -69,7 +71,7 @@ class DecodeStep:
         return x + layer.mlp(_norm(layer.post_attention_layernorm, x))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_norm(self.model.norm, x), self.runner.output_weight).float()
+        return self.runner.head(_norm(self.model.norm, x))
 
     def __call__(self, tokens, pos, rows, keys, values, bucket: int, cos, sin_signed, window) -> torch.Tensor:
         """One token per row. tokens, pos, rows [n]; keys/values per layer [slots, Hkv, max_len + 1, D];

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtool.cache.kv import KVCache
+from kvtool.kernels import quant
 from kvtool.models.rope import apply_rope, cos_sin, inv_frequencies
 from kvtool.models.spec import ModelSpec
 
@@ -33,6 +34,13 @@ class AttentionTap:
 
 
 Tap = Callable[[AttentionTap], None]
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or the int4 product for a weight ModelRunner.quantize_int4() packed."""
+    if isinstance(weight, quant.Int4Weight):
+        return quant.int4_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class RMSNorm(nn.Module):
@@ -67,7 +75,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, spec.rms_norm_eps)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
-        self._wqkv: torch.Tensor | None = None
+        self._wqkv: torch.Tensor | quant.Int4Weight | None = None
         self._bqkv: torch.Tensor | None = None
 
     def fuse(self) -> None:
@@ -88,7 +96,7 @@ class Attention(nn.Module):
         b, n, _ = x.shape
         d = self.head_dim
         if self._wqkv is not None:
-            q, k, v = F.linear(x, self._wqkv, self._bqkv).split(
+            q, k, v = linear(x, self._wqkv, self._bqkv).split(
                 [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -132,7 +140,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
-        self._wgu: torch.Tensor | None = None
+        self._wgu: torch.Tensor | quant.Int4Weight | None = None
 
     def fuse(self) -> None:
         w = torch.cat([self.gate_proj.weight, self.up_proj.weight]).contiguous()
@@ -143,7 +151,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self._wgu is not None:
-            gate, up = F.linear(x, self._wgu).chunk(2, dim=-1)
+            gate, up = linear(x, self._wgu).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
@@ -181,10 +189,18 @@ class ModelRunner(nn.Module):
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         inv_freq, self.rope_scaling = inv_frequencies(spec.rope, spec.head_dim, hf_config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.weights = "dense"  # or "int4" after quantize_int4()
+        self._head_bf16: torch.Tensor | None = None  # the output head in bf16, after quantize_int4()
 
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
+
+    @property
+    def precision(self) -> str:
+        """The dtype, plus "/int4" once quantize_int4() packed the weights: what the KV computed here depends on."""
+        dtype = str(self.dtype).replace("torch.", "")
+        return dtype if self.weights == "dense" else f"{dtype}/{self.weights}"
 
     @property
     def device(self) -> torch.device:
@@ -198,6 +214,45 @@ class ModelRunner(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (fp32) of final hidden states h [..., hidden]."""
+        if self._head_bf16 is not None:
+            return quant.head_logits(h, self.output_weight, self._head_bf16)
+        return F.linear(h, self.output_weight).float()
+
+    @torch.inference_mode()
+    def quantize_int4(self) -> None:
+        """Pack every projection in 4 bits and copy the head to bf16 for CPU decode (kvtool.kernels.quant).
+
+        Needs fuse() first. Each dense weight is overwritten in place with the values its 4-bit grid
+        stands for, so prefill (dense GEMMs) and decode (int4 kernel) multiply by the same weights
+        and the HF-named parameters stay views of them. The dense head stays as it is; decode's
+        highest logits are recomputed from it.
+        """
+        if self.weights == "int4":
+            return
+        pairs = [(layer.self_attn, layer.mlp) for layer in self.model.layers]
+        if any(attn._wqkv is None or mlp._wgu is None for attn, mlp in pairs):
+            raise ValueError("quantize_int4() needs the fused projections; call fuse() first")
+        for attn, mlp in pairs:  # check all before changing any
+            for weight in (attn._wqkv, mlp._wgu, attn.o_proj.weight, mlp.down_proj.weight):
+                reason = quant.unsupported(weight)
+                if reason:
+                    raise ValueError(reason)
+
+        def snap(weight: torch.Tensor) -> quant.Int4Weight:
+            packed = quant.quantize_int4(weight)
+            weight.copy_(packed.dense)
+            packed.dense = weight
+            return packed
+
+        for attn, mlp in pairs:
+            attn._wqkv, mlp._wgu = snap(attn._wqkv), snap(mlp._wgu)
+            attn.o_proj = quant.Int4Linear(attn.o_proj, snap(attn.o_proj.weight))
+            mlp.down_proj = quant.Int4Linear(mlp.down_proj, snap(mlp.down_proj.weight))
+        self._head_bf16 = self.output_weight.detach().bfloat16().contiguous()
+        self.weights = "int4"
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         s = self.spec
@@ -241,9 +296,9 @@ class ModelRunner(nn.Module):
         ends = torch.tensor(lengths, device=self.device).cumsum(0)
         if logits == "last":
             h = self.model.norm(x[0, ends - 1])
-            out = F.linear(h, self.output_weight).float()
+            out = self.head(h)
             return [out[j : j + 1] for j in range(len(seqs))]
-        out = F.linear(self.model.norm(x[0]), self.output_weight).float()
+        out = self.head(self.model.norm(x[0]))
         return list(out.split(lengths))
 
     def prefill(self, input_ids: Iterable[int] | torch.Tensor, cache: KVCache, chunk: int = 512,

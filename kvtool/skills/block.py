@@ -46,7 +46,7 @@ def setup_of(model=None, runner=None, name: str | None = None) -> dict[str, str]
         fp = model.fingerprint()
     else:
         fp = {"model": name or "unnamed", "config_hash": runner.spec.config_hash(), "tokenizer_hash": "none",
-              "dtype": str(runner.dtype).replace("torch.", "")}
+              "dtype": runner.precision}
     return {**{k: str(v) for k, v in fp.items()}, "rope": rope_info(runner)}
 
 

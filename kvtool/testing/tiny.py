@@ -38,7 +38,7 @@ def tiny_checkpoint(family: str, folder: Path, seed: int = 0):
     return hf
 
 
-def tiny_runner(family: str, folder: Path):
+def tiny_runner(family: str, folder: Path, weights: str = "dense"):
     from transformers import AutoConfig
 
     from kvtool.models.loading import build_runner
@@ -46,7 +46,7 @@ def tiny_runner(family: str, folder: Path):
 
     cfg = AutoConfig.from_pretrained(str(folder))
     return build_runner(ModelSpec.from_hf_config(cfg), cfg, folder, torch.device("cpu"), torch.float32,
-                        progress=False)
+                        progress=False, weights=weights)
 
 
 def qwen3_0_6b_config():

@@ -31,8 +31,15 @@ def test_targets_apply_only_on_their_device_and_to_measured_values():
 def test_decode_record_ratios_come_from_the_measured_medians(tiny_bench):
     cfg = DecodeBenchConfig(decode_tokens=4, ttft_lengths=[16, 32], prompt_tokens=8, repeats=2, warmup=0)
     rec = run_decode_bench(tiny_bench, cfg, log=lambda s: None)
-    assert list(rec["results"]) == ["decode_tok_s", "decode_tok_s_fast", "ttft_ms_16", "ttft_ms_16_fast",
-                                    "ttft_ms_32", "ttft_ms_32_fast"]
+    assert list(rec["results"]) == ["decode_tok_s", "decode_tok_s_fast", "decode_tok_s_int4", "ttft_ms_16",
+                                    "ttft_ms_16_fast", "ttft_ms_32", "ttft_ms_32_fast"]
+    # on CPU an int4 copy of the model is timed in the same runs, with its fidelity to the dense model
+    packed, t = rec["results"].pop("decode_tok_s_int4")["kvtool"], rec["results"]["decode_tok_s"]["transformers"]
+    assert packed["n"] == 2 and rec["speedup_vs_transformers"]["decode_tok_s_int4"] == pytest.approx(
+        packed["median"] / t["median"], abs=1e-3)
+    fid = rec["int4_fidelity"]
+    assert fid["steps"] == 4 and 0 <= fid["top1_agreement"] <= 1 and 0 < fid["kl_mean"] <= fid["kl_max"]
+    assert tiny_bench.runner.weights == "dense"  # the copy, not the bench model, was packed
     for metric in ("decode_tok_s", "ttft_ms_16", "ttft_ms_32"):  # the fast path beside the same baseline
         fast, t = rec["results"].pop(metric + "_fast")["kvtool"], rec["results"][metric]["transformers"]["median"]
         want = fast["median"] / t if metric.startswith("decode") else t / fast["median"]

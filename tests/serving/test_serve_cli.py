@@ -79,3 +79,17 @@ def test_bad_skills_flags_are_clear_errors(monkeypatch, capsys, tmp_path, argv, 
     monkeypatch.setattr(cli, "load_from_args", lambda args: pytest.fail("the model must not load on bad flags"))
     assert main(["serve", *argv]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_weights_flag_reaches_the_loader_and_the_banner(monkeypatch, capsys):
+    import kvtool.cli.serve as cli
+    import kvtool.serving.server as server
+
+    class FakeModel:
+        name, info = "fake", {"device": "cpu", "dtype": "float32", "weights": "int4"}
+
+    seen = {}
+    monkeypatch.setattr(cli, "load_from_args", lambda args: seen.update(weights=args.weights) or FakeModel())
+    monkeypatch.setattr(server, "serve", lambda model, cfg, engine_config, log_level: None)
+    assert main(["serve", "--weights", "int4"]) == 0
+    assert seen["weights"] == "int4" and "(cpu, float32, int4 weights, no API key)" in capsys.readouterr().err

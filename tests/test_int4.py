@@ -1,0 +1,154 @@
+"""--weights int4: projections in 4 bits for CPU decode, tested against the dense model they stand for."""
+
+import json
+
+import pytest
+import torch
+
+from kvtool import SamplingParams
+from kvtool.bench.decode import int4_fidelity
+from kvtool.config import EngineConfig
+from kvtool.engine import Engine
+from kvtool.engine.static import StaticDecoder
+from kvtool.errors import ModelLoadError
+from kvtool.kernels.quant import Int4Linear, Int4Weight
+from kvtool.models.loading import check_weights
+from kvtool.testing.tiny import tiny_checkpoint, tiny_runner
+
+FAMILIES = ["qwen3", "qwen2", "llama"]
+
+
+def random_ids(runner, n, seed=0):
+    return torch.randint(0, runner.spec.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request, tmp_path_factory):
+    """(int4 runner, dense runner holding the int4 runner's grid values) of one tiny family."""
+    folder = tmp_path_factory.mktemp(request.param)
+    tiny_checkpoint(request.param, folder)
+    packed, dense = tiny_runner(request.param, folder, weights="int4"), tiny_runner(request.param, folder)
+    dense.load_state_dict(packed.state_dict())
+    return packed, dense
+
+
+def test_every_projection_is_packed_and_the_hf_names_stay_views_of_it(pair):
+    packed, _ = pair
+    assert packed.weights == "int4" and packed.precision == "float32/int4"
+    for layer in packed.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert isinstance(attn._wqkv, Int4Weight) and isinstance(mlp._wgu, Int4Weight)
+        assert isinstance(attn.o_proj, Int4Linear) and isinstance(mlp.down_proj, Int4Linear)
+        assert attn.q_proj.weight.data_ptr() == attn._wqkv.dense.data_ptr()
+        assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp._wgu.dense.untyped_storage().data_ptr()
+    assert not isinstance(packed.output_weight, Int4Weight)  # the head stays dense, with a bf16 copy for decode
+    assert packed._head_bf16.dtype == torch.bfloat16 and torch.equal(packed._head_bf16.float(),
+                                                                      packed.output_weight.bfloat16().float())
+    names = set(dict(packed.named_parameters()))
+    assert "model.layers.0.self_attn.o_proj.weight" in names and "model.layers.0.mlp.down_proj.weight" in names
+
+
+def test_prefill_is_the_dense_model_of_the_grid_values(pair):
+    packed, dense = pair
+    ids = random_ids(packed, 40)
+    got = packed.prefill(ids, packed.new_cache(), logits="all")
+    want = dense.prefill(ids, dense.new_cache(), logits="all")
+    assert torch.equal(got, want)
+
+
+def test_decode_steps_run_the_int4_kernel_close_to_the_dense_grid_model(pair):
+    packed, dense = pair
+    ids = random_ids(packed, 20, seed=1)
+    caches = packed.new_cache(), dense.new_cache()
+    packed.prefill(ids, caches[0])
+    dense.prefill(ids, caches[1])
+    for token in random_ids(packed, 8, seed=2):
+        got, want = packed(torch.tensor([token]), caches[0]), dense(torch.tensor([token]), caches[1])
+        assert not torch.equal(got, want)  # bf16 activations: the kernel ran
+        assert (got - want).abs().max() <= 0.03 * want.abs().max()
+
+
+def test_static_fast_path_matches_the_reference_path_with_int4(pair):
+    packed, _ = pair
+    ids = random_ids(packed, 11, seed=3)
+    ref_cache, cache = packed.new_cache(), packed.new_cache()
+    tok = int(packed.prefill(ids, ref_cache).argmax(-1))
+    packed.prefill(ids, cache)
+    dec = StaticDecoder(packed, max_len=64, bucket_tokens=8)
+    dec.load(cache)
+    for step in range(12):
+        ref, fast = packed(torch.tensor([tok]), ref_cache), dec.step(tok)
+        assert (fast - ref).abs().max() <= 0.03 * ref.abs().max(), f"step {step}"
+        tok = int(ref.argmax(-1))
+    dec.store(cache)
+
+
+def test_packing_twice_is_a_no_op_and_unfused_runners_are_refused(tmp_path):
+    tiny_checkpoint("llama", tmp_path)
+    runner = tiny_runner("llama", tmp_path, weights="int4")
+    first = runner.model.layers[0].self_attn._wqkv
+    runner.quantize_int4()
+    assert runner.model.layers[0].self_attn._wqkv is first
+    unfused = tiny_runner("llama", tmp_path)
+    unfused.model.layers[0].self_attn._wqkv = None
+    with pytest.raises(ValueError, match="call fuse"):
+        unfused.quantize_int4()
+    assert unfused.weights == "dense" and not isinstance(unfused.model.layers[1].mlp._wgu, Int4Weight)
+
+
+def test_bad_weights_choices_are_clear_errors():
+    with pytest.raises(ModelLoadError, match="unknown weights 'int3'; use one of dense, int4"):
+        check_weights("int3", torch.device("cpu"))
+    with pytest.raises(ModelLoadError, match="CPU only; got device cuda"):
+        check_weights("int4", torch.device("cuda"))
+    check_weights("int4", torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def smollm2_int4():
+    import kvtool
+    from kvtool.testing.models import smollm2_gguf
+
+    return kvtool.load(str(smollm2_gguf()), device="cpu", dtype="float32", progress=False, weights="int4")
+
+
+@pytest.mark.real_model
+def test_smollm2_int4_stays_close_to_the_dense_model(smollm2, smollm2_int4):
+    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "Name three rivers in Europe."}]))
+    fid = int4_fidelity(smollm2.runner, smollm2_int4.runner, prompt, 32)
+    assert fid["top1_agreement"] >= 0.9 and fid["kl_mean"] <= 0.005, fid
+    assert fid["kl_mean"] > 0  # the packed model is not the dense one
+
+
+@pytest.mark.real_model
+def test_smollm2_int4_fast_path_gives_the_reference_tokens(smollm2_int4):
+    prompt = smollm2_int4.encode(smollm2_int4.render([{"role": "user", "content": "Name three rivers in Europe."}]))
+    params = SamplingParams(temperature=0, max_tokens=40)
+    want = Engine(smollm2_int4, EngineConfig(fast_decode="off")).generate(prompt, params).run()
+    got = Engine(smollm2_int4, EngineConfig(fast_decode="on", static_max_tokens=512)).generate(prompt, params).run()
+    assert got.token_ids == want.token_ids and len(want.token_ids) > 20
+
+
+@pytest.mark.real_model
+def test_blocks_and_fingerprints_tell_int4_from_dense(smollm2, smollm2_int4):
+    from kvtool.errors import CacheFormatError
+    from kvtool.skills.block import compile_ids, setup_of
+
+    dense_setup, packed_setup = setup_of(smollm2), setup_of(smollm2_int4)
+    assert dense_setup["dtype"] == "float32" and packed_setup["dtype"] == "float32/int4"
+    block = compile_ids(smollm2.runner, smollm2.encode("A short skill."), dense_setup, "short")
+    with pytest.raises(CacheFormatError, match=r"dtype: block has 'float32', this model has "
+                                               r"'float32/int4'"):
+        block.check_setup(packed_setup)
+
+
+@pytest.mark.real_model
+def test_cli_info_and_generate_take_weights_int4(capsys):
+    from kvtool.cli import main
+    from kvtool.testing.models import smollm2_gguf
+
+    assert main(["info", "--model", str(smollm2_gguf()), "--weights", "int4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["weights"] == "int4"
+    assert main(["generate", "Rivers of Europe:", "--model", str(smollm2_gguf()), "--weights", "int4",
+                 "--max-tokens", "8", "--temperature", "0"]) == 0
+    assert "decode 8 tok" in capsys.readouterr().err
