@@ -152,3 +152,22 @@ def test_cli_info_and_generate_take_weights_int4(capsys):
     assert main(["generate", "Rivers of Europe:", "--model", str(smollm2_gguf()), "--weights", "int4",
                  "--max-tokens", "8", "--temperature", "0"]) == 0
     assert "decode 8 tok" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+def test_server_runs_int4_and_says_so(smollm2_int4):
+    import httpx
+
+    from kvtool.serving import ServerConfig, create_app
+    from kvtool.serving.server import BackgroundServer
+
+    srv = BackgroundServer(create_app(smollm2_int4, server_config=ServerConfig())).start()
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=120) as client:
+            assert client.get("/v1/models").json()["data"][0]["precision"] == "float32/int4"
+            r = client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "temperature": 0, "max_tokens": 24}).json()
+            assert "Paris" in r["choices"][0]["message"]["content"] and r["usage"]["completion_tokens"] > 3
+    finally:
+        srv.stop()

@@ -199,7 +199,8 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
     @api.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": served.name, "object": "model", "created": started,
-                                            "owned_by": "kvtool", "max_model_len": served.context_window}]}
+                                            "owned_by": "kvtool", "max_model_len": served.context_window,
+                                            "precision": served.precision}]}
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

@@ -27,6 +27,7 @@ class ServedModel:
         self.vocab_size = model.spec.vocab_size
         self.tokenizer_size = len(tok)
         self.context_window = model.context_window
+        self.precision = model.runner.precision  # e.g. "float32", or "float32/int4" with --weights int4
         self.skills = None  # a kvtool.skills SkillCatalog when serving with --skills
 
     def check_name(self, requested: str | None) -> None:

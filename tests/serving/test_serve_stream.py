@@ -117,6 +117,7 @@ def test_tokenize_detokenize_round_trip(smol):
 def test_models_and_health(smol):
     models = smol.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    assert models["data"][0]["precision"] == "float32"
     name = models["data"][0]["id"]
     assert smol.post("/v1/chat/completions", json={"model": name, "messages": ASK, "max_tokens": 1}).status_code == 200
     assert smol.get("/health").json() == {"status": "ok", "model": name, "running": 0, "waiting": 0}
