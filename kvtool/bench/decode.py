@@ -102,6 +102,18 @@ def kvtool_ttft(runner, prompt: list[int], chunk: int, decoder=None) -> float:
     return engine_prefill(runner, runner.new_cache(len(prompt) + 1), prompt, chunk, decoder, t0)[0]
 
 
+# a record's metric is a base name plus at most one of these suffixes, naming the kvtool variant it measures
+VARIANTS = {"_fast": "kvtool fast path", "_int4": "kvtool int4 projections"}
+
+
+def variant_of(metric: str) -> tuple[str, str | None]:
+    """(base metric, variant label or None for plain kvtool)."""
+    for suffix, label in VARIANTS.items():
+        if metric.endswith(suffix):
+            return metric.removesuffix(suffix), label
+    return metric, None
+
+
 def int4_copy(bm):
     """The bench model's runner rebuilt from its folder with int4 projections, or None where that does not apply."""
     from kvtool.models.loading import build_runner
@@ -193,7 +205,7 @@ def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
     del prefiller
     ratios = {}
     for metric, row in rows.items():
-        base = rows[metric.removesuffix("_fast").removesuffix("_int4")]
+        base = rows[variant_of(metric)[0]]
         if "transformers" in base:
             k, t = row["kvtool"]["median"], base["transformers"]["median"]
             ratios[metric] = round(k / t if metric.startswith("decode") else t / k, 3)  # >1: kvtool is faster

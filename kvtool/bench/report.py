@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvtool.bench.batching import BatchingBenchConfig
-from kvtool.bench.decode import DecodeBenchConfig
+from kvtool.bench.decode import DecodeBenchConfig, variant_of
 from kvtool.bench.prefix import PrefixBenchConfig
 from kvtool.bench.protocol import device_name, emit, versions
 from kvtool.bench.scenarios import ScenarioConfig
@@ -196,24 +196,12 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
-# decode record metrics: base name + one of these suffixes -> the kvtool variant it measures
-DECODE_VARIANTS = {"_fast": "kvtool fast path", "_int4": "kvtool int4 projections"}
-
-
-def _decode_variant(metric: str) -> tuple[str, str | None]:
-    """(base metric, variant label or None for plain kvtool)."""
-    for suffix, label in DECODE_VARIANTS.items():
-        if metric.endswith(suffix):
-            return metric.removesuffix(suffix), label
-    return metric, None
-
-
 def _decode_md(records: dict) -> list[str]:
     rec = records["decode"]
     c, ratios = rec["config"], rec["speedup_vs_transformers"]
     rows = []
     for metric, row in rec["results"].items():
-        base, variant = _decode_variant(metric)
+        base, variant = variant_of(metric)
         label = ("decode tok/s (bs=1)" if base.startswith("decode") else f"cold TTFT @{base[8:]} tokens (ms)") + \
             (f", {variant.removeprefix('kvtool ')}" if variant else "")
         rows.append([label, _stat(row["kvtool"]), _stat(row.get("transformers")), _ratio(ratios.get(metric))])
@@ -305,9 +293,9 @@ def _plot_decode(records, path):
     rec = records["decode"]
     title = lambda m: "decode tok/s" if m.startswith("decode") else f"cold TTFT @{m[8:]} (ms)"  # noqa: E731
     panels = {title(m): {e: s["median"] for e, s in row.items()} for m, row in rec["results"].items()
-              if _decode_variant(m)[1] is None}
+              if variant_of(m)[1] is None}
     for m, row in rec["results"].items():
-        base, variant = _decode_variant(m)
+        base, variant = variant_of(m)
         if variant:
             panels[title(base)][variant] = row["kvtool"]["median"]
     bar_panels(path, f"{rec['model']} on {rec['device']}, {rec['dtype']}", panels)
