@@ -48,6 +48,17 @@ def test_every_projection_is_packed_and_the_hf_names_stay_views_of_it(pair):
     assert "model.layers.0.self_attn.o_proj.weight" in names and "model.layers.0.mlp.down_proj.weight" in names
 
 
+def test_decode_weight_bytes_count_what_a_step_reads(pair):
+    packed, dense = pair
+    s = dense.spec
+    d = s.head_dim
+    per_layer = s.hidden_size * (s.num_heads * d + 2 * s.num_kv_heads * d) + s.num_heads * d * s.hidden_size \
+        + 3 * s.hidden_size * s.intermediate_size
+    assert dense.decode_weight_bytes() == 4 * (s.num_layers * per_layer + s.vocab_size * s.hidden_size)
+    # half a byte a weight plus a bf16 scale and zero (4 bytes) per 32: 5/8 of a byte; the head in bf16
+    assert packed.decode_weight_bytes() == s.num_layers * per_layer * 5 // 8 + 2 * s.vocab_size * s.hidden_size
+
+
 def test_prefill_is_the_dense_model_of_the_grid_values(pair):
     packed, dense = pair
     ids = random_ids(packed, 40)
@@ -148,7 +159,8 @@ def test_cli_info_and_generate_take_weights_int4(capsys):
     from kvtool.testing.models import smollm2_gguf
 
     assert main(["info", "--model", str(smollm2_gguf()), "--weights", "int4", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["weights"] == "int4"
+    info = json.loads(capsys.readouterr().out)
+    assert info["weights"] == "int4" and 100e6 < info["decode_weight_bytes"] < 150e6  # dense: 538 MB
     assert main(["generate", "Rivers of Europe:", "--model", str(smollm2_gguf()), "--weights", "int4",
                  "--max-tokens", "8", "--temperature", "0"]) == 0
     assert "decode 8 tok" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`kvtool info`: model shape, dtype, device, KV bytes per token."""
+"""`kvtool info`: model shape, dtype, weights, device, KV bytes per token, weight bytes per decode step."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def describe(model) -> dict:
         "head_dim": s.head_dim, "vocab": s.vocab_size, "context_window": s.max_position,
         "rope_theta": s.rope_theta, "rope_type": s.rope.get("rope_type", "default"), "qk_norm": s.qk_norm,
         "tied_embeddings": s.tie_word_embeddings, "dtype": model.info["dtype"],
-        "weights": model.runner.weights, "device": model.info["device"],
+        "weights": model.runner.weights, "decode_weight_bytes": model.runner.decode_weight_bytes(), "device": model.info["device"],
         "kv_bytes_per_token": model.kv_bytes_per_token, "chat_template": bool(model.chat_template),
     }
 

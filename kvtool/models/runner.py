@@ -221,6 +221,20 @@ class ModelRunner(nn.Module):
             return quant.head_logits(h, self.output_weight, self._head_bf16)
         return F.linear(h, self.output_weight).float()
 
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes one batch-1 decode step reads: every projection and the head (embedding rows,
+        norms and biases aside). Memory bandwidth divided by this bounds CPU decode tokens/s."""
+        total = 0
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [attn._wqkv] if attn._wqkv is not None else [attn.q_proj.weight, attn.k_proj.weight,
+                                                                attn.v_proj.weight]
+            gate_up = [mlp._wgu] if mlp._wgu is not None else [mlp.gate_proj.weight, mlp.up_proj.weight]
+            outs = [getattr(m, "packed", m.weight) for m in (attn.o_proj, mlp.down_proj)]  # Int4Linear.packed
+            total += sum(w.nbytes for w in (*qkv, *gate_up, *outs))
+        head = self._head_bf16 if self._head_bf16 is not None else self.output_weight
+        return total + head.nbytes
+
     @torch.inference_mode()
     def quantize_int4(self) -> None:
         """Pack every projection in 4 bits and copy the head to bf16 for CPU decode (kvtool.kernels.quant).
