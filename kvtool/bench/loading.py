@@ -97,7 +97,7 @@ def from_checkpoint(folder: Path, name: str, device: str = "auto", dtype: str = 
     cfg = AutoConfig.from_pretrained(str(folder))
     runner = build_runner(ModelSpec.from_hf_config(cfg), cfg, Path(folder), dev, pick_dtype(dtype, dev),
                           progress=False, weights=weights)
-    info = {"device": str(dev), "dtype": str(runner.dtype).replace("torch.", "")}
+    info = {"device": str(dev), "dtype": str(runner.dtype).replace("torch.", ""), "weights": weights}
     model = LoadedModel(name=name, folder=Path(folder), runner=runner, tokenizer=tokenizer or IdTokenizer(),
                         hf_config=cfg, source=str(folder), info=info)
     return BenchModel(name, model, random_weights=True, temp_folder=Path(folder) if temporary else None)

@@ -21,8 +21,8 @@ def describe(model) -> dict:
         "intermediate": s.intermediate_size, "q_heads": s.num_heads, "kv_heads": s.num_kv_heads,
         "head_dim": s.head_dim, "vocab": s.vocab_size, "context_window": s.max_position,
         "rope_theta": s.rope_theta, "rope_type": s.rope.get("rope_type", "default"), "qk_norm": s.qk_norm,
-        "tied_embeddings": s.tie_word_embeddings, "dtype": model.info["dtype"],
-        "weights": model.runner.weights, "decode_weight_bytes": model.runner.decode_weight_bytes(), "device": model.info["device"],
+        "tied_embeddings": s.tie_word_embeddings, "dtype": model.info["dtype"], "weights": model.runner.weights,
+        "decode_weight_bytes": model.runner.decode_weight_bytes(), "device": model.info["device"],
         "kv_bytes_per_token": model.kv_bytes_per_token, "chat_template": bool(model.chat_template),
     }
 

@@ -144,7 +144,6 @@ def load(model: str | None = None, device: str = "auto", dtype: str = "auto", pr
     folder, name = resolve_folder(str(model))
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    check_weights(weights, dev)
     from transformers import AutoConfig, AutoTokenizer
 
     try:
@@ -183,6 +182,7 @@ def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device,
     from safetensors import safe_open
     from tqdm import tqdm
 
+    check_weights(weights, device)  # before any weight is read
     if device.type == "cpu":
         tune_host_allocator()
 
@@ -216,7 +216,6 @@ def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device,
     runner.requires_grad_(False)
     runner.eval()
     runner.fuse()
-    check_weights(weights, device)
     if weights == "int4":
         try:
             runner.quantize_int4()

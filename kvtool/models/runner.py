@@ -189,12 +189,16 @@ class ModelRunner(nn.Module):
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         inv_freq, self.rope_scaling = inv_frequencies(spec.rope, spec.head_dim, hf_config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.weights = "dense"  # or "int4" after quantize_int4()
         self._head_bf16: torch.Tensor | None = None  # the output head in bf16, after quantize_int4()
 
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
+
+    @property
+    def weights(self) -> str:
+        """"int4" once quantize_int4() packed the projections, else "dense"."""
+        return "dense" if self._head_bf16 is None else "int4"
 
     @property
     def precision(self) -> str:
@@ -266,7 +270,6 @@ class ModelRunner(nn.Module):
             attn.o_proj = quant.Int4Linear(attn.o_proj, snap(attn.o_proj.weight))
             mlp.down_proj = quant.Int4Linear(mlp.down_proj, snap(mlp.down_proj.weight))
         self._head_bf16 = self.output_weight.detach().bfloat16().contiguous()
-        self.weights = "int4"
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         s = self.spec
