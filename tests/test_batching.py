@@ -66,30 +66,52 @@ def test_batched_greedy_equals_unbatched_with_chunked_prefill(solo):
 
 
 @pytest.mark.real_model
-def test_greedy_rows_share_one_argmax_and_other_samplers_run_alone(solo, monkeypatch):
+def test_unseeded_rows_sample_together_and_seeded_ones_alone(solo, monkeypatch):
+    import kvtool.engine.batch as batch
+
     engine, prompts, want = solo
     shared = []
-    original = BatchScheduler._batched_argmax
+    original = batch.sample_rows
 
-    def spy(plan, logits):
-        out = original(plan, logits)
-        shared.append(len(out))
-        return out
+    def spy(samplers, logits):
+        shared.append(len(samplers))
+        return original(samplers, logits)
 
-    monkeypatch.setattr(BatchScheduler, "_batched_argmax", staticmethod(spy))
+    monkeypatch.setattr(batch, "sample_rows", spy)
     sched = BatchScheduler(engine, max_running=4, prefill_budget=256)
-    params = [SamplingParams(**PARAMS), SamplingParams(**PARAMS, logprobs=2), SamplingParams(**PARAMS),
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=16)
+    params = [SamplingParams(**PARAMS), SamplingParams(**PARAMS, logprobs=2), seeded,
               SamplingParams(**PARAMS, repetition_penalty=1.0)]
     events = []
     gens = [sched.submit(p, sp, on_event=events.append if i == 1 else None)
             for i, (p, sp) in enumerate(zip(prompts, params))]
     sched.run()
-    for i, g in enumerate(gens):
-        assert g.token_ids == want[i], f"request {i} differs"
-    assert max(shared) == 3  # the logprobs request samples alone; the three plain greedy ones share
+    for i in (0, 1, 3):
+        assert gens[i].token_ids == want[i], f"request {i} differs"
+    assert max(shared) == 3  # the seeded request draws alone, from its own generator
+    assert gens[2].token_ids == engine.generate(prompts[2], seeded).run().token_ids
     solo_events = list(engine.generate(prompts[1], SamplingParams(**PARAMS, logprobs=2)))
     assert [e.logprob for e in events] == pytest.approx([e.logprob for e in solo_events], abs=1e-4)
-    assert [len(e.top_logprobs) for e in events] == [2] * len(events)
+    assert [[t for t, _ in e.top_logprobs] for e in events] == [[t for t, _ in e.top_logprobs] for e in solo_events]
+    assert sched.host_s > 0
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("fast", ["off", "on"])
+def test_batched_sampling_with_a_single_candidate_equals_greedy(solo, smollm2, fast):
+    """Unseeded sampled rows go through the batched sampler; top_k=1 or a tiny top_p leaves one token."""
+    from kvtool.config import EngineConfig
+
+    _, prompts, want = solo
+    engine = Engine(smollm2, EngineConfig(fast_decode=fast, static_max_tokens=128))
+    sched = BatchScheduler(engine, max_running=4, prefill_budget=256)
+    params = [SamplingParams(temperature=1.3, top_k=1, max_tokens=16),
+              SamplingParams(temperature=0.7, top_p=1e-6, max_tokens=16),
+              SamplingParams(temperature=2.0, min_p=1.0, max_tokens=16), SamplingParams(**PARAMS)]
+    gens = [sched.submit(p, sp) for p, sp in zip(prompts, params)]
+    sched.run()
+    for i, g in enumerate(gens):
+        assert g.token_ids == want[i], f"request {i} differs"
 
 
 @pytest.mark.real_model

@@ -45,6 +45,7 @@ class BatchingBenchConfig:
     sequential_streams: int = 4  # single-stream kvtool baseline over the first k prompts (0: skip)
     baseline: bool = True  # transformers padded batch
     seed: int = 0
+    temperature: float = 0.0  # 0: greedy (outputs compared across engines); > 0: every engine samples
     out: str | None = None
     png: str | None = None
 
@@ -58,6 +59,8 @@ class BatchingBenchConfig:
         if not 0 <= self.sequential_streams <= self.streams:
             raise InvalidParameterError(f"--sequential-streams must be in [0, --streams={self.streams}] "
                                         f"(got {self.sequential_streams})")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidParameterError(f"--temperature must be in [0, 100] (got {self.temperature})")
         if max_position is not None and self.prompt_tokens + self.new_tokens >= max_position:
             raise InvalidParameterError(f"--prompt-tokens + --new-tokens ({self.prompt_tokens + self.new_tokens}) "
                                         f"must stay below the model's context window of {max_position}")
@@ -74,6 +77,8 @@ def add_args(p) -> None:
     p.add_argument("--repeats", type=int, default=c.repeats, help="timed runs per engine after a warm-up")
     p.add_argument("--sequential-streams", type=int, default=c.sequential_streams,
                    help="streams the single-stream baseline runs one after another (0: skip)")
+    p.add_argument("--temperature", type=float, default=c.temperature,
+                   help="0: greedy, outputs compared; > 0: every engine samples at this temperature")
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip transformers")
     p.add_argument("--out", default=c.out, help="also write the JSON record here")
     p.add_argument("--png", default=c.png, help="write a throughput/latency chart here")
@@ -83,7 +88,7 @@ def config_from_args(args) -> BatchingBenchConfig:
     return BatchingBenchConfig(streams=args.streams, new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens,
                                max_running=args.max_running, prefill_budget=args.prefill_budget,
                                repeats=args.repeats, sequential_streams=args.sequential_streams,
-                               baseline=args.baseline, out=args.out, png=args.png)
+                               baseline=args.baseline, temperature=args.temperature, out=args.out, png=args.png)
 
 
 @dataclass
@@ -92,6 +97,8 @@ class Run:
     wall_s: float
     tokens: int
     token_ids: list[list[int]] = field(default_factory=list)
+    steps: int = 0  # kvtool batched: scheduler steps, and the time they spent outside the forward and token read
+    host_s: float = 0.0
 
 
 def random_prompts(n: int, longest: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -107,7 +114,7 @@ def run_batched(engine, prompts, new_tokens: int, cfg: BatchingBenchConfig) -> R
 
     opts = {"max_running": cfg.max_running or len(prompts), "prefill_budget": cfg.prefill_budget}
     sched = BatchScheduler(engine, **{k: v for k, v in opts.items() if v is not None})
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=cfg.temperature, max_tokens=new_tokens, ignore_eos=True)
     times: list[list[float]] = [[] for _ in prompts]
     sync(engine.runner.device)
     t0 = time.perf_counter()
@@ -117,11 +124,12 @@ def run_batched(engine, prompts, new_tokens: int, cfg: BatchingBenchConfig) -> R
     wall = time.perf_counter() - t0
     # TokenEvent.t_ms counts from admission; add the queue wait so every time counts from submission
     times = [[g.timings.queue_ms + t for t in ts] for g, ts in zip(gens, times)]
-    return Run(times, wall, sum(len(g.token_ids) for g in gens), [g.token_ids for g in gens])
+    return Run(times, wall, sum(len(g.token_ids) for g in gens), [g.token_ids for g in gens], sched.steps,
+               sched.host_s)
 
 
-def run_sequential(engine, prompts, new_tokens: int) -> Run:
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+def run_sequential(engine, prompts, new_tokens: int, temperature: float = 0.0) -> Run:
+    params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True)
     times, ids = [], []
     t0 = time.perf_counter()
     for p in prompts:
@@ -131,7 +139,7 @@ def run_sequential(engine, prompts, new_tokens: int) -> Run:
     return Run(times, time.perf_counter() - t0, sum(map(len, ids)), ids)
 
 
-def run_transformers(hf, prompts, new_tokens: int) -> Run:
+def run_transformers(hf, prompts, new_tokens: int, temperature: float = 0.0) -> Run:
     """One generate() over the left-padded batch; a streamer timestamps each step (the same for every stream)."""
     from transformers.generation.streamers import BaseStreamer
 
@@ -155,21 +163,23 @@ def run_transformers(hf, prompts, new_tokens: int) -> Run:
     clock.t0 = time.perf_counter()
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                          do_sample=False, pad_token_id=0, streamer=clock)
+                          pad_token_id=0, streamer=clock,
+                          **({"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
+                             if temperature > 0 else {"do_sample": False}))
     sync(hf.device)
     wall = time.perf_counter() - clock.t0
     new = out[:, width:].tolist()
     return Run([list(clock.times) for _ in prompts], wall, sum(map(len, new)), new)
 
 
-def run_endpoint(client, base: str, model: str, prompts, new_tokens: int) -> Run:
-    """Concurrent streaming /v1/completions (token-id prompts, greedy, ignore_eos), one thread per stream."""
+def run_endpoint(client, base: str, model: str, prompts, new_tokens: int, temperature: float = 0.0) -> Run:
+    """Concurrent streaming /v1/completions (token-id prompts, ignore_eos), one thread per stream."""
     from kvtool.bench.backends import sse_chunks
 
     start = threading.Barrier(len(prompts))
 
     def one(prompt):
-        body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0.0, "stream": True,
+        body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": temperature, "stream": True,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
         start.wait()
         t0, times, usage = time.perf_counter(), [], {}
@@ -191,10 +201,15 @@ def engine_result(runs: list[Run]) -> dict:
     gaps = [b - a for r in runs for t in r.times_ms for a, b in zip(t, t[1:])]
     firsts = [t[0] for r in runs for t in r.times_ms if t]
     pct = lambda xs, q: percentile(xs, q) if xs else None  # noqa: E731  (one-token streams have no gaps)
-    return {"streams": len(runs[0].times_ms), "tokens": runs[0].tokens, "runs": len(runs),
-            "tok_s": summary([r.tokens / r.wall_s for r in runs]), "wall_s": summary([r.wall_s for r in runs]),
-            "itl_ms_p50": pct(gaps, 50), "itl_ms_p99": pct(gaps, 99),
-            "ttft_ms_p50": pct(firsts, 50), "ttft_ms_p99": pct(firsts, 99)}
+    out = {"streams": len(runs[0].times_ms), "tokens": runs[0].tokens, "runs": len(runs),
+           "tok_s": summary([r.tokens / r.wall_s for r in runs]), "wall_s": summary([r.wall_s for r in runs]),
+           "itl_ms_p50": pct(gaps, 50), "itl_ms_p99": pct(gaps, 99),
+           "ttft_ms_p50": pct(firsts, 50), "ttft_ms_p99": pct(firsts, 99)}
+    if runs[0].steps:  # what the scheduler itself costs per step: the share of the wall time the model does not use
+        out["steps"] = runs[0].steps
+        out["host_ms_per_step"] = summary([r.host_s * 1000.0 / r.steps for r in runs])
+        out["host_share"] = summary([r.host_s / r.wall_s for r in runs])
+    return out
 
 
 def _match(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -227,17 +242,18 @@ def run_batching_bench(bm, cfg: BatchingBenchConfig | None = None, endpoint: dic
                 f"({r.tokens / r.wall_s:.1f} tok/s)")
         return runs
 
+    t = cfg.temperature
     runs = {"kvtool": timed("kvtool batched", lambda: run_batched(engine, prompts, m, cfg),
                             lambda: run_batched(engine, prompts, warm, cfg))}
     if cfg.sequential_streams:
         subset = prompts[: cfg.sequential_streams]
-        run_sequential(engine, subset[:1], warm)
-        runs["kvtool_sequential"] = [run_sequential(engine, subset, m)]
+        run_sequential(engine, subset[:1], warm, t)
+        runs["kvtool_sequential"] = [run_sequential(engine, subset, m, t)]
         log(f"  kvtool sequential: {cfg.sequential_streams} streams in {runs['kvtool_sequential'][0].wall_s:.2f} s")
     if cfg.baseline:
         hf = bm.hf()
-        runs["transformers"] = timed("transformers", lambda: run_transformers(hf, prompts, m),
-                                     lambda: run_transformers(hf, prompts, warm))
+        runs["transformers"] = timed("transformers", lambda: run_transformers(hf, prompts, m, t),
+                                     lambda: run_transformers(hf, prompts, warm, t))
     served, errors = None, {}
     if endpoint:  # a failing server is recorded; the in-process results stand
         from kvtool.bench.backends import first_model, open_client
@@ -245,15 +261,15 @@ def run_batching_bench(bm, cfg: BatchingBenchConfig | None = None, endpoint: dic
         try:
             base, client = open_client(endpoint["url"], endpoint.get("api_key"), connections=n + 2)
             served = {"url": base, "model": endpoint.get("model") or first_model(client, base)}
-            runs["endpoint"] = timed("endpoint", lambda: run_endpoint(client, base, served["model"], prompts, m),
-                                     lambda: run_endpoint(client, base, served["model"], prompts[:1], warm))
+            runs["endpoint"] = timed("endpoint", lambda: run_endpoint(client, base, served["model"], prompts, m, t),
+                                     lambda: run_endpoint(client, base, served["model"], prompts[:1], warm, t))
         except Exception as exc:
             errors["endpoint"] = f"{type(exc).__name__}: {exc}"
             log(f"  endpoint failed: {errors['endpoint']}")
     results = {name: engine_result(r) for name, r in runs.items()}
     batched = runs["kvtool"][-1].token_ids
     match = {name: _match(batched, r[-1].token_ids) for name, r in runs.items()
-             if name in ("kvtool_sequential", "transformers")}
+             if name in ("kvtool_sequential", "transformers") and t == 0.0}  # sampled outputs differ by design
     k = results["kvtool"]["tok_s"]["median"]
     speedup = {name: k / r["tok_s"]["median"] for name, r in results.items() if name != "kvtool"}
     measured = {"tok_s": k, "itl_ms_p99": results["kvtool"]["itl_ms_p99"]}
@@ -261,19 +277,24 @@ def run_batching_bench(bm, cfg: BatchingBenchConfig | None = None, endpoint: dic
             "device_type": bm.device.type, "dtype": bm.dtype, "config": asdict(cfg),
             "prompt_lengths": [len(p) for p in prompts], "endpoint": served, "results": results,
             "greedy_match": match, "speedup_vs": speedup, "errors": errors,
-            "target_checks": check_all(TARGETS, measured, bm.device.type, applies=(n, m) == TARGET_SHAPE),
+            "target_checks": check_all(TARGETS, measured, bm.device.type, applies=(n, m) == TARGET_SHAPE and t == 0.0),
             "versions": versions()}
 
 
 def format_table(record: dict) -> str:
     c = record["config"]
-    lines = [f"\nbatching: {c['streams']} streams x {c['new_tokens']} new tokens: {record['model']} on "
+    mode = f"sampled at temperature {c['temperature']}" if c.get("temperature") else "greedy"
+    lines = [f"\nbatching: {c['streams']} streams x {c['new_tokens']} new tokens, {mode}: {record['model']} on "
              f"{record['device']}, {record['dtype']}",
              f"{'engine':<30}{'streams':>8}{'tok/s':>10}{'ITL p50':>9}{'p99':>8}{'TTFT p50':>10}{'p99':>8}"]
     ms = lambda x, w: f"{'n/a':>{w}}" if x is None else f"{x:>{w}.1f}"  # noqa: E731
     for name, r in record["results"].items():
         lines.append(f"{ENGINES[name]:<30}{r['streams']:>8}{r['tok_s']['median']:>10.1f}{ms(r['itl_ms_p50'], 9)}"
                      f"{ms(r['itl_ms_p99'], 8)}{ms(r['ttft_ms_p50'], 10)}{ms(r['ttft_ms_p99'], 8)}")
+    k = record["results"]["kvtool"]
+    if "host_ms_per_step" in k:
+        lines.append(f"kvtool scheduler: {k['steps']} steps, {k['host_ms_per_step']['median']:.2f} ms each outside "
+                     f"the forward and the token read ({100 * k['host_share']['median']:.0f}% of the wall time)")
     for name, m in record["greedy_match"].items():
         lines.append(f"greedy tokens identical to {ENGINES[name]}: {m['identical']}/{m['compared']} streams")
     lines += [f"{name} failed: {msg}" for name, msg in record["errors"].items()]

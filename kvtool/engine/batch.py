@@ -10,6 +10,12 @@ Where EngineConfig.fast_decode allows (CUDA by default), the decode tokens of a 
 BatchedStaticDecoder instead (one static K/V row per request, CUDA graphs), and prefill chunks
 through forward_batch beside it; a request's K/V returns to its own cache when it leaves.
 
+Every request that samples in a step and has no seed is sampled together with the others
+(kvtool.engine.batch_sampling): one pass over their stacked logits, each row with its own
+parameters, and one host read for all tokens and logprobs. A seeded request draws from its own
+generator, alone, so its output repeats exactly as in a single stream. `host_s` counts the time
+steps spend outside the forward and that read (scheduling, detokenizing, callbacks).
+
 A fault while sampling one request (on_event or the sampler raising) ends that request alone,
 with finish_reason "error" and the exception passed to its on_finish callback.
 """
@@ -25,6 +31,7 @@ import torch
 
 from kvtool.cache.kv import KVCache
 from kvtool.config import SamplingParams
+from kvtool.engine.batch_sampling import batchable, sample_rows
 from kvtool.engine.generate import Engine, Generation, OutputState, TokenEvent
 
 
@@ -52,6 +59,7 @@ class BatchScheduler:
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[BatchRequest] = []
         self.steps = 0
+        self.host_s = 0.0  # time steps spent outside the forward and the token read (scheduling, detokenizing)
         self.static = engine.batched_static_decoder(max_running)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, skip_special_tokens: bool = True,
@@ -109,8 +117,9 @@ class BatchScheduler:
             req.cache, req.pending, req.admitted_at = cache, known[cached:], self.steps
             self.running.append(req)
 
-    def _preempt_for(self, new_tokens: int) -> None:
-        """Drop the newest requests' KV until this step's tokens fit the KV budget."""
+    def _preempt_for(self, new_tokens: int) -> bool:
+        """Drop the newest requests' KV until this step's tokens fit the KV budget; whether any was dropped."""
+        dropped = False
         while (self.kv_budget_tokens is not None and len(self.running) > 1
                and self._kv_tokens() + new_tokens > self.kv_budget_tokens):
             victim = max(self.running, key=lambda r: r.admitted_at)
@@ -119,6 +128,8 @@ class BatchScheduler:
             victim.pending = victim.gen.prompt_ids + victim.gen.token_ids
             victim.preemptions += 1
             self.waiting.appendleft(victim)
+            dropped = True
+        return dropped
 
     def _release(self, req: BatchRequest) -> None:
         if req.slot is not None:
@@ -140,6 +151,7 @@ class BatchScheduler:
 
     def step(self) -> int:
         """One batched forward; returns the number of tokens it processed."""
+        t_start = time.perf_counter()
         self._admit()
         if not self.running:
             return 0
@@ -152,11 +164,14 @@ class BatchScheduler:
                 chunk = req.pending[:budget]
                 budget -= len(chunk)
                 plan.append((req, chunk))
-        self._preempt_for(sum(len(c) for _, c in plan))
-        plan = [(r, c) for r, c in plan if r in self.running]
-        logits = self._forward(plan)
+        new_tokens = sum(len(c) for _, c in plan)
+        if self._preempt_for(new_tokens):
+            plan = [(r, c) for r, c in plan if r in self.running]
+        t_plan = time.perf_counter()
+        logits, rows = self._forward(plan)
         self.steps += 1
-        presampled = self._batched_argmax(plan, logits)
+        samples = self._sample(plan, logits, rows)  # reads the tokens back: the step's host sync
+        t_read = time.perf_counter()
         for j, ((req, chunk), out) in enumerate(zip(plan, logits)):
             req.pending = req.pending[len(chunk):]
             if req.pending:
@@ -164,7 +179,10 @@ class BatchScheduler:
             if req.gen.timings.prefill_ms == 0.0:
                 req.gen.timings.prefill_ms = req.state.ms()
             try:
-                event = req.state.accept(out, presampled.get(j))
+                sample = samples.get(j)
+                if sample is None and out is None:
+                    out = rows[req.slot : req.slot + 1]
+                event = req.state.accept(out, sample)
                 if req.on_event is not None:
                     req.on_event(event)
             except Exception as exc:
@@ -176,22 +194,31 @@ class BatchScheduler:
                 self._finish(req)
             else:
                 req.pending = [event.token_id]
+        self.host_s += (t_plan - t_start) + (time.perf_counter() - t_read)
         return sum(len(c) for _, c in plan)
 
     @staticmethod
-    def _batched_argmax(plan: list[tuple[BatchRequest, list[int]]], logits: list) -> dict[int, int]:
-        """{plan index: token} for the requests sampling now whose sampler is plain greedy: one argmax and one
-        host read for all of them, instead of one each."""
-        rows = [j for j, (req, chunk) in enumerate(plan)
-                if len(req.pending) == len(chunk) and req.state.sampler.plain_greedy]
-        if len(rows) < 2:
+    def _sample(plan: list[tuple[BatchRequest, list[int]]], logits: list, rows: torch.Tensor | None) -> dict:
+        """{plan index: Sample} for every request sampling now that has no generator of its own: one pass over
+        their stacked logits and one host read for all of them (kvtool.engine.batch_sampling). Seeded
+        requests sample alone with their own generator, so a seed repeats exactly as in a single stream."""
+        now = [j for j, (req, chunk) in enumerate(plan)
+               if len(req.pending) == len(chunk) and batchable(req.state.sampler)]
+        if not now:
             return {}
-        vocab = plan[rows[0]][0].state.sampler.vocab_size
-        tokens = torch.cat([logits[j].reshape(1, -1)[:, :vocab] for j in rows]).argmax(-1).tolist()
-        return dict(zip(rows, tokens))
+        fast = [j for j in now if logits[j] is None]
+        slow = [j for j in now if logits[j] is not None]
+        parts = [logits[j].reshape(1, -1) for j in slow]
+        if fast:
+            slots = torch.tensor([plan[j][0].slot for j in fast], device=rows.device)
+            parts.insert(0, rows.index_select(0, slots))
+        order = fast + slow
+        stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return dict(zip(order, sample_rows([plan[j][0].state.sampler for j in order], stacked)))
 
-    def _forward(self, plan: list[tuple[BatchRequest, list[int]]]) -> list:
-        """Logits for each planned chunk: decode tokens through the static decoder when there is one."""
+    def _forward(self, plan: list[tuple[BatchRequest, list[int]]]) -> tuple[list, torch.Tensor | None]:
+        """(logits per planned chunk, static rows): decode tokens run through the static decoder when there is
+        one; their entries are None and their logits are row `slot` of the static rows [rows, V]."""
         fast, slow = [], []
         for req, chunk in plan:
             if self.static is not None and len(req.pending) == 1:
@@ -205,11 +232,8 @@ class BatchScheduler:
         if slow:
             for (req, _), logits in zip(slow, self.engine.runner.forward_batch([(c, r.cache) for r, c in slow])):
                 out[id(req)] = logits
-        if fast:
-            by_slot = self.static.step({req.slot: chunk[0] for req, chunk in fast})
-            for req, _ in fast:
-                out[id(req)] = by_slot[req.slot]
-        return [out[id(req)] for req, _ in plan]
+        rows = self.static.step_rows({req.slot: chunk[0] for req, chunk in fast}) if fast else None
+        return [out.get(id(req)) for req, _ in plan], rows
 
     def run(self) -> None:
         while not self.idle:

@@ -245,11 +245,11 @@ class OutputState:
     def ms(self) -> float:
         return (time.perf_counter() - self.t0) * 1000.0
 
-    def accept(self, logits: torch.Tensor, token: int | None = None) -> TokenEvent:
-        """Sample the next token from logits (or take `token`, already sampled from them by a batched argmax
-        when the sampler is plain greedy); update the Generation; set finish_reason when done."""
+    def accept(self, logits: torch.Tensor | None, sample: Sample | None = None) -> TokenEvent:
+        """Sample the next token from logits (or take `sample`, already drawn from them with this request's
+        parameters by a batched sampler); update the Generation; set finish_reason when done."""
         gen, tm, matcher = self.gen, self.gen.timings, self.matcher
-        sample = self.sampler(logits) if token is None else Sample(token)
+        sample = self.sampler(logits) if sample is None else sample
         tok, i = sample.token, len(gen.token_ids)
         gen.token_ids.append(tok)
         self.sampler.observe(tok)

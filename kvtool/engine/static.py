@@ -181,9 +181,15 @@ class BatchedStaticDecoder:
     def tokens(self, slot: int) -> int:
         return self.length[slot]
 
-    @torch.inference_mode()
     def step(self, tokens: dict[int, int]) -> dict[int, torch.Tensor]:
         """Run one token per slot ({slot: token id}); return {slot: logits [1, V]} (fp32, on the device)."""
+        rows = self.step_rows(tokens)
+        return {s: rows[s : s + 1] for s in tokens}
+
+    @torch.inference_mode()
+    def step_rows(self, tokens: dict[int, int]) -> torch.Tensor:
+        """step() returning the logits as one tensor [rows, V], row s for slot s (rows not stepped hold
+        garbage), so a caller sampling many slots indexes them in one op rather than slicing each."""
         if any(self.length[s] >= self.max_len for s in tokens):
             raise ContextWindowError(f"a slot of the batched static decoder is full ({self.max_len} tokens)")
         used = max(tokens) + 1
@@ -199,7 +205,7 @@ class BatchedStaticDecoder:
                   else self._forward(rows, bucket))
         for s in tokens:
             self.length[s] += 1
-        return {s: logits[s : s + 1] for s in tokens}
+        return logits
 
     @torch.inference_mode()
     def extend(self, slot: int, ids: list[int]) -> torch.Tensor:

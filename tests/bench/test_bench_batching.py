@@ -46,6 +46,21 @@ def test_batched_streams_run_to_length_and_match_sequential_and_transformers(tin
         res["kvtool"]["tok_s"]["median"] / res["transformers"]["tok_s"]["median"])
     assert [t["status"] for t in record["target_checks"]] == ["n/a", "n/a"]  # CPU, and not 64 x 256
     assert "kvtool (batched)" in format_table(record) and "3/3 streams" in format_table(record)
+    # the scheduler's own time: prefill, then one step per token after the first
+    assert res["kvtool"]["steps"] >= 6 and 0 < res["kvtool"]["host_share"]["max"] < 1
+    assert 0 < res["kvtool"]["host_ms_per_step"]["median"] and "kvtool scheduler:" in format_table(record)
+    assert "steps" not in res["transformers"]
+
+
+def test_sampled_streams_run_every_engine_and_compare_no_tokens(tiny_bench):
+    cfg = BatchingBenchConfig(streams=4, new_tokens=5, prompt_tokens=6, repeats=1, sequential_streams=2,
+                              temperature=0.8)
+    record = run_batching_bench(tiny_bench, cfg, log=lambda s: None)
+    assert {name: r["tokens"] for name, r in record["results"].items()} == \
+        {"kvtool": 20, "kvtool_sequential": 10, "transformers": 20}
+    assert record["greedy_match"] == {} and "temperature 0.8" in format_table(record)
+    with pytest.raises(InvalidParameterError, match="--temperature"):
+        BatchingBenchConfig(temperature=-1).validate()
 
 
 def test_batched_token_times_grow_within_each_stream(tiny_bench):
