@@ -6,8 +6,8 @@ import pytest
 
 from kvtool.engine.detok import ByteVocab, IncrementalDetokenizer
 
-TEXT = ("Größe: 10 µm — naïve café 日本語のテキスト 🚀🎉 ok\n\tdef f(x):\n        return x ** 2  # ✓\n"
-        "<tool_call>\n{\"name\": \"f\"}\n</tool_call>")
+TEXT = ("Größe: 10 µm — naïve café 日本語のテキスト 🚀🎉 ok\n\tdef f(x):\n"
+        "        return x ** 2  # ✓\n<tool_call>\n{\"name\": \"f\"}\n</tool_call>")
 
 
 def streamed(tok, ids, skip):
@@ -29,7 +29,7 @@ def test_byte_stream_equals_decode(name, skip, request):
     assert "\ufffd" not in "".join(deltas) and "🚀" in text
     rng = random.Random(0)
     added = list(tok.added_tokens_decoder)
-    for _ in range(30):  # random ids, specials among them: partial bytes end up as U+FFFD exactly as decode() has them
+    for _ in range(30):  # random ids, specials among them: partial bytes become U+FFFD exactly as in decode()
         ids = [rng.choice(added) if rng.random() < 0.1 else rng.randrange(len(tok)) for _ in range(rng.randint(1, 40))]
         assert streamed(tok, ids, skip)[1] == tok.decode(ids, skip_special_tokens=skip), ids
 

@@ -193,7 +193,8 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
-        return PlainTextResponse(metrics.render(worker.running, worker.waiting),
+        sched = worker.scheduler
+        return PlainTextResponse(metrics.render(worker.running, worker.waiting, sched.steps, sched.host_s),
                                  media_type="text/plain; version=0.0.4")
 
     @api.get("/v1/models")

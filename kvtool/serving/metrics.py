@@ -83,7 +83,8 @@ class ServerMetrics:
             self.cached_tokens += gen.timings.cached_tokens
             self.generation_tokens += len(gen.token_ids)
 
-    def render(self, running: int, waiting: int) -> str:
+    def render(self, running: int, waiting: int, steps: int = 0, host_s: float = 0.0) -> str:
+        """Exposition text; steps and host_s are the scheduler's counters (BatchScheduler.steps / host_s)."""
         with self._lock:
             lines = _counter("kvtool_http_responses_total", "HTTP responses by route and status.", dict(self.http),
                              ("route", "status"))
@@ -103,6 +104,9 @@ class ServerMetrics:
                   "# TYPE kvtool_requests_running gauge", f"kvtool_requests_running {running}",
                   "# HELP kvtool_requests_waiting Requests queued for a slot.",
                   "# TYPE kvtool_requests_waiting gauge", f"kvtool_requests_waiting {waiting}"]
+        lines += _counter("kvtool_scheduler_steps_total", "Batched forward steps.", {(): steps}, ())
+        lines += _counter("kvtool_scheduler_host_seconds_total", "Time steps spent outside the forward and the "
+                          "token read (scheduling, detokenizing, handing tokens out).", {(): host_s}, ())
         if self.extra is not None:
             lines += [str(line) for line in self.extra()]
         return "\n".join(lines) + "\n"

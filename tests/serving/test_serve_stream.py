@@ -162,6 +162,9 @@ def test_metrics_after_traffic(smol):
                  "kvtool_time_to_first_token_seconds_bucket", "kvtool_inter_token_latency_seconds_count",
                  "kvtool_generation_tokens_total", "kvtool_requests_running 0"):
         assert name in text
+    counters = dict(line.split() for line in text.splitlines() if line.startswith("kvtool_scheduler_"))
+    assert int(counters["kvtool_scheduler_steps_total"]) > 0
+    assert float(counters["kvtool_scheduler_host_seconds_total"]) > 0
 
 
 def test_metrics_hook_adds_lines(smollm2):
