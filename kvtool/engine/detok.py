@@ -173,16 +173,14 @@ class StopStringMatcher:
         if self.stopped:
             return ""
         if not self.stops:  # nothing to hold back or match: the text passes straight through
-            self.emitted += len(delta)
             return delta
-        start = max(0, len(self.text) - max((len(s) for s in self.stops), default=0))
+        start = max(0, len(self.text) - max(len(s) for s in self.stops))
         self.text += delta
-        if self.stops:
-            hits = [i for s in self.stops if (i := self.text.find(s, start)) >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                self.stopped = True
-                return self._release(len(self.text))
+        hits = [i for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+            return self._release(len(self.text))
         return self._release(len(self.text) - self._pending())
 
     def finish(self) -> str:

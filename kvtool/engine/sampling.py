@@ -43,11 +43,6 @@ class Sampler:
                 self.seen[torch.tensor(ids, dtype=torch.long, device=self.device)] = True
                 self.seen_any = True
 
-    @property
-    def plain_greedy(self) -> bool:
-        """The token is the argmax of the raw logits (so a batch of such requests can share one argmax)."""
-        return self.p.greedy and not self.track and self.p.logprobs is None
-
     def observe(self, token: int) -> None:
         if self.track and token < self.vocab_size:
             self.seen[token] = True
