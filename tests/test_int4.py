@@ -94,12 +94,13 @@ def test_static_fast_path_matches_the_reference_path_with_int4(pair):
     dec.store(cache)
 
 
-def test_packing_twice_is_a_no_op_and_unfused_runners_are_refused(tmp_path):
+def test_packing_twice_is_a_no_op_and_unfused_runners_are_refused(tmp_path, monkeypatch):
     tiny_checkpoint("llama", tmp_path)
     runner = tiny_runner("llama", tmp_path, weights="int4")
     first = runner.model.layers[0].self_attn._wqkv
     runner.quantize_int4()
     assert runner.model.layers[0].self_attn._wqkv is first
+    monkeypatch.setenv("KVTOOL_CPU_GEMM", "0")  # a runner loaded dense on the CPU is packed for oneDNN
     unfused = tiny_runner("llama", tmp_path)
     unfused.model.layers[0].self_attn._wqkv = None
     with pytest.raises(ValueError, match="call fuse"):
@@ -132,12 +133,34 @@ def test_smollm2_int4_stays_close_to_the_dense_model(smollm2, smollm2_int4):
 
 
 @pytest.mark.real_model
-def test_smollm2_int4_fast_path_gives_the_reference_tokens(smollm2_int4):
+def test_smollm2_int4_fast_path_follows_the_reference(smollm2_int4):
+    """Teacher-forced on the reference's greedy tokens, the static path picks the same token wherever the
+    reference's top two logits are 0.1 apart or more. (Exact equality cannot hold for int4: its bf16
+    activations turn the paths' ~1e-5 differences in prefill K/V into logit steps of ~0.1, which flip
+    near-ties; this prompt has a 0.04 tie at step 10.)"""
+    runner = smollm2_int4.runner
     prompt = smollm2_int4.encode(smollm2_int4.render([{"role": "user", "content": "Name three rivers in Europe."}]))
     params = SamplingParams(temperature=0, max_tokens=40)
-    want = Engine(smollm2_int4, EngineConfig(fast_decode="off")).generate(prompt, params).run()
+    want = Engine(smollm2_int4, EngineConfig(fast_decode="off")).generate(prompt, params).run().token_ids
     got = Engine(smollm2_int4, EngineConfig(fast_decode="on", static_max_tokens=512)).generate(prompt, params).run()
-    assert got.token_ids == want.token_ids and len(want.token_ids) > 20
+    assert got.finish_reason == "length" and len(want) == 40
+    cache, static = runner.new_cache(), StaticDecoder(runner, 512)
+    ref = runner.prefill(prompt, cache)
+    static.load(runner.new_cache())
+    fast = static.extend(prompt)
+    ties = []
+    for step, token in enumerate(want):
+        top = ref[0].topk(2).values
+        if top[0] - top[1] >= 0.1:
+            assert fast[0].argmax() == ref[0].argmax()
+        else:
+            ties.append(step)
+        assert (fast - ref).abs().max() <= 0.02 * ref.abs().max()
+        ref, fast = runner(torch.tensor([token]), cache), static.step(token)
+    static.release()
+    assert len(ties) <= 5
+    first_tie = min(ties, default=len(want))  # the engine's fast path gives the reference tokens up to there
+    assert got.token_ids[:first_tie] == want[:first_tie] and first_tie >= 5
 
 
 @pytest.mark.real_model

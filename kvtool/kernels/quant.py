@@ -12,7 +12,9 @@ scales and activations). GGUF Q4_0/Q4_1 weights already sit on such a grid, so f
 re-quantization only rounds scale and zero to bf16. Against SmolLM2's Q4_1 weights that moves a
 weight by 0.17% of its norm (min/max alone: 0.39%). GGUF Q5_0/Q6_K weights lose real precision.
 Every packed weight keeps `dense`, the exact values it stands for, in the model's dtype. Calls
-with more than MAX_ROWS rows (prefill) multiply by it; the fp32 reference does too.
+with more than MAX_ROWS rows (prefill, many streams) multiply by it, through `wide` (the same
+values packed for oneDNN, kvtool.kernels.cpu_gemm) when ModelRunner.quantize_int4 made one; the
+fp32 reference multiplies by `dense` too.
 
 The output head is not packed in 4 bits: that moved SmolLM2's next-token distribution 70x more
 than all 210 projections together (KL 0.059 vs 0.0008). It runs in bf16, whose output rounds
@@ -30,9 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvtool.kernels import cpu_gemm
+
 GROUP = 32
 # At more rows per call than this the dense fp32 GEMM beats the int4 kernel (2 cores, AVX2, a
-# 3072 x 576 weight: 2.1x faster at 2-4 rows, even at 8, 0.73x at 16, 0.43x at 512).
+# 3072 x 576 weight: 2.1x faster at 2-4 rows, even at 8, 0.73x at 16, 0.43x at 512; against
+# oneDNN's packed fp32 GEMM over all of SmolLM2's projections: 2x at 1 row, even at 8, 0.7x at 16).
 MAX_ROWS = 8
 EXACT_TOP = 64  # head logits recomputed in fp32 per row
 
@@ -45,6 +50,7 @@ class Int4Weight:
     dense: torch.Tensor
     packed: torch.Tensor
     scales_zeros: torch.Tensor
+    wide: cpu_gemm.PackedWeight | None = None  # dense, packed for oneDNN: the product above MAX_ROWS rows
 
     @property
     def nbytes(self) -> int:
@@ -91,7 +97,7 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
     bf16, sums in fp32, output rounded to bf16), the dense values for more."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] > MAX_ROWS:
-        return F.linear(x, w.dense, bias)
+        return F.linear(x, w.dense, bias) if w.wide is None else cpu_gemm.packed_linear(x, w.wide, bias)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.bfloat16(), w.packed, GROUP, w.scales_zeros)
     y = y.to(x.dtype).reshape(*x.shape[:-1], w.dense.shape[0])
     return y if bias is None else y + bias
@@ -102,12 +108,14 @@ def int4_linear_reference(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | N
     return F.linear(x.float(), w.dense.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
-def head_logits(h: torch.Tensor, dense: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
+def head_logits(h: torch.Tensor, dense: torch.Tensor, half: torch.Tensor,
+                wide: cpu_gemm.PackedWeight | None = None) -> torch.Tensor:
     """fp32 logits [..., V] of h [..., hidden] through the head (dense [V, hidden], half its bf16 copy).
-    Up to MAX_ROWS rows: a bf16 pass, then the EXACT_TOP highest recomputed in fp32; more rows: dense."""
+    Up to MAX_ROWS rows: a bf16 pass, then the EXACT_TOP highest recomputed in fp32; more rows: dense
+    (through `wide`, its oneDNN-packed copy, when given)."""
     rows = h.reshape(-1, h.shape[-1])
     if rows.shape[0] > MAX_ROWS:
-        return F.linear(h, dense).float()
+        return (F.linear(h, dense) if wide is None else cpu_gemm.packed_linear(h, wide)).float()
     logits = F.linear(rows.bfloat16(), half).float()
     top = logits.topk(min(EXACT_TOP, logits.shape[-1]), -1).indices  # [M, k]
     exact = torch.einsum("mh,mkh->mk", rows.float(), dense[top].float())

@@ -221,4 +221,6 @@ def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device,
             runner.quantize_int4()
         except ValueError as exc:
             raise ModelLoadError(f"cannot pack {folder.name} in int4: {exc}") from None
+    elif device.type == "cpu":
+        runner.pack_cpu_gemm()  # oneDNN's packed GEMM where it runs (fp32); plain F.linear otherwise
     return runner

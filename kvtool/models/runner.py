@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtool.cache.kv import KVCache
-from kvtool.kernels import quant
+from kvtool.kernels import cpu_gemm, quant
 from kvtool.models.rope import apply_rope, cos_sin, inv_frequencies
 from kvtool.models.spec import ModelSpec
 
@@ -37,9 +37,11 @@ Tap = Callable[[AttentionTap], None]
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the int4 product for a weight ModelRunner.quantize_int4() packed."""
+    """F.linear, or the product for a weight ModelRunner.quantize_int4() or pack_cpu_gemm() packed."""
     if isinstance(weight, quant.Int4Weight):
         return quant.int4_linear(x, weight, bias)
+    if isinstance(weight, cpu_gemm.PackedWeight):
+        return cpu_gemm.packed_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -75,7 +77,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, spec.rms_norm_eps)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
-        self._wqkv: torch.Tensor | quant.Int4Weight | None = None
+        self._wqkv: torch.Tensor | quant.Int4Weight | cpu_gemm.PackedWeight | None = None
         self._bqkv: torch.Tensor | None = None
 
     def fuse(self) -> None:
@@ -140,7 +142,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
-        self._wgu: torch.Tensor | quant.Int4Weight | None = None
+        self._wgu: torch.Tensor | quant.Int4Weight | cpu_gemm.PackedWeight | None = None
 
     def fuse(self) -> None:
         w = torch.cat([self.gate_proj.weight, self.up_proj.weight]).contiguous()
@@ -190,6 +192,8 @@ class ModelRunner(nn.Module):
         inv_freq, self.rope_scaling = inv_frequencies(spec.rope, spec.head_dim, hf_config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._head_bf16: torch.Tensor | None = None  # the output head in bf16, after quantize_int4()
+        self._head_packed: cpu_gemm.PackedWeight | None = None  # after pack_cpu_gemm()
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._repack_cpu_gemm())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -222,7 +226,9 @@ class ModelRunner(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (fp32) of final hidden states h [..., hidden]."""
         if self._head_bf16 is not None:
-            return quant.head_logits(h, self.output_weight, self._head_bf16)
+            return quant.head_logits(h, self.output_weight, self._head_bf16, self._head_packed)
+        if self._head_packed is not None:
+            return cpu_gemm.packed_linear(h, self._head_packed).float()
         return F.linear(h, self.output_weight).float()
 
     def decode_weight_bytes(self) -> int:
@@ -246,10 +252,13 @@ class ModelRunner(nn.Module):
         Needs fuse() first. Each dense weight is overwritten in place with the values its 4-bit grid
         stands for, so prefill (dense GEMMs) and decode (int4 kernel) multiply by the same weights
         and the HF-named parameters stay views of them. The dense head stays as it is; decode's
-        highest logits are recomputed from it.
+        highest logits are recomputed from it. Where oneDNN runs (kvtool.kernels.cpu_gemm), products of
+        more than quant.MAX_ROWS rows go through packed copies of the dense values and head.
         """
         if self.weights == "int4":
             return
+        if self.cpu_gemm_packed:
+            raise ValueError("quantize_int4() needs the dense projections; call it before pack_cpu_gemm()")
         pairs = [(layer.self_attn, layer.mlp) for layer in self.model.layers]
         if any(attn._wqkv is None or mlp._wgu is None for attn, mlp in pairs):
             raise ValueError("quantize_int4() needs the fused projections; call fuse() first")
@@ -259,10 +268,13 @@ class ModelRunner(nn.Module):
                 if reason:
                     raise ValueError(reason)
 
+        wide = cpu_gemm.unsupported(self.output_weight) is None  # oneDNN for the products of many rows
+
         def snap(weight: torch.Tensor) -> quant.Int4Weight:
             packed = quant.quantize_int4(weight)
             weight.copy_(packed.dense)
             packed.dense = weight
+            packed.wide = cpu_gemm.pack(weight) if wide else None
             return packed
 
         for attn, mlp in pairs:
@@ -270,6 +282,48 @@ class ModelRunner(nn.Module):
             attn.o_proj = quant.Int4Linear(attn.o_proj, snap(attn.o_proj.weight))
             mlp.down_proj = quant.Int4Linear(mlp.down_proj, snap(mlp.down_proj.weight))
         self._head_bf16 = self.output_weight.detach().bfloat16().contiguous()
+        self._head_packed = cpu_gemm.pack(self.output_weight) if wide else None
+
+    @property
+    def cpu_gemm_packed(self) -> bool:
+        return self._head_packed is not None
+
+    @torch.inference_mode()
+    def pack_cpu_gemm(self) -> str | None:
+        """Give every fused projection and the head a oneDNN-packed copy for CPU matmuls (kvtool.kernels.cpu_gemm).
+
+        Needs fuse() and dense fp32 weights on the CPU; returns None once packed, else why it was not
+        (the model then runs plain F.linear, as before). The dense weights stay as they are."""
+        if self.weights != "dense":
+            return f"the projections are {self.weights}"
+        if self.cpu_gemm_packed:
+            return None
+        pairs = [(layer.self_attn, layer.mlp) for layer in self.model.layers]
+        if any(attn._wqkv is None or mlp._wgu is None for attn, mlp in pairs):
+            return "the projections are not fused (call fuse() first)"
+        reason = cpu_gemm.unsupported(self.output_weight)
+        if reason:
+            return reason
+        for attn, mlp in pairs:
+            attn._wqkv, mlp._wgu = cpu_gemm.pack(attn._wqkv), cpu_gemm.pack(mlp._wgu)
+            attn.o_proj = cpu_gemm.PackedLinear(attn.o_proj, cpu_gemm.pack(attn.o_proj.weight))
+            mlp.down_proj = cpu_gemm.PackedLinear(mlp.down_proj, cpu_gemm.pack(mlp.down_proj.weight))
+        self._head_packed = cpu_gemm.pack(self.output_weight)
+        return None
+
+    def _packed_weights(self) -> list[cpu_gemm.PackedWeight]:
+        found = [self._head_packed] if self._head_packed is not None else []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            candidates = (attn._wqkv, mlp._wgu, getattr(attn.o_proj, "packed", None), getattr(mlp.down_proj, "packed", None))
+            found += [w for w in candidates if isinstance(w, cpu_gemm.PackedWeight)]
+        return found
+
+    @torch.inference_mode()
+    def _repack_cpu_gemm(self) -> None:
+        """load_state_dict() copied new values into the dense weights: the packed copies follow."""
+        for weight in self._packed_weights():
+            weight.packed = cpu_gemm.pack(weight.dense).packed
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         s = self.spec

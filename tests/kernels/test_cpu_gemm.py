@@ -1,0 +1,134 @@
+"""oneDNN-packed CPU projections (kvtool.kernels.cpu_gemm) against plain F.linear, alone and in a model."""
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvtool.kernels import cpu_gemm, quant
+from kvtool.testing.tiny import tiny_checkpoint, tiny_runner
+
+pytestmark = pytest.mark.skipif(cpu_gemm._op_works() is not None, reason=f"{cpu_gemm._op_works()}")
+
+
+def ops_of(fn) -> set[str]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {event.key for event in prof.key_averages()}
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 100])
+def test_packed_product_equals_the_reference_at_any_row_count(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    packed = cpu_gemm.pack(weight)
+    for x in (torch.randn(rows, 64, generator=gen), torch.randn(1, rows, 64, generator=gen),
+              torch.randn(64, rows, generator=gen).t()):  # 2-D, 3-D and a transposed (strided) input
+        for b in (None, bias):
+            got = cpu_gemm.packed_linear(x, packed, b)
+            want = cpu_gemm.packed_linear_reference(x, packed, b)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_packed_product_runs_onednn_and_falls_back_where_it_cannot():
+    weight = torch.randn(32, 16)
+    packed = cpu_gemm.pack(weight)
+    x = torch.randn(4, 16)
+    assert "mkldnn::_linear_pointwise" in ops_of(lambda: cpu_gemm.packed_linear(x, packed))
+    x.requires_grad_(True)  # an input that needs a gradient takes F.linear over the dense values
+    assert "mkldnn::_linear_pointwise" not in ops_of(lambda: cpu_gemm.packed_linear(x, packed))
+    cpu_gemm.packed_linear(x, packed).sum().backward()
+    torch.testing.assert_close(x.grad, weight.sum(0).expand(4, 16))
+
+
+def test_what_cannot_be_packed_says_why(monkeypatch):
+    assert "fp32" in cpu_gemm.unsupported(torch.randn(8, 8).bfloat16())
+    assert "2-D" in cpu_gemm.unsupported(torch.randn(8))
+    with pytest.raises(ValueError, match="fp32"):
+        cpu_gemm.pack(torch.randn(8, 8).half())
+    monkeypatch.setenv(cpu_gemm.ENV, "0")
+    assert cpu_gemm.unsupported(torch.randn(8, 8)) == f"{cpu_gemm.ENV}=0"
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama"])
+def pair(request, tmp_path_factory):
+    """(packed runner, plain runner) of one tiny family, same checkpoint."""
+    folder = tmp_path_factory.mktemp(request.param)
+    tiny_checkpoint(request.param, folder)
+    packed = tiny_runner(request.param, folder)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(cpu_gemm.ENV, "0")
+        plain = tiny_runner(request.param, folder)
+    return packed, plain
+
+
+def test_cpu_fp32_runners_load_packed_and_the_env_switch_keeps_them_plain(pair):
+    packed, plain = pair
+    assert packed.cpu_gemm_packed and not plain.cpu_gemm_packed
+    assert packed.weights == plain.weights == "dense" and packed.precision == "float32"
+    layer = packed.model.layers[0]
+    assert isinstance(layer.self_attn._wqkv, cpu_gemm.PackedWeight)
+    assert isinstance(layer.mlp.down_proj, cpu_gemm.PackedLinear)
+    # the HF-named parameters stay views of the dense values the packed copies were made from
+    assert layer.self_attn.q_proj.weight.data_ptr() == layer.self_attn._wqkv.dense.data_ptr()
+    assert layer.mlp.down_proj.weight.data_ptr() == layer.mlp.down_proj.packed.dense.data_ptr()
+    assert packed.decode_weight_bytes() == plain.decode_weight_bytes()
+    assert packed.pack_cpu_gemm() is None and packed.model.layers[0] is layer  # packing twice is a no-op
+
+
+def test_packed_runner_matches_the_plain_one(pair):
+    packed, plain = pair
+    ids = torch.randint(0, packed.spec.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    caches = packed.new_cache(), plain.new_cache()
+    got, want = packed.prefill(ids, caches[0], logits="all"), plain.prefill(ids, caches[1], logits="all")
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for token in (3, 17, 5):
+        got, want = packed(torch.tensor([token]), caches[0]), plain(torch.tensor([token]), caches[1])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    step = lambda: packed(torch.tensor([7]), packed.new_cache())  # noqa: E731
+    assert "mkldnn::_linear_pointwise" in ops_of(step) and "aten::mm" not in ops_of(step)
+
+
+def test_new_weights_loaded_by_state_dict_reach_the_packed_copies(pair):
+    packed, plain = pair
+    ids = torch.arange(1, 12)
+    before = packed.prefill(ids, packed.new_cache())
+    state = {k: v * 1.5 if k.endswith("proj.weight") else v for k, v in plain.state_dict().items()}
+    try:
+        packed.load_state_dict(state)
+        plain.load_state_dict(state)
+        after = packed.prefill(ids, packed.new_cache())
+        assert not torch.allclose(after, before, atol=1e-3)
+        torch.testing.assert_close(after, plain.prefill(ids, plain.new_cache()), atol=1e-4, rtol=1e-4)
+    finally:  # the module-scoped pair goes back to the checkpoint's weights
+        state = {k: v / 1.5 if k.endswith("proj.weight") else v for k, v in plain.state_dict().items()}
+        packed.load_state_dict(state)
+        plain.load_state_dict(state)
+
+
+def test_int4_runners_pack_only_their_wide_products_and_packed_runners_refuse_int4(tmp_path):
+    tiny_checkpoint("llama", tmp_path)
+    int4 = tiny_runner("llama", tmp_path, weights="int4")
+    assert int4.pack_cpu_gemm() == "the projections are int4"
+    wqkv = int4.model.layers[0].self_attn._wqkv
+    assert wqkv.wide.dense.data_ptr() == wqkv.dense.data_ptr()
+    few, many = torch.randn(1, 4, wqkv.dense.shape[1]), torch.randn(1, 12, wqkv.dense.shape[1])
+    assert "mkldnn::_linear_pointwise" not in ops_of(lambda: quant.int4_linear(few, wqkv))  # the int4 kernel
+    assert "mkldnn::_linear_pointwise" in ops_of(lambda: quant.int4_linear(many, wqkv))
+    torch.testing.assert_close(quant.int4_linear(many, wqkv), quant.int4_linear_reference(many, wqkv),
+                               atol=1e-4, rtol=1e-4)
+    h = torch.randn(12, int4.spec.hidden_size)
+    torch.testing.assert_close(int4.head(h), torch.nn.functional.linear(h, int4.output_weight), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="before pack_cpu_gemm"):
+        tiny_runner("llama", tmp_path).quantize_int4()
+
+
+def test_the_real_model_runs_its_projections_and_head_through_onednn(smollm2, smollm2_hf):
+    runner = smollm2.runner
+    assert runner.cpu_gemm_packed
+    ids = smollm2.encode("The capital of France is")
+    assert {"mkldnn::_linear_pointwise"} <= ops_of(lambda: runner.prefill(ids, runner.new_cache()))
+    assert "aten::mm" not in ops_of(lambda: runner.prefill(ids, runner.new_cache()))
+    got = runner.prefill(ids, runner.new_cache())[0]
+    want = smollm2_hf(torch.tensor([ids])).logits[0, -1].float()
+    torch.testing.assert_close(got.log_softmax(-1), want.log_softmax(-1), atol=1e-3, rtol=0)
