@@ -184,6 +184,7 @@ def test_cli_info_and_generate_take_weights_int4(capsys):
     assert main(["info", "--model", str(smollm2_gguf()), "--weights", "int4", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["weights"] == "int4" and 100e6 < info["decode_weight_bytes"] < 150e6  # dense: 538 MB
+    assert info["matmuls"] == "int4 kernel up to 8 rows, oneDNN packed above"
     assert main(["generate", "Rivers of Europe:", "--model", str(smollm2_gguf()), "--weights", "int4",
                  "--max-tokens", "8", "--temperature", "0"]) == 0
     assert "decode 8 tok" in capsys.readouterr().err

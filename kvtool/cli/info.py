@@ -1,4 +1,4 @@
-"""`kvtool info`: model shape, dtype, weights, device, KV bytes per token, weight bytes per decode step."""
+"""`kvtool info`: model shape, dtype, weights, device, KV bytes per token, weight bytes per decode step, matmul path."""
 
 from __future__ import annotations
 
@@ -23,8 +23,16 @@ def describe(model) -> dict:
         "rope_theta": s.rope_theta, "rope_type": s.rope.get("rope_type", "default"), "qk_norm": s.qk_norm,
         "tied_embeddings": s.tie_word_embeddings, "dtype": model.info["dtype"], "weights": model.runner.weights,
         "decode_weight_bytes": model.runner.decode_weight_bytes(), "device": model.info["device"],
+        "matmuls": matmul_path(model.runner),
         "kv_bytes_per_token": model.kv_bytes_per_token, "chat_template": bool(model.chat_template),
     }
+
+
+def matmul_path(runner) -> str:
+    from kvtool.kernels.quant import MAX_ROWS
+
+    dense = "oneDNN packed" if runner.cpu_gemm_packed else "torch F.linear"
+    return dense if runner.weights == "dense" else f"int4 kernel up to {MAX_ROWS} rows, {dense} above"
 
 
 def run(args) -> int:

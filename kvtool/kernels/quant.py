@@ -1,9 +1,10 @@
 """4-bit projection weights and a bf16 output head for CPU decode, with dense fp32 references.
 
 At batch 1 a CPU decode step reads every weight once and does two flops with it, so memory
-bandwidth sets the speed: SmolLM2-135M in fp32 is 540 MB a token, about 21 tokens/s at the
-~11 GB/s two cores stream. With its projections in 4 bits (plus a bf16 scale and zero per 32
-weights) and its head in bf16 it reads 123 MB.
+bandwidth sets the speed: SmolLM2-135M in fp32 is 540 MB a token, which the two cores' fp32
+GEMMs stream at 11.5 GB/s (F.linear) to 17.5 GB/s (oneDNN, kvtool.kernels.cpu_gemm). With its
+projections in 4 bits (plus a bf16 scale and zero per 32 weights) and its head in bf16 it reads
+123 MB.
 
 Int4: per output row, groups of 32 input columns; w = (q - 8) * scale + zero with q in 0..15.
 The codes come from round-to-nearest between the group's min and max, then scale and zero are

@@ -124,8 +124,10 @@ def test_int4_runners_pack_only_their_wide_products_and_packed_runners_refuse_in
 
 
 def test_the_real_model_runs_its_projections_and_head_through_onednn(smollm2, smollm2_hf):
+    from kvtool.cli.info import describe
+
     runner = smollm2.runner
-    assert runner.cpu_gemm_packed
+    assert runner.cpu_gemm_packed and describe(smollm2)["matmuls"] == "oneDNN packed"
     ids = smollm2.encode("The capital of France is")
     assert {"mkldnn::_linear_pointwise"} <= ops_of(lambda: runner.prefill(ids, runner.new_cache()))
     assert "aten::mm" not in ops_of(lambda: runner.prefill(ids, runner.new_cache()))
