@@ -11,13 +11,16 @@ F.linear only by summation order (~1e-4 on SmolLM2's projections).
 The reordered weight is an opaque oneDNN tensor beside the dense one, which stays: the HF-named
 parameters are views of it, and the reference, selective recompute and int4 packing read it. So
 packing costs one more copy of the projection and head weights in host memory.
-`KVTOOL_CPU_GEMM=0` keeps plain F.linear (to compare, or where oneDNN misbehaves).
+It is on by default on x86_64, where it was measured. `KVTOOL_CPU_GEMM=0` keeps plain F.linear (to
+compare, or where oneDNN misbehaves); `KVTOOL_CPU_GEMM=1` turns it on elsewhere too (arm64, where
+F.linear may already be fast).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -63,9 +66,14 @@ def _op_works() -> str | None:
 
 
 def unsupported(weight: torch.Tensor) -> str | None:
-    """None when `weight` can be packed here, else why not."""
-    if os.environ.get(ENV, "1") == "0":
+    """None when `weight` can be packed here, else why not; ValueError for a malformed KVTOOL_CPU_GEMM."""
+    mode = os.environ.get(ENV, "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"{ENV} must be 0, 1 or unset; got {mode!r}")
+    if mode == "0":
         return f"{ENV}=0"
+    if mode == "auto" and platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"on by default on x86_64 only (this is {platform.machine()}; {ENV}=1 turns it on)"
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
         return f"oneDNN packing takes 2-D fp32 CPU weights; got {weight.dtype} {tuple(weight.shape)} on " \
                f"{weight.device.type}"

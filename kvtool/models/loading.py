@@ -222,5 +222,8 @@ def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device,
         except ValueError as exc:
             raise ModelLoadError(f"cannot pack {folder.name} in int4: {exc}") from None
     elif device.type == "cpu":
-        runner.pack_cpu_gemm()  # oneDNN's packed GEMM where it runs (fp32); plain F.linear otherwise
+        try:
+            runner.pack_cpu_gemm()  # oneDNN's packed GEMM where it runs (fp32); plain F.linear otherwise
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
     return runner

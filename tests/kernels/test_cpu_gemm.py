@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from kvtool.errors import ModelLoadError
 from kvtool.kernels import cpu_gemm, quant
 from kvtool.testing.tiny import tiny_checkpoint, tiny_runner
 
@@ -48,6 +49,14 @@ def test_what_cannot_be_packed_says_why(monkeypatch):
         cpu_gemm.pack(torch.randn(8, 8).half())
     monkeypatch.setenv(cpu_gemm.ENV, "0")
     assert cpu_gemm.unsupported(torch.randn(8, 8)) == f"{cpu_gemm.ENV}=0"
+    monkeypatch.setenv(cpu_gemm.ENV, "yes")
+    with pytest.raises(ValueError, match="KVTOOL_CPU_GEMM must be 0, 1 or unset; got 'yes'"):
+        cpu_gemm.unsupported(torch.randn(8, 8))
+    monkeypatch.setattr(cpu_gemm.platform, "machine", lambda: "arm64")
+    monkeypatch.delenv(cpu_gemm.ENV)
+    assert "x86_64 only (this is arm64" in cpu_gemm.unsupported(torch.randn(8, 8))
+    monkeypatch.setenv(cpu_gemm.ENV, "1")
+    assert cpu_gemm.unsupported(torch.randn(8, 8)) is None
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama"])
@@ -106,7 +115,7 @@ def test_new_weights_loaded_by_state_dict_reach_the_packed_copies(pair):
         plain.load_state_dict(state)
 
 
-def test_int4_runners_pack_only_their_wide_products_and_packed_runners_refuse_int4(tmp_path):
+def test_int4_runners_pack_only_their_wide_products_and_packed_runners_refuse_int4(tmp_path, monkeypatch):
     tiny_checkpoint("llama", tmp_path)
     int4 = tiny_runner("llama", tmp_path, weights="int4")
     assert int4.pack_cpu_gemm() == "the projections are int4"
@@ -121,6 +130,9 @@ def test_int4_runners_pack_only_their_wide_products_and_packed_runners_refuse_in
     torch.testing.assert_close(int4.head(h), torch.nn.functional.linear(h, int4.output_weight), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="before pack_cpu_gemm"):
         tiny_runner("llama", tmp_path).quantize_int4()
+    monkeypatch.setenv(cpu_gemm.ENV, "yes")
+    with pytest.raises(ModelLoadError, match="KVTOOL_CPU_GEMM must be 0, 1 or unset"):
+        tiny_runner("llama", tmp_path)
 
 
 def test_the_real_model_runs_its_projections_and_head_through_onednn(smollm2, smollm2_hf):
