@@ -116,12 +116,34 @@ def _embedded_tokenizer():
         return None
 
 
+def folder_tokenizer(path: str, vocab_size: int):
+    """The tokenizer (and chat template) in HF folder `path`, checked to fit a model of vocab_size ids."""
+    from transformers import AutoTokenizer
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise InvalidParameterError(f"--tokenizer {path}: no such folder (give a Hugging Face tokenizer folder)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:
+        raise InvalidParameterError(f"--tokenizer {path}: could not load a tokenizer there: "
+                                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    if len(tokenizer) > vocab_size:
+        raise InvalidParameterError(f"--tokenizer {path} has {len(tokenizer)} tokens; the model's vocabulary has "
+                                    f"only {vocab_size}")
+    return tokenizer
+
+
 def load_bench_model(model_arg: str | None = None, shape: str | None = None, device: str = "auto",
-                     dtype: str = "auto", announce=print, weights: str = "dense") -> BenchModel:
-    """--shape: random weights in that shape (prompts tokenized by SmolLM2's tokenizer when installed);
-    else --model: a hub id, HF folder, GGUF file or an alias in MODEL_ALIASES (default: kvtool's default model)."""
+                     dtype: str = "auto", announce=print, weights: str = "dense",
+                     tokenizer: str | None = None) -> BenchModel:
+    """--shape: random weights in that shape, prompts tokenized by the --tokenizer folder (default: SmolLM2's
+    tokenizer when installed); else --model: a hub id, HF folder, GGUF file or an alias in MODEL_ALIASES
+    (default: kvtool's default model)."""
     from kvtool.models.loading import load
 
+    if shape is None and tokenizer is not None:
+        raise InvalidParameterError("--tokenizer goes with --shape (a --model brings its own tokenizer)")
     if shape is not None:
         if shape not in SHAPES:
             raise InvalidParameterError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
@@ -129,10 +151,14 @@ def load_bench_model(model_arg: str | None = None, shape: str | None = None, dev
             raise InvalidParameterError("give either --model or --shape, not both")
         from kvtool.testing.tiny import random_checkpoint
 
-        folder = random_checkpoint(SHAPES[shape](), Path(tempfile.mkdtemp(prefix="kvtool-bench-")))
-        tokenizer = _embedded_tokenizer()
-        name = f"{shape} shape (random weights{', SmolLM2 tokenizer' if tokenizer else ''})"
-        return from_checkpoint(folder, name, device, dtype, tokenizer, temporary=True, weights=weights)
+        config = SHAPES[shape]()
+        if tokenizer is not None:
+            tok, label = folder_tokenizer(tokenizer, config.vocab_size), f"tokenizer from {tokenizer}"
+        else:
+            tok, label = _embedded_tokenizer(), "SmolLM2 tokenizer"
+        folder = random_checkpoint(config, Path(tempfile.mkdtemp(prefix="kvtool-bench-")))
+        name = f"{shape} shape (random weights{', ' + label if tok else ''})"
+        return from_checkpoint(folder, name, device, dtype, tok, temporary=True, weights=weights)
     model = load(model_path(model_arg, announce), device=device, dtype=dtype, progress=False, weights=weights)
     return BenchModel(model.name, model)
 

@@ -35,6 +35,7 @@ class ReportConfig:
     device: str = EngineConfig.device
     dtype: str = EngineConfig.dtype
     weights: str = EngineConfig.weights
+    tokenizer: str | None = None  # with shape: an HF tokenizer folder (default: the embedded SmolLM2's)
     endpoint: str | None = None  # OpenAI-compatible server for the serving scenarios
     served_model: str | None = None  # None: the first of the endpoint's /v1/models
     api_key: str | None = field(default=None, repr=False)  # never written to the report
@@ -130,7 +131,8 @@ def run_report(rc: ReportConfig, bm=None, log=lambda s: print(s, file=sys.stderr
 
     rc.validate()
     own = bm is None
-    bm = bm or load_bench_model(rc.model, rc.shape, rc.device, rc.dtype, announce=log, weights=rc.weights)
+    bm = bm or load_bench_model(rc.model, rc.shape, rc.device, rc.dtype, announce=log, weights=rc.weights,
+                                tokenizer=rc.tokenizer)
     try:
         dev = bm.device
         cfgs = sub_configs(rc.quick, dev.type)

@@ -18,6 +18,8 @@ def _add_model(p) -> None:
     add_model_args(p)
     p.add_argument("--shape", choices=list(SHAPES), default=None, help="random weights in this shape instead of "
                    f"--model (--model also takes the offline test models: {', '.join(MODEL_ALIASES)})")
+    p.add_argument("--tokenizer", default=None, help="with --shape: a Hugging Face tokenizer folder for the prompts "
+                   "and chat template (default: the embedded SmolLM2's, when installed)")
 
 
 def _add_endpoint(p, what: str) -> None:
@@ -104,7 +106,8 @@ def _log(message: str) -> None:
 def _bench_model(args):
     from kvtool.bench.loading import load_bench_model
 
-    return load_bench_model(args.model, args.shape, args.device, args.dtype, announce=_log, weights=args.weights)
+    return load_bench_model(args.model, args.shape, args.device, args.dtype, announce=_log, weights=args.weights,
+                            tokenizer=args.tokenizer)
 
 
 def run_decode(args) -> int:
@@ -168,7 +171,7 @@ def run_all(args) -> int:
     from kvtool.bench.report import ReportConfig, run_report
 
     rc = ReportConfig(model=args.model, shape=args.shape, device=args.device, dtype=args.dtype, weights=args.weights,
-                      endpoint=args.endpoint, served_model=args.served_model, api_key=args.api_key,
+                      tokenizer=args.tokenizer, endpoint=args.endpoint, served_model=args.served_model, api_key=args.api_key,
                       quick=args.quick, only=args.only, out_dir=args.out_dir)
     record = run_report(rc, log=_log)
     return 1 if record["errors"] else 0

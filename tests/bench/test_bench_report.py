@@ -124,6 +124,32 @@ def test_model_and_shape_together_is_a_clear_error():
         load_bench_model("smollm2", "qwen3-0.6b")
 
 
+def test_shape_runs_render_prompts_with_a_tokenizer_folder(qwen25, monkeypatch):
+    """A GPU machine has no embedded SmolLM2: `bench all --shape qwen3-0.6b --tokenizer DIR` brings Qwen's."""
+    from transformers import Qwen3Config
+
+    import kvtool.bench.loading as loading
+    from kvtool.bench.backends import InProcessBackend
+    from kvtool.bench.scenarios import ChatRequest
+    from kvtool.testing.tiny import TINY_COMMON
+
+    small = {**TINY_COMMON, "vocab_size": 151936}  # the shape's vocabulary, a tiny body
+    monkeypatch.setitem(loading.SHAPES, "qwen3-0.6b", lambda: Qwen3Config(**small, head_dim=32))
+    with loading.load_bench_model(shape="qwen3-0.6b", device="cpu", tokenizer=str(qwen25.folder)) as bm:
+        assert bm.name == f"qwen3-0.6b shape (random weights, tokenizer from {qwen25.folder})" and bm.random_weights
+        messages = [{"role": "user", "content": "What is 2 + 2?"}]
+        ids = bm.model.encode(bm.model.render(messages))
+        assert ids == qwen25.encode(qwen25.render(messages)) and "<|im_start|>" in bm.model.render(messages)
+        result = InProcessBackend.for_model(bm.model, max_tokens=2).send(ChatRequest(messages, None, "q"))
+        assert result.prompt_tokens == len(ids) and result.output_tokens == 2
+    with pytest.raises(InvalidParameterError, match="has 151936 tokens; the model's vocabulary has only 256"):
+        loading.folder_tokenizer(str(qwen25.folder), 256)
+    with pytest.raises(InvalidParameterError, match="--tokenizer /no/such: no such folder"):
+        loading.load_bench_model(shape="qwen3-0.6b", tokenizer="/no/such")
+    with pytest.raises(InvalidParameterError, match="--tokenizer goes with --shape"):
+        loading.load_bench_model("smollm2", tokenizer=str(qwen25.folder))
+
+
 def test_bench_decode_cli_prints_the_table_and_the_record_last(tiny_bench, tmp_path, monkeypatch, capsys):
     import kvtool.bench.loading
 
