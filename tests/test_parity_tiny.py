@@ -67,3 +67,19 @@ def test_taps_see_pre_and_post_rope_tensors(pair):
     assert torch.allclose(tap.k[..., 0, :], tap.k_rot[..., 0, :], atol=1e-6)  # position 0: no rotation
     assert not torch.allclose(tap.k[..., 1, :], tap.k_rot[..., 1, :])
     assert torch.equal(tap.cache[0].keys, tap.k_rot)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_hf_s_order_of_operations_bit_for_bit(dtype):
+    """fp32 takes the one-op form with the weight inside; it must give the bits of HF's normalise-then-scale."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from kvtool.models.runner import RMSNorm
+
+    ours, hf = RMSNorm(96, 1e-6).to(dtype), Qwen3RMSNorm(96, 1e-6).to(dtype)
+    with torch.no_grad():
+        weight = torch.randn(96, generator=torch.Generator().manual_seed(1)).to(dtype)
+        ours.weight.copy_(weight)
+        hf.weight.copy_(weight)
+        x = (3 * torch.randn(2, 7, 96, generator=torch.Generator().manual_seed(2))).to(dtype)
+        assert torch.equal(ours(x), hf(x))

@@ -52,6 +52,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one op; the same bits as the steps below, whose casts are no-ops in fp32
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in fp32 and scale after casting back, as HF does (matters in bf16).
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
