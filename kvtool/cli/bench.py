@@ -171,7 +171,7 @@ def run_all(args) -> int:
     from kvtool.bench.report import ReportConfig, run_report
 
     rc = ReportConfig(model=args.model, shape=args.shape, device=args.device, dtype=args.dtype, weights=args.weights,
-                      tokenizer=args.tokenizer, endpoint=args.endpoint, served_model=args.served_model, api_key=args.api_key,
-                      quick=args.quick, only=args.only, out_dir=args.out_dir)
+                      tokenizer=args.tokenizer, endpoint=args.endpoint, served_model=args.served_model,
+                      api_key=args.api_key, quick=args.quick, only=args.only, out_dir=args.out_dir)
     record = run_report(rc, log=_log)
     return 1 if record["errors"] else 0

@@ -317,8 +317,8 @@ class ModelRunner(nn.Module):
         found = [self._head_packed] if self._head_packed is not None else []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            candidates = (attn._wqkv, mlp._wgu, getattr(attn.o_proj, "packed", None), getattr(mlp.down_proj, "packed", None))
-            found += [w for w in candidates if isinstance(w, cpu_gemm.PackedWeight)]
+            outs = (getattr(attn.o_proj, "packed", None), getattr(mlp.down_proj, "packed", None))
+            found += [w for w in (attn._wqkv, mlp._wgu, *outs) if isinstance(w, cpu_gemm.PackedWeight)]
         return found
 
     @torch.inference_mode()
