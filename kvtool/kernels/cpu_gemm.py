@@ -101,12 +101,15 @@ def packed_linear_reference(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor
 
 
 class PackedLinear(nn.Module):
-    """An nn.Linear whose product runs through packed_linear; weight and bias keep their HF names."""
+    """An nn.Linear whose product runs through `product` over a packed copy of its weight (packed_linear
+    here; quant.Int4Linear swaps in the int4 product); weight and bias keep their HF names."""
 
-    def __init__(self, dense: nn.Linear, packed: PackedWeight):
+    product = staticmethod(packed_linear)
+
+    def __init__(self, dense: nn.Linear, packed):
         super().__init__()
         self.weight, self.bias, self.packed = dense.weight, dense.bias, packed
         self.in_features, self.out_features = dense.in_features, dense.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed, self.bias)
+        return self.product(x, self.packed, self.bias)

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from kvtool.kernels import cpu_gemm
 
@@ -123,13 +122,7 @@ def head_logits(h: torch.Tensor, dense: torch.Tensor, half: torch.Tensor,
     return logits.scatter_(-1, top, exact).reshape(*h.shape[:-1], -1)
 
 
-class Int4Linear(nn.Module):
-    """An nn.Linear whose product runs through int4_linear; weight and bias keep their HF names."""
+class Int4Linear(cpu_gemm.PackedLinear):
+    """An nn.Linear whose product runs through int4_linear over its Int4Weight `packed`."""
 
-    def __init__(self, dense: nn.Linear, packed: Int4Weight):
-        super().__init__()
-        self.weight, self.bias, self.packed = dense.weight, dense.bias, packed
-        self.in_features, self.out_features = dense.in_features, dense.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int4_linear(x, self.packed, self.bias)
+    product = staticmethod(int4_linear)
