@@ -25,17 +25,6 @@ class SelectiveResult:
     deviation: torch.Tensor | None  # [n] per-token KV deviation at the selection layer
 
 
-def _qkv(attn, h: torch.Tensor):
-    b, t, _ = h.shape
-    d = attn.head_dim
-    q = attn.q_proj(h).view(b, t, attn.num_heads, d).transpose(1, 2)
-    k = attn.k_proj(h).view(b, t, attn.num_kv_heads, d).transpose(1, 2)
-    v = attn.v_proj(h).view(b, t, attn.num_kv_heads, d).transpose(1, 2)
-    if attn.qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    return q, k, v
-
-
 def _sq(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return ((a.float() - b.float()) ** 2).sum((0, 1, 3))  # [1, H, n, D] -> [n]
 
@@ -57,7 +46,7 @@ def _layer(layer, lkv, x: torch.Tensor, pos: torch.Tensor, cos, sin, slots: torc
     attention over every slot at or before each position. keep(k, v) may pick a subset (indices into
     the n tokens) after the write; returns (x, that subset or None)."""
     attn, chosen = layer.self_attn, None
-    q, k, v = _qkv(attn, layer.input_layernorm(x))
+    q, k, v = attn.qkv(layer.input_layernorm(x))  # the fused (on CPU packed) projection
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if keep is not None:
         chosen = keep(k, v)
