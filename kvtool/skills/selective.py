@@ -41,10 +41,24 @@ SCORES = {
 }
 
 
-def _layer(layer, lkv, x: torch.Tensor, pos: torch.Tensor, cos, sin, slots: torch.Tensor, keep=None):
+QUERY_GROUPS = 4  # attention calls per layer of a selective pass (query_groups)
+
+
+def query_groups(positions: list[int], groups: int = QUERY_GROUPS) -> list[tuple[int, int, int]]:
+    """Split the active tokens into up to `groups` runs of similar size, (lo, hi, end) each: tokens
+    [lo, hi) attend to slots [0, end), end = their last position + 1. Every slot past a token's own
+    position is masked anyway, so a run that stops early skips keys that would add nothing; for
+    tokens spread over the cache (every block's first k, say) this about halves the attention."""
+    n = len(positions)
+    bounds = sorted({round(n * g / groups) for g in range(groups + 1)})
+    return [(lo, hi, max(positions[lo:hi]) + 1) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def _layer(layer, lkv, x: torch.Tensor, pos: torch.Tensor, cos, sin, slots: torch.Tensor, groups, keep=None):
     """One layer for the active tokens x [1, n, hidden] at positions pos: fresh K/V written at their slots,
-    attention over every slot at or before each position. keep(k, v) may pick a subset (indices into
-    the n tokens) after the write; returns (x, that subset or None)."""
+    attention over every slot at or before each position, a run of query_groups() at a time. keep(k, v)
+    may pick a subset (indices into the n tokens) after the write, with its groups; returns (x, that
+    subset or None)."""
     attn, chosen = layer.self_attn, None
     q, k, v = attn.qkv(layer.input_layernorm(x))  # the fused (on CPU packed) projection
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -53,11 +67,16 @@ def _layer(layer, lkv, x: torch.Tensor, pos: torch.Tensor, cos, sin, slots: torc
     lkv.keys[:, :, pos] = k
     lkv.values[:, :, pos] = v
     if chosen is not None:
+        chosen, groups = chosen
         x, q, pos = x[:, chosen], q[:, :, chosen], pos[chosen]
         if not len(chosen):
             return x, chosen
-    mask = slots[None, :] <= pos[:, None]  # [active, end]: causal by position
-    out = F.scaled_dot_product_attention(q, lkv.keys, lkv.values, attn_mask=mask, enable_gqa=True)
+    outs = []
+    for lo, hi, end in groups:
+        mask = slots[None, :end] <= pos[lo:hi, None]  # [run, end]: causal by position
+        outs.append(F.scaled_dot_product_attention(q[:, :, lo:hi], lkv.keys[:, :, :end], lkv.values[:, :, :end],
+                                                   attn_mask=mask, enable_gqa=True))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     x = x + attn.o_proj(out.transpose(1, 2).reshape(1, x.shape[1], attn.num_heads * attn.head_dim))
     return x + layer.mlp(layer.post_attention_layernorm(x)), chosen
 
@@ -103,9 +122,9 @@ def recompute_slots(runner, cache, slots: list[int], ids: list[int]) -> None:
     x = runner.model.embed_tokens(torch.as_tensor(ids, dtype=torch.long, device=runner.device))[None]
     pos = torch.as_tensor(slots, dtype=torch.long, device=runner.device)
     cos, sin = runner.rope_cos_sin(pos)
-    everything = torch.arange(cache.offset, device=runner.device)
+    everything, groups = torch.arange(cache.offset, device=runner.device), query_groups(list(slots))
     for i, layer in enumerate(runner.model.layers):
-        x, _ = _layer(layer, cache[i], x, pos, cos, sin, everything)
+        x, _ = _layer(layer, cache[i], x, pos, cos, sin, everything, groups)
 
 
 @torch.inference_mode()
@@ -136,15 +155,17 @@ def recompute_selected(runner, cache, ids: list[int], start: int, ratio: float, 
         ranked = deviation.clone()
         ranked[: min(first, keep)] = float("inf")
         chosen = ranked.topk(keep).indices.sort().values
-        found.update(deviation=deviation, selected=chosen.tolist())
-        return chosen
+        selected = chosen.tolist()
+        found.update(deviation=deviation, selected=selected, groups=query_groups([start + j for j in selected]))
+        return chosen, found["groups"]
 
+    groups = query_groups(list(range(start, end)))
     for i, layer in enumerate(layers):
         selecting = i == select_layer and ratio < 1.0
         cos, sin = runner.rope_cos_sin(pos)
-        x, chosen = _layer(layer, cache[i], x, pos, cos, sin, slots, select if selecting else None)
+        x, chosen = _layer(layer, cache[i], x, pos, cos, sin, slots, groups, select if selecting else None)
         if chosen is not None:
-            pos = pos[chosen]
+            pos, groups = pos[chosen], found["groups"]
             if len(chosen) == 0:
                 break
     return SelectiveResult(found["selected"], found["deviation"])

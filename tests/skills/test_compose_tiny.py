@@ -53,6 +53,32 @@ def test_first_k_places_consecutive_blocks_in_one_pass_as_one_by_one(tiny, tiny_
     assert (together.cache.stacked()[0] - alone.stacked()[0]).abs().max().item() < 1e-5
 
 
+def test_query_groups_split_the_active_tokens_into_runs_that_stop_at_their_last_position():
+    from kvtool.skills.selective import query_groups
+
+    assert query_groups([3, 4, 10, 11, 20, 21, 30, 31]) == [(0, 2, 5), (2, 4, 12), (4, 6, 22), (6, 8, 32)]
+    assert query_groups([7, 2, 9], groups=2) == [(0, 2, 8), (2, 3, 10)]  # any order: a run ends at its largest
+    assert query_groups([5], groups=4) == [(0, 1, 6)] and query_groups([]) == []
+    assert query_groups(list(range(10)), groups=1) == [(0, 10, 10)]
+
+
+@pytest.mark.parametrize("groups", [2, 3, 8])
+@pytest.mark.parametrize("repair", ["recompute_first_k:k=3", "recompute_deviation:ratio=0.5"])
+def test_grouped_attention_recomputes_the_same_kv_as_one_call_over_the_whole_cache(tiny, tiny_blocks, monkeypatch,
+                                                                                   groups, repair):
+    """Each run of query_groups() attends only up to its last position; the KV equals one masked call's."""
+    from kvtool.skills import selective
+
+    out = {}
+    for g in (1, groups):
+        monkeypatch.setattr(selective.query_groups, "__defaults__", (g,))
+        out[g] = compose(tiny, PREFIX, tiny_blocks, SUFFIX, repair=repair, logits="all")
+    for a, b in zip(out[1].cache.stacked(), out[groups].cache.stacked()):
+        assert (a - b).abs().max().item() < 1e-5
+    assert (out[1].logits - out[groups].logits).abs().max().item() < 1e-4
+    assert out[1].recomputed_tokens == out[groups].recomputed_tokens > 0
+
+
 def test_no_repair_places_relocated_keys_layer0_exact(tiny, tiny_blocks):
     ref_cache, ref = full(tiny, tiny_blocks)
     out = compose(tiny, PREFIX, tiny_blocks, SUFFIX, repair="none")
