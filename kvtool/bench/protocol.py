@@ -7,6 +7,7 @@ notebooks use one implementation.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import sys
@@ -81,8 +82,23 @@ def versions() -> dict:
             "transformers": transformers.__version__, "kvtool": kvtool.__version__}
 
 
+def portable(value, root: str | None = None):
+    """value with every string that is an absolute path under `root` (default: the working directory)
+    made relative to it, recursively: a record run in a checkout names its files as the repo does."""
+    prefix = os.path.join(root or os.getcwd(), "")
+    if isinstance(value, str):
+        return value[len(prefix):] if value.startswith(prefix) else value
+    if isinstance(value, dict):
+        return {k: portable(v, prefix) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable(v, prefix) for v in value]
+    return value
+
+
 def emit(record: dict, out: str | Path | None) -> None:
-    """Write the record to ``out`` (indented) and print it as one JSON line, last on stdout."""
+    """Write the record to ``out`` (indented) and print it as one JSON line, last on stdout. Paths under
+    the working directory become relative to it (portable()), in the caller's record too."""
+    record.update(portable(record))
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(record, indent=1) + "\n")

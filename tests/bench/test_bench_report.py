@@ -10,7 +10,7 @@ import torch
 
 from kvtool.bench import report as report_mod
 from kvtool.bench.decode import DecodeBenchConfig, run_decode_bench
-from kvtool.bench.protocol import device_name
+from kvtool.bench.protocol import device_name, emit
 from kvtool.bench.report import ReportConfig, run_report
 from kvtool.bench.skills import SkillsBenchConfig, run_skills_bench
 from kvtool.bench.targets import Target
@@ -18,6 +18,17 @@ from kvtool.cli import build_parser, main
 from kvtool.errors import InvalidParameterError
 
 PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_records_name_files_under_the_working_directory_relative_to_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    record = {"config": {"skills": str(tmp_path / "examples" / "skills"), "out": "/elsewhere/r.json",
+                         "files": [str(tmp_path / "a.png"), 3]}, "name": str(tmp_path)}
+    emit(record, tmp_path / "out" / "r.json")
+    written = json.loads((tmp_path / "out" / "r.json").read_text())
+    assert written == json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert written["config"] == {"skills": "examples/skills", "out": "/elsewhere/r.json", "files": ["a.png", 3]}
+    assert written["name"] == str(tmp_path)  # the directory itself is not a file under it
 
 
 def test_targets_apply_only_on_their_device_and_to_measured_values():
