@@ -145,11 +145,34 @@ def int4_fidelity(dense, packed, prompt: list[int], n: int) -> dict:
             "top1_agreement": agree / n}
 
 
-def hf_generate(hf, prompt: list[int], n: int) -> None:
+def hf_generate(hf, prompt: list[int], n: int, streamer=None) -> None:
     ids = torch.tensor([prompt], device=hf.device)
     with torch.no_grad():
         hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                    do_sample=False, pad_token_id=0)
+                    do_sample=False, pad_token_id=0, streamer=streamer)
+
+
+def hf_decode_rate(hf, prompt: list[int], n: int) -> float:
+    """Tokens/s of the n decode steps inside one transformers generate() of n + 1 tokens: from the first
+    new token to the last, as its streamer receives them (transformers reads each to the host, as a
+    streaming caller would). One run, so no difference of two noisy runs that could come out negative."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Stamps(BaseStreamer):  # put() gets the prompt, then every new token
+        def __init__(self):
+            self.times: list[float] = []
+
+        def put(self, value) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    stamps = Stamps()
+    hf_generate(hf, prompt, n + 1, stamps)
+    if len(stamps.times) != n + 2:
+        raise RuntimeError(f"transformers streamed {len(stamps.times) - 1} tokens, not {n + 1}")
+    return n / (stamps.times[-1] - stamps.times[1])
 
 
 def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
@@ -164,18 +187,12 @@ def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
     engines = ["kvtool"] + (["transformers"] if cfg.baseline else [])
     hf = bm.hf() if cfg.baseline else None
 
-    def hf_decode():  # generate(n + 1) minus generate(1): the decode steps alone
-        t0 = time.perf_counter()
-        hf_generate(hf, prompt, 1)
-        t1 = time.perf_counter()
-        hf_generate(hf, prompt, n + 1)
-        return n / ((time.perf_counter() - t1) - (t1 - t0))
-
     log(f"decode: {n} tokens after a {len(prompt)}-token prompt ({bm.name} on {device})")
     from kvtool.engine.static import StaticDecoder
 
     decoder = StaticDecoder(runner, len(prompt) + n + 1)
-    fns = {"kvtool": lambda: kvtool_decode(runner, prompt, n), "transformers": hf_decode,
+    fns = {"kvtool": lambda: kvtool_decode(runner, prompt, n),
+           "transformers": lambda: hf_decode_rate(hf, prompt, n),
            "kvtool fast path": lambda: kvtool_decode(runner, prompt, n, decoder)}
     labels = [*engines, "kvtool fast path"]
     packed = int4_copy(bm) if cfg.int4 else None
