@@ -77,7 +77,7 @@ def focus(model, tokens: Tokens, spans: dict[str, list[tuple[int, int]]], rows: 
     strip = torch.zeros(len(layers), n_kb * block, dtype=torch.float64)
 
     def consume(layer, part, probs):
-        p = probs.mean(0).double().cpu()  # [R, S]
+        p = probs.mean(0).cpu().double()  # [R, S]; float64 on the host (MPS has none)
         i = layers.index(layer)
         for name, m in masks.items():
             share[name][i] += (p * m[: p.shape[1]]).sum()

@@ -76,7 +76,7 @@ def run_trial(model, ids: list[int], span: tuple[int, int], answer: str, max_new
     on_needle = torch.zeros(len(layers), dtype=torch.float64)
 
     def consume(layer, part, probs):
-        on_needle[layer] = probs[:, 0, span[0] : span[1]].sum(-1).mean().double().cpu()
+        on_needle[layer] = probs[:, 0, span[0] : span[1]].sum(-1).mean().cpu().double()
 
     logits, cache = attention_pass(model, ids, layers, heads, [n - 1], consume, full=True)
     out, eot = [], set(model.end_of_turn_ids())

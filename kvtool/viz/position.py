@@ -58,7 +58,7 @@ def position_stats(model, ids: list[int], rows: list[int], n_buckets: int = VizC
     dist_mass = torch.zeros(len(layers), nd, dtype=torch.float64)
 
     def consume(layer, part, probs):
-        p = probs.mean(0).double().cpu()  # [R, S]
+        p = probs.mean(0).cpu().double()  # [R, S]; float64 on the host (MPS has none)
         s = p.shape[1]
         i = layers.index(layer)
         pos_mass[i].index_add_(0, key_bucket[:s], p.sum(0))

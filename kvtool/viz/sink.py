@@ -59,8 +59,8 @@ def sink_stats(model, tokens: Tokens, k: int = VizConfig.sink_first, skip: int =
 
     def consume(layer, part, probs):
         i = layers.index(layer)
-        t0[i] += probs[:, :, 0].sum(1).double().cpu()
-        tk[i] += probs[:, :, :k].sum((1, 2)).double().cpu()
+        t0[i] += probs[:, :, 0].sum(1).cpu().double()
+        tk[i] += probs[:, :, :k].sum((1, 2)).cpu().double()
 
     attention_pass(model, tokens.ids, layers, heads, list(range(skip, n)), consume)
     rows = n - skip
