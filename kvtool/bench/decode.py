@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvtool.bench.protocol import device_name, emit, measure_side_by_side, versions
+from kvtool.bench.protocol import device_name, emit, measure_side_by_side, paired_speedup, versions
 from kvtool.bench.targets import Target, check_all
 from kvtool.config import EngineConfig
 from kvtool.errors import InvalidParameterError
@@ -220,30 +220,33 @@ def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
         rows[f"ttft_ms_{length}"] = {e: ttft[e] for e in engines}
         rows[f"ttft_ms_{length}_fast"] = {"kvtool": ttft["kvtool fast path"]}
     del prefiller
-    ratios = {}
+    ratios, paired = {}, {}
     for metric, row in rows.items():
         base = rows[variant_of(metric)[0]]
         if "transformers" in base:
             k, t = row["kvtool"]["median"], base["transformers"]["median"]
             ratios[metric] = round(k / t if metric.startswith("decode") else t / k, 3)  # >1: kvtool is faster
+            paired[metric] = paired_speedup(row["kvtool"], base["transformers"], rate=metric.startswith("decode"))
     measured = {metric: row["kvtool"]["median"] for metric, row in rows.items() if not metric.endswith("_int4")}
     # the engine prefills and decodes through the fast path where it is on by default (CUDA); targets check that
     if device.type == "cuda":
         measured.update({m.removesuffix("_fast"): v for m, v in measured.items() if m.endswith("_fast")})
     return {"benchmark": "decode", "model": bm.name, "device": device_name(device), "device_type": device.type,
             "dtype": bm.dtype, "decode_tokens": n, "config": asdict(cfg), "results": rows,
-            "speedup_vs_transformers": ratios, "target_checks": check_all(TARGETS, measured, device.type),
+            "speedup_vs_transformers": ratios, "paired_speedup_vs_transformers": paired, "target_checks": check_all(TARGETS, measured, device.type),
             **({"int4_fidelity": fidelity} if fidelity else {}), "versions": versions()}
 
 
 def format_table(record: dict) -> str:
     lines = [f"\n{record['model']} on {record['device']}, {record['dtype']}",
-             f"{'metric':<18}{'kvtool':>12}{'transformers':>14}{'ratio':>8}"]
+             f"{'metric':<18}{'kvtool':>12}{'transformers':>14}{'ratio':>8}   run by run: median (min-max)"]
     for metric, row in record["results"].items():
         t = row.get("transformers")
         ratio = record["speedup_vs_transformers"].get(metric)
+        pair = record.get("paired_speedup_vs_transformers", {}).get(metric)
         lines.append(f"{metric:<18}{row['kvtool']['median']:>12.2f}"
-                     + (f"{t['median']:>14.2f}" if t else f"{'-':>14}") + (f"{ratio:>7.2f}x" if ratio else f"{'-':>8}"))
+                     + (f"{t['median']:>14.2f}" if t else f"{'-':>14}") + (f"{ratio:>7.2f}x" if ratio else f"{'-':>8}")
+                     + (f"   {pair['median']:.2f}x ({pair['min']:.2f}-{pair['max']:.2f})" if pair else ""))
     fid = record.get("int4_fidelity")
     if fid:
         lines.append(f"int4 vs dense over {fid['steps']} greedy steps: top-1 agreement {fid['top1_agreement']:.3f}, "

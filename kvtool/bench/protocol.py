@@ -59,7 +59,16 @@ def measure_side_by_side(fns: dict, repeats: int, warmup: int = 1, device: torch
 
 def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "stdev": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values)}
+            "stdev": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values), "runs": list(values)}
+
+
+def paired_speedup(ours: dict, baseline: dict, rate: bool) -> dict:
+    """Speedup run by run of two summaries measure_side_by_side() took together (run i of each back to back,
+    so a slow spell of the machine hits both): median, min and max over the runs of ours/baseline for a rate
+    (tokens/s), baseline/ours for a time. Steadier than the ratio of the medians on a noisy machine."""
+    ratios = [a / b if rate else b / a for a, b in zip(ours["runs"], baseline["runs"], strict=True)]
+    return {"median": round(statistics.median(ratios), 3), "min": round(min(ratios), 3),
+            "max": round(max(ratios), 3), "n": len(ratios)}
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -200,16 +200,19 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
 
 def _decode_md(records: dict) -> list[str]:
     rec = records["decode"]
-    c, ratios = rec["config"], rec["speedup_vs_transformers"]
+    c, ratios, paired = rec["config"], rec["speedup_vs_transformers"], rec.get("paired_speedup_vs_transformers", {})
     rows = []
     for metric, row in rec["results"].items():
         base, variant = variant_of(metric)
         label = ("decode tok/s (bs=1)" if base.startswith("decode") else f"cold TTFT @{base[8:]} tokens (ms)") + \
             (f", {variant.removeprefix('kvtool ')}" if variant else "")
-        rows.append([label, _stat(row["kvtool"]), _stat(row.get("transformers")), _ratio(ratios.get(metric))])
+        pair = paired.get(metric)
+        rows.append([label, _stat(row["kvtool"]), _stat(row.get("transformers")), _ratio(ratios.get(metric)),
+                     f"{pair['median']:.2f}x ({pair['min']:.2f}-{pair['max']:.2f})" if pair else "-"])
     lines = [f"{c['decode_tokens']} greedy tokens after a {c['prompt_tokens']}-token prompt; median (min-max) of "
-             f"{c['repeats']} runs after {c['warmup']} warm-up. Ratio > 1: kvtool is faster.", "",
-             *_table(["metric", "kvtool", "transformers", "kvtool vs transformers"], rows)]
+             f"{c['repeats']} runs after {c['warmup']} warm-up, the engines alternating run by run. Ratio > 1: kvtool "
+             "is faster; run by run: each kvtool run against the baseline run beside it.", "",
+             *_table(["metric", "kvtool", "transformers", "kvtool vs transformers", "run by run"], rows)]
     fid = rec.get("int4_fidelity")
     if fid:
         lines += ["", f"int4 projections vs the dense model over {fid['steps']} greedy steps: top-1 agreement "

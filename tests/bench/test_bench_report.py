@@ -60,6 +60,11 @@ def test_decode_record_ratios_come_from_the_measured_medians(tiny_bench):
         assert row["kvtool"]["n"] == row["transformers"]["n"] == 2 and k > 0 and t > 0
         want = k / t if metric.startswith("decode") else t / k
         assert rec["speedup_vs_transformers"][metric] == pytest.approx(want, abs=1e-3)
+        runs = [(a / b if metric.startswith("decode") else b / a) for a, b in zip(row["kvtool"]["runs"],
+                                                                                   row["transformers"]["runs"])]
+        pair = rec["paired_speedup_vs_transformers"][metric]  # run by run: each kvtool run over its baseline run
+        assert pair["n"] == 2 and pair["median"] == pytest.approx(sum(runs) / 2, abs=1e-3)
+        assert pair["min"] == pytest.approx(min(runs), abs=1e-3) and pair["max"] == pytest.approx(max(runs), abs=1e-3)
     checks = {c["metric"]: c for c in rec["target_checks"]}
     assert checks["decode_tok_s"]["measured"] == rec["results"]["decode_tok_s"]["kvtool"]["median"]
     assert checks["ttft_ms_512"]["measured"] is None and {c["status"] for c in checks.values()} == {"n/a"}
@@ -98,7 +103,9 @@ def test_bench_all_writes_tables_plots_json_and_records_a_failing_benchmark(tiny
     assert device_name(torch.device("cpu")) in md and "| dtype | float32 |" in md
     assert f"torch {torch.__version__}" in md and "quick" in md
     assert "**error (prefix):** `RuntimeError: prefix exploded`" in md
-    assert "| metric | kvtool | transformers | kvtool vs transformers |" in md
+    assert "| metric | kvtool | transformers | kvtool vs transformers | run by run |" in md
+    pair = record["records"]["decode"]["paired_speedup_vs_transformers"]["decode_tok_s"]
+    assert f"| {pair['median']:.2f}x ({pair['min']:.2f}-{pair['max']:.2f}) |" in md
     assert "| engine | streams | output tok/s |" in md
     decode = record["records"]["decode"]["results"]["decode_tok_s"]["kvtool"]["median"]
     assert f"| decode | decode tok/s, bs=1 | >= 800 tok/s | H200-class CUDA GPU, Qwen3-0.6B shape, bf16 | " \
