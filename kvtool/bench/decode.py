@@ -233,7 +233,8 @@ def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
         measured.update({m.removesuffix("_fast"): v for m, v in measured.items() if m.endswith("_fast")})
     return {"benchmark": "decode", "model": bm.name, "device": device_name(device), "device_type": device.type,
             "dtype": bm.dtype, "decode_tokens": n, "config": asdict(cfg), "results": rows,
-            "speedup_vs_transformers": ratios, "paired_speedup_vs_transformers": paired, "target_checks": check_all(TARGETS, measured, device.type),
+            "speedup_vs_transformers": ratios, "paired_speedup_vs_transformers": paired,
+            "target_checks": check_all(TARGETS, measured, device.type),
             **({"int4_fidelity": fidelity} if fidelity else {}), "versions": versions()}
 
 

@@ -47,8 +47,8 @@ QUERY_GROUPS = 4  # attention calls per layer of a selective pass (query_groups)
 def query_groups(positions: list[int], groups: int = QUERY_GROUPS) -> list[tuple[int, int, int]]:
     """Split the active tokens into up to `groups` runs of similar size, (lo, hi, end) each: tokens
     [lo, hi) attend to slots [0, end), end = their last position + 1. Every slot past a token's own
-    position is masked anyway, so a run that stops early skips keys that would add nothing; for
-    tokens spread over the cache (every block's first k, say) this about halves the attention."""
+    position is masked anyway, so a run that stops early skips keys that would add nothing: for the
+    first k tokens of each of 4 blocks spread over the cache, about 40% of the keys."""
     n = len(positions)
     bounds = sorted({round(n * g / groups) for g in range(groups + 1)})
     return [(lo, hi, max(positions[lo:hi]) + 1) for lo, hi in zip(bounds, bounds[1:])]
