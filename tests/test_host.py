@@ -58,3 +58,46 @@ def test_build_runner_tunes_on_cpu(tmp_path, monkeypatch):
     tiny_checkpoint("llama", tmp_path)
     tiny_runner("llama", tmp_path)
     assert host._tuned is not None  # attempted once for a CPU runner
+
+
+OMP_PROBE = r"""
+import json, os, threading, time, torch
+from kvtool.models.host import release_openmp_threads
+torch.set_num_threads(2)
+tasks = lambda: len(os.listdir("/proc/self/task"))
+start = tasks()
+torch.randn(1 << 20).mul(2)  # a parallel region: this thread's OpenMP team of 1 worker starts
+team = tasks()
+released = release_openmp_threads()
+time.sleep(0.2)
+after = tasks()
+counts = []
+worker = threading.Thread(target=lambda: (torch.randn(1 << 20).mul(2), counts.append(tasks())))
+worker.start(); worker.join()
+print(json.dumps({"start": start, "team": team, "released": released, "after": after, "in_worker": counts[0]}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GNU OpenMP (torch's CPU threads) on Linux")
+def test_releasing_openmp_threads_leaves_one_team_for_the_thread_that_runs_the_model():
+    """The loading thread's team goes, so a worker thread's team is the only one (no throttled spin-waits)."""
+    out = subprocess.run([sys.executable, "-c", OMP_PROBE], capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["released"] and got["team"] == got["start"] + 1
+    assert got["after"] == got["start"]  # the main thread's worker is gone
+    assert got["in_worker"] == got["start"] + 2  # the worker thread and its one OpenMP worker, nothing else
+
+
+def test_the_serving_worker_releases_the_loading_threads_openmp_team(monkeypatch, smollm2):
+    import threading
+
+    from kvtool.engine import Engine
+    from kvtool.serving import worker as worker_mod
+
+    calls = []
+    monkeypatch.setattr(worker_mod, "release_openmp_threads", lambda: calls.append(threading.current_thread()))
+    w = worker_mod.Worker(Engine(smollm2))
+    try:
+        assert calls == [threading.current_thread()]  # on the thread that built it, before the worker ran
+    finally:
+        w.stop()

@@ -24,6 +24,7 @@ from typing import AsyncIterator
 from kvtool.config import SamplingParams
 from kvtool.engine import Engine, Generation, TokenEvent
 from kvtool.engine.batch import BatchScheduler
+from kvtool.models.host import release_openmp_threads
 from kvtool.serving.errors import QueueFull, Unavailable
 
 log = logging.getLogger("kvtool.serving")
@@ -81,6 +82,7 @@ class Worker:
         self._cv = threading.Condition()
         self._model_lock = threading.Lock()  # held for each batched step; run_exclusive() takes it too
         self._stop = False
+        release_openmp_threads()  # the model was loaded on this thread; from here on the worker runs it
         self._thread = threading.Thread(target=self._loop, name="kvtool-worker", daemon=True)
         self._thread.start()
 
