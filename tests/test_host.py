@@ -101,3 +101,33 @@ def test_the_serving_worker_releases_the_loading_threads_openmp_team(monkeypatch
         assert calls == [threading.current_thread()]  # on the thread that built it, before the worker ran
     finally:
         w.stop()
+
+
+def test_the_in_process_agent_backend_runs_the_model_on_one_thread_of_its_own(monkeypatch, smollm2):
+    import asyncio
+    import threading
+
+    from kvtool.agent.inprocess import InProcessBackend
+    from kvtool.engine import Engine
+    from kvtool.models import host
+
+    released, threads = [], set()
+    monkeypatch.setattr(host, "release_openmp_threads", lambda: released.append(threading.current_thread()))
+    engine = Engine(smollm2)
+    forward = engine.runner.forward_batch
+
+    def spy(*args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "forward_batch", spy)
+    backend = InProcessBackend(engine)
+
+    async def answers():
+        return [[d async for d in backend.stream([{"role": "user", "content": q}], [], temperature=0, max_tokens=6)]
+                for q in ("Hi", "Name a colour.")]
+
+    for deltas in asyncio.run(answers()):
+        assert deltas[-1].finish_reason in ("stop", "length")
+    assert released == [threading.current_thread()]  # the loading thread's OpenMP team, handed back once
+    assert len(threads) == 1 and next(iter(threads)).startswith("kvtool-model")  # not the executor's pool

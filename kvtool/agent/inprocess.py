@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 from kvtool.agent.backend import BackendError, StreamDelta, ToolCallFragment, Usage
@@ -41,15 +42,22 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class InProcessBackend:
-    """Streams from an Engine in this process; one stream at a time per engine."""
+    """Streams from an Engine in this process; one stream at a time per engine.
+
+    The model runs on one thread of its own, never on the event loop: a pool of threads would give
+    each its own OpenMP team, and the loading thread's team is handed back first (see
+    kvtool.models.host.release_openmp_threads), so one team runs every op at full speed."""
 
     def __init__(self, engine, tool_format: str = "qwen"):
+        from kvtool.models.host import release_openmp_threads
         from kvtool.serving.toolparse import TOOL_FORMATS
 
         self.engine = engine
         self.model = engine.model
         self.fmt = TOOL_FORMATS[tool_format]
         self._lock = asyncio.Lock()
+        release_openmp_threads()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-model")
 
     async def stream(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
                      **sampling: Any) -> AsyncIterator[StreamDelta]:
@@ -67,7 +75,7 @@ class InProcessBackend:
             it, calls = iter(gen), 0
             try:
                 while True:
-                    event = await asyncio.to_thread(next, it, None)
+                    event = await asyncio.get_running_loop().run_in_executor(self._thread, next, it, None)
                     events = parser.feed(event.text) if event is not None else parser.finish()
                     delta = StreamDelta()
                     for ev in events:
@@ -89,4 +97,4 @@ class InProcessBackend:
                     if delta.content or delta.reasoning or delta.tool_calls:
                         yield delta
             finally:
-                gen.close()
+                self._thread.submit(gen.close)  # on the model's thread too, before the next stream starts there
