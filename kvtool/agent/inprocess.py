@@ -57,7 +57,7 @@ class InProcessBackend:
         self.fmt = TOOL_FORMATS[tool_format]
         self._lock = asyncio.Lock()
         release_openmp_threads()
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-model")
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-model")
 
     async def stream(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
                      **sampling: Any) -> AsyncIterator[StreamDelta]:
@@ -75,7 +75,7 @@ class InProcessBackend:
             it, calls = iter(gen), 0
             try:
                 while True:
-                    event = await asyncio.get_running_loop().run_in_executor(self._thread, next, it, None)
+                    event = await asyncio.get_running_loop().run_in_executor(self._model_thread, next, it, None)
                     events = parser.feed(event.text) if event is not None else parser.finish()
                     delta = StreamDelta()
                     for ev in events:
@@ -97,4 +97,4 @@ class InProcessBackend:
                     if delta.content or delta.reasoning or delta.tool_calls:
                         yield delta
             finally:
-                self._thread.submit(gen.close)  # on the model's thread too, before the next stream starts there
+                self._model_thread.submit(gen.close)  # on the model's thread too, before the next stream starts there

@@ -238,6 +238,11 @@ def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
             **({"int4_fidelity": fidelity} if fidelity else {}), "versions": versions()}
 
 
+def paired_text(pair: dict | None) -> str:
+    """A paired_speedup() summary as 'median x (min-max)'; '-' without one."""
+    return f"{pair['median']:.2f}x ({pair['min']:.2f}-{pair['max']:.2f})" if pair else "-"
+
+
 def format_table(record: dict) -> str:
     lines = [f"\n{record['model']} on {record['device']}, {record['dtype']}",
              f"{'metric':<18}{'kvtool':>12}{'transformers':>14}{'ratio':>8}   run by run: median (min-max)"]
@@ -247,7 +252,7 @@ def format_table(record: dict) -> str:
         pair = record.get("paired_speedup_vs_transformers", {}).get(metric)
         lines.append(f"{metric:<18}{row['kvtool']['median']:>12.2f}"
                      + (f"{t['median']:>14.2f}" if t else f"{'-':>14}") + (f"{ratio:>7.2f}x" if ratio else f"{'-':>8}")
-                     + (f"   {pair['median']:.2f}x ({pair['min']:.2f}-{pair['max']:.2f})" if pair else ""))
+                     + (f"   {paired_text(pair)}" if pair else ""))
     fid = record.get("int4_fidelity")
     if fid:
         lines.append(f"int4 vs dense over {fid['steps']} greedy steps: top-1 agreement {fid['top1_agreement']:.3f}, "

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvtool.bench.batching import BatchingBenchConfig
-from kvtool.bench.decode import DecodeBenchConfig, variant_of
+from kvtool.bench.decode import DecodeBenchConfig, paired_text, variant_of
 from kvtool.bench.prefix import PrefixBenchConfig
 from kvtool.bench.protocol import device_name, emit, versions
 from kvtool.bench.scenarios import ScenarioConfig
@@ -206,9 +206,8 @@ def _decode_md(records: dict) -> list[str]:
         base, variant = variant_of(metric)
         label = ("decode tok/s (bs=1)" if base.startswith("decode") else f"cold TTFT @{base[8:]} tokens (ms)") + \
             (f", {variant.removeprefix('kvtool ')}" if variant else "")
-        pair = paired.get(metric)
         rows.append([label, _stat(row["kvtool"]), _stat(row.get("transformers")), _ratio(ratios.get(metric)),
-                     f"{pair['median']:.2f}x ({pair['min']:.2f}-{pair['max']:.2f})" if pair else "-"])
+                     paired_text(paired.get(metric))])
     lines = [f"{c['decode_tokens']} greedy tokens after a {c['prompt_tokens']}-token prompt; median (min-max) of "
              f"{c['repeats']} runs after {c['warmup']} warm-up, the engines alternating run by run. Ratio > 1: kvtool "
              "is faster; run by run: each kvtool run against the baseline run beside it.", "",

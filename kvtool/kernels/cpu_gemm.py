@@ -9,7 +9,7 @@ and ~31 ms (head 5 ms and 7 ms), and is no slower at prefill sizes. Results diff
 F.linear only by summation order (~1e-4 on SmolLM2's projections).
 
 The reordered weight is an opaque oneDNN tensor beside the dense one, which stays: the HF-named
-parameters are views of it, and the reference, selective recompute and int4 packing read it. So
+parameters are views of it, and the reference and int4 packing read it. So
 packing costs one more copy of the projection and head weights in host memory.
 It is on by default on x86_64, where it was measured. `KVTOOL_CPU_GEMM=0` keeps plain F.linear (to
 compare, or where oneDNN misbehaves); `KVTOOL_CPU_GEMM=1` turns it on elsewhere too (arm64, where
