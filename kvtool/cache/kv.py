@@ -41,6 +41,11 @@ class LayerKV:
         return self._k[:, :, : self.offset]
 
     @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers [1, H, capacity, D]; slots from `offset` on are free."""
+        return self._k, self._v
+
+    @property
     def values(self) -> torch.Tensor:
         return self._v[:, :, : self.offset]
 

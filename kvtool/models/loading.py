@@ -226,4 +226,9 @@ def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device,
             runner.pack_cpu_gemm()  # oneDNN's packed GEMM where it runs (fp32); plain F.linear otherwise
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None
+    if device.type == "cpu":
+        try:
+            runner.use_cpu_decode()  # decode steps with C++ glue where the ops build; the reference forward otherwise
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
     return runner

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtool.cache.kv import KVCache
-from kvtool.kernels import cpu_gemm, quant
+from kvtool.kernels import cpu_decode, cpu_gemm, quant
 from kvtool.models.rope import apply_rope, cos_sin, inv_frequencies
 from kvtool.models.spec import ModelSpec
 
@@ -195,6 +195,7 @@ class ModelRunner(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._head_bf16: torch.Tensor | None = None  # the output head in bf16, after quantize_int4()
         self._head_packed: cpu_gemm.PackedWeight | None = None  # after pack_cpu_gemm()
+        self._cpu_step: cpu_decode.DecodeStep | None = None  # after use_cpu_decode()
         self.register_load_state_dict_post_hook(lambda module, _keys: module._repack_cpu_gemm())
 
     @property
@@ -313,6 +314,17 @@ class ModelRunner(nn.Module):
         self._head_packed = cpu_gemm.pack(self.output_weight)
         return None
 
+    def use_cpu_decode(self, on: bool = True) -> str | None:
+        """Run batch-1 decode steps through kvtool.kernels.cpu_decode (on) or the reference forward (off).
+        Returns None when the requested path is set, else why the C++ path cannot run (the reference stays)."""
+        reason = cpu_decode.unsupported(self) if on else None
+        self._cpu_step = cpu_decode.DecodeStep(self) if on and reason is None else None
+        return reason
+
+    @property
+    def cpu_decode(self) -> bool:
+        return self._cpu_step is not None
+
     def _packed_weights(self) -> list[cpu_gemm.PackedWeight]:
         found = [self._head_packed] if self._head_packed is not None else []
         for layer in self.model.layers:
@@ -357,6 +369,11 @@ class ModelRunner(nn.Module):
         ids = [torch.as_tensor(i, dtype=torch.long, device=self.device).reshape(-1) for i, _ in seqs]
         caches = [c for _, c in seqs]
         lengths = [int(i.shape[0]) for i in ids]
+        if (self._cpu_step is not None and all(t == 1 for t in lengths) and tap is None and logits == "last"
+                and len({id(c) for c in caches}) == len(caches) and self._cpu_step.takes(caches)):
+            at = [c.offset for c in caches] if positions is None else [int(p) for p in positions]
+            out = self._cpu_step(torch.cat(ids), caches, at)
+            return [out[j : j + 1] for j in range(len(seqs))]
         if positions is None:
             positions = torch.cat([torch.arange(c.offset, c.offset + t, device=self.device)
                                    for c, t in zip(caches, lengths)])

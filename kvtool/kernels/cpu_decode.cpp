@@ -1,0 +1,220 @@
+// The elementwise and attention parts of a batch-1 fp32 decode step on the CPU, as torch ops
+// (torch.ops.kvtool_cpu.*). kvtool/kernels/cpu_decode.py builds this file and documents why.
+//
+// Every tensor is fp32, contiguous and on the CPU; cpu_decode.py checks shapes before the first call.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// Sum of a[i] * b[i] in eight partial sums, which the compiler vectorises without -ffast-math.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  }
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y = x / sqrt(mean(x^2) + eps) * w over the last dimension of x [rows, n].
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "rms_norm: x must be contiguous fp32 [rows, n]");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(w.numel() == n && w.is_contiguous() && w.scalar_type() == at::kFloat, "rms_norm: w must be fp32 [n]");
+  at::Tensor y = at::empty({rows, n}, x.options());
+  const float* wp = w.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xp = x.data_ptr<float>() + r * n;
+    float* yp = y.data_ptr<float>() + r * n;
+    const float ss = dot(xp, xp, n);
+    const float scale = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+    for (int64_t i = 0; i < n; ++i) yp[i] = xp[i] * scale * wp[i];
+  }
+  return y;
+}
+
+// silu(gate) * up for gu [rows, 2I] holding gate then up.
+at::Tensor silu_mul(const at::Tensor& gu) {
+  TORCH_CHECK(gu.is_contiguous() && gu.scalar_type() == at::kFloat && gu.dim() == 2 && gu.size(1) % 2 == 0,
+              "silu_mul: gu must be contiguous fp32 [rows, 2I]");
+  const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
+  at::Tensor y = at::empty({rows, inter}, gu.options());
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gu.data_ptr<float>() + r * 2 * inter;
+    const float* u = g + inter;
+    float* yp = y.data_ptr<float>() + r * inter;
+    for (int64_t i = 0; i < inter; ++i) yp[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+  return y;
+}
+
+// In place on one head x [d]: optional RMSNorm with weight nw (Qwen3's q_norm / k_norm), then RoPE in the
+// rotate_half convention with the position's cos/sin rows [d].
+void norm_rotate(float* x, int64_t d, const float* nw, float eps, const float* cos, const float* sin) {
+  if (nw != nullptr) {
+    const float ss = dot(x, x, d);
+    const float scale = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+    for (int64_t i = 0; i < d; ++i) x[i] = x[i] * scale * nw[i];
+  }
+  const int64_t half = d / 2;
+  float tmp[1024];
+  std::memcpy(tmp, x, d * sizeof(float));
+  for (int64_t i = 0; i < half; ++i) x[i] = tmp[i] * cos[i] - tmp[i + half] * sin[i];
+  for (int64_t i = half; i < d; ++i) x[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
+}
+
+// One decode token for each of n sequences through one layer's attention. qkv [n, (hq + 2 hkv) d] is the
+// fused projection's output; row r belongs to the sequence whose layer buffers are keys[r]/values[r]
+// [1, hkv, capacity, d] and goes to slot slots[r] at the RoPE angles of cos[r]/sin[r] [d]. q and k are
+// normed (when q_norm/k_norm are given) and rotated, k and v written to the slot, and q attends to slots
+// 0..slot: softmax(q.k / sqrt(d)) v. Returns the attention output [n, hq d], heads in order.
+at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList values, at::IntArrayRef slots,
+                  const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& q_norm,
+                  const std::optional<at::Tensor>& k_norm, double eps, int64_t hq, int64_t hkv) {
+  const int64_t rows = qkv.dim() == 2 ? qkv.size(0) : 0;
+  TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == at::kFloat && rows > 0,
+              "attend: qkv must be contiguous fp32 [n, (hq + 2 hkv) d]");
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == rows && static_cast<int64_t>(values.size()) == rows &&
+                  static_cast<int64_t>(slots.size()) == rows,
+              "attend: keys, values and slots need one entry per row of qkv");
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "attend: hq must be a multiple of hkv");
+  const int64_t d = qkv.size(1) / (hq + 2 * hkv);
+  TORCH_CHECK(qkv.size(1) == (hq + 2 * hkv) * d, "attend: qkv has the wrong size");
+  TORCH_CHECK(d <= 1024 && d % 2 == 0, "attend: head_dim must be even and at most 1024");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == rows * d && sin.numel() == rows * d,
+              "attend: cos/sin must be contiguous [n, head_dim]");
+  for (int64_t r = 0; r < rows; ++r) {
+    const at::Tensor& k = keys[r];
+    TORCH_CHECK(k.is_contiguous() && values[r].is_contiguous() && k.dim() == 4 && k.sizes() == values[r].sizes() &&
+                    k.scalar_type() == at::kFloat && values[r].scalar_type() == at::kFloat,
+                "attend: keys and values must be contiguous fp32 [1, hkv, capacity, d]");
+    TORCH_CHECK(k.size(1) == hkv && k.size(3) == d, "attend: head counts or head_dim do not match the buffers");
+    TORCH_CHECK(slots[r] >= 0 && slots[r] < k.size(2), "attend: slot is outside the buffers");
+  }
+  const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
+  const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
+  const int64_t width = (hq + 2 * hkv) * d, group = hq / hkv;
+
+  std::vector<float> q(rows * hq * d);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* in = qkv.data_ptr<float>() + r * width;
+    const float* cp = cos.data_ptr<float>() + r * d;
+    const float* sp = sin.data_ptr<float>() + r * d;
+    const int64_t cap = keys[r].size(2), slot = slots[r];
+    std::memcpy(q.data() + r * hq * d, in, hq * d * sizeof(float));
+    for (int64_t h = 0; h < hq; ++h) norm_rotate(q.data() + (r * hq + h) * d, d, qn, static_cast<float>(eps), cp, sp);
+    for (int64_t g = 0; g < hkv; ++g) {
+      float* kdst = keys[r].data_ptr<float>() + (g * cap + slot) * d;
+      std::memcpy(kdst, in + (hq + g) * d, d * sizeof(float));
+      norm_rotate(kdst, d, kn, static_cast<float>(eps), cp, sp);
+      std::memcpy(values[r].data_ptr<float>() + (g * cap + slot) * d, in + (hq + hkv + g) * d, d * sizeof(float));
+    }
+  }
+
+  // Flash-decoding: each row's keys are split into chunks of CHUNK slots; an item, one (row, kv head, chunk),
+  // scores the kv head's whole group of q heads against its keys (each key read once for the group) and
+  // keeps the chunk's max score m, sum of exp(score - m) l and unnormalised output o; items merge per head.
+  constexpr int64_t CHUNK = 256;
+  struct Item { int64_t row, g, t0, n; };
+  std::vector<Item> items;
+  std::vector<int64_t> first(rows + 1);  // items of row r: first[r] .. first[r + 1] - 1, kv head by kv head
+  int64_t keys_total = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    first[r] = static_cast<int64_t>(items.size());
+    const int64_t len = slots[r] + 1;
+    keys_total += len * hkv;
+    for (int64_t g = 0; g < hkv; ++g) {
+      for (int64_t t0 = 0; t0 < len; t0 += CHUNK) items.push_back({r, g, t0, std::min(len - t0, CHUNK)});
+    }
+  }
+  first[rows] = static_cast<int64_t>(items.size());
+  const int64_t count = first[rows];
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  std::vector<float> part_o(count * group * d), part_m(count * group), part_l(count * group);
+  // Items run in parallel once there are enough keys to pay for waking the other threads.
+  const int64_t grain = keys_total >= 512 ? 1 : count;
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> score(group * CHUNK);
+    for (int64_t it = begin; it < end; ++it) {
+      const Item& item = items[it];
+      const int64_t cap = keys[item.row].size(2), n = item.n;
+      const float* kh = keys[item.row].data_ptr<float>() + (item.g * cap + item.t0) * d;
+      const float* vh = values[item.row].data_ptr<float>() + (item.g * cap + item.t0) * d;
+      const float* qg = q.data() + (item.row * hq + item.g * group) * d;
+      for (int64_t t = 0; t < n; ++t) {
+        for (int64_t j = 0; j < group; ++j) score[j * CHUNK + t] = dot(qg + j * d, kh + t * d, d) * scale;
+      }
+      float* o = part_o.data() + it * group * d;
+      std::fill(o, o + group * d, 0.f);
+      for (int64_t j = 0; j < group; ++j) {
+        float* sj = score.data() + j * CHUNK;
+        float mx = -INFINITY, total = 0.f;
+        for (int64_t t = 0; t < n; ++t) mx = sj[t] > mx ? sj[t] : mx;
+        for (int64_t t = 0; t < n; ++t) {
+          sj[t] = std::exp(sj[t] - mx);
+          total += sj[t];
+        }
+        part_m[it * group + j] = mx;
+        part_l[it * group + j] = total;
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        const float* vt = vh + t * d;
+        for (int64_t j = 0; j < group; ++j) {
+          const float w = score[j * CHUNK + t];
+          float* oj = o + j * d;
+          for (int64_t i = 0; i < d; ++i) oj[i] += w * vt[i];
+        }
+      }
+    }
+  });
+
+  at::Tensor out = at::empty({rows, hq * d}, qkv.options());
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t chunks = (first[r + 1] - first[r]) / hkv;
+    for (int64_t g = 0; g < hkv; ++g) {
+      for (int64_t j = 0; j < group; ++j) {
+        const int64_t base = first[r] + g * chunks;
+        float mx = -INFINITY, total = 0.f;
+        for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, part_m[(base + c) * group + j]);
+        float* oh = out.data_ptr<float>() + (r * hq + g * group + j) * d;
+        std::fill(oh, oh + d, 0.f);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t at = (base + c) * group + j;
+          const float w = std::exp(part_m[at] - mx);
+          total += w * part_l[at];
+          const float* oc = part_o.data() + at * d;
+          for (int64_t i = 0; i < d; ++i) oh[i] += w * oc[i];
+        }
+        for (int64_t i = 0; i < d; ++i) oh[i] /= total;
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvtool_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("attend(Tensor qkv, Tensor(a!)[] keys, Tensor(b!)[] values, int[] slots, Tensor cos, Tensor sin, "
+        "Tensor? q_norm, Tensor? k_norm, float eps, int hq, int hkv) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvtool_cpu, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("silu_mul", silu_mul);
+  m.impl("attend", attend);
+}

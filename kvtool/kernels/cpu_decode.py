@@ -1,0 +1,191 @@
+"""Batch-1 fp32 decode steps on the CPU with the work between the matmuls done in C++.
+
+A SmolLM2 decode step on the 2-core x86_64 machine kvtool is built on took ~42 ms with the projections
+packed (kvtool.kernels.cpu_gemm), of which the 121 matmuls take ~30 ms when run alone. Most of the other
+~11 ms are small ops run one by one: F.rms_norm decomposes into ~7 ATen ops on the CPU and takes 27 us
+for one 576-wide row (61 a step), RoPE, the KV write, a GQA SDPA call of ~30 us, silu and the residual
+adds. Here each layer is eight calls: three C++ ops from cpu_decode.cpp (an RMSNorm, `attend`: Qwen3's
+q/k norms, RoPE, the KV write and the attention of the one query, and silu(gate) * up) and the four
+packed matmuls, whose oneDNN post-op adds the residual. A step then takes ~34 ms (29 against 21 tok/s
+for the reference forward, same tokens, 5 interleaved runs of 64 tokens). The math is the reference's;
+only summation order differs (logits within ~5e-5 on SmolLM2).
+
+ModelRunner.forward and forward_batch take this path for one new token of each sequence, without a tap, once
+`use_cpu_decode()` turned it on (kvtool.load does, for fp32 CPU models). The matmuls are the runner's
+own: oneDNN-packed, int4 (`weights="int4"`) or plain F.linear (`KVTOOL_CPU_GEMM=0`). Prefill, taps
+and every other dtype or device run the reference forward. For n sequences the matmuls run once over n
+rows and `attend` takes every sequence's own buffers, so continuous batching's decode steps use it too.
+
+The C++ file is compiled once per machine with the system compiler (`CXX`, default c++) against the
+installed torch's headers, into `<kvtool cache>/ext` (KVTOOL_CACHE, default ~/.cache/kvtool), named by a
+hash of the source, torch version, flags and CPU, so a new torch or CPU builds anew (~15 s on 2 cores).
+When no compiler is found or the build fails, the runner keeps the reference forward and one line on
+stderr says why. `KVTOOL_CPU_DECODE=0` keeps the reference forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+from kvtool.kernels import cpu_gemm
+
+ENV = "KVTOOL_CPU_DECODE"
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+FLAGS = ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w"]
+BUILD_TIMEOUT_S = 600
+
+
+def _cpu_id() -> str:
+    """The CPU's model name and feature flags (what -march=native compiles for); the machine name elsewhere."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine()
+    keep = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep) or platform.machine()
+
+
+def library_path(compiler: str) -> Path:
+    from kvtool.models.gguf import cache_root
+
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, compiler, *FLAGS, _cpu_id()]).encode())
+    return cache_root() / "ext" / f"kvtool_cpu_decode-{key.hexdigest()[:16]}.so"
+
+
+def build(compiler: str, target: Path) -> None:
+    """Compile SOURCE into `target` (written beside it first, then renamed, so readers never see half a file)."""
+    torch_dir = Path(torch.__file__).parent
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".tmp{os.getpid()}.so")
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    cmd = [compiler, *FLAGS, *includes, str(SOURCE), "-o", str(tmp), f"-L{torch_dir / 'lib'}", "-lc10",
+           "-ltorch_cpu"]
+    print(f"kvtool: compiling the CPU decode ops ({SOURCE.name}, once for this machine and torch)", file=sys.stderr)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"compiling {SOURCE.name} took over {BUILD_TIMEOUT_S} s") from None
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+        raise RuntimeError(f"compiling {SOURCE.name} with {compiler} failed: {tail}")
+    tmp.replace(target)
+    for stale in target.parent.glob("kvtool_cpu_decode-*.so"):  # builds for an older source, torch or CPU
+        if stale != target:
+            stale.unlink(missing_ok=True)
+
+
+@functools.cache
+def _load(compiler: str) -> str | None:
+    """Build (once per machine) and load the ops; None when torch.ops.kvtool_cpu is ready, else why not."""
+    reason = None
+    if shutil.which(compiler) is None:
+        reason = f"no C++ compiler {compiler!r} on PATH (set CXX)"
+    else:
+        target = library_path(compiler)
+        try:
+            if not target.is_file():
+                build(compiler, target)
+            torch.ops.load_library(str(target))
+        except (RuntimeError, OSError) as exc:
+            reason = str(exc).splitlines()[0]
+    if reason:
+        print(f"kvtool: decode steps run the reference forward: {reason}", file=sys.stderr)
+    return reason
+
+
+def unavailable() -> str | None:
+    """None when the C++ decode ops are loaded (building them if needed), else why not; ValueError for a
+    malformed KVTOOL_CPU_DECODE."""
+    mode = os.environ.get(ENV, "1")
+    if mode not in ("0", "1"):
+        raise ValueError(f"{ENV} must be 0 or 1; got {mode!r}")
+    if mode == "0":
+        return f"{ENV}=0"
+    return _load(os.environ.get("CXX", "c++"))
+
+
+def unsupported(runner) -> str | None:
+    """None when `runner` can decode through these ops, else why not."""
+    if runner.device.type != "cpu" or runner.dtype != torch.float32:
+        return f"the ops take fp32 on the CPU; the model is {runner.dtype} on {runner.device.type}"
+    if any(layer.self_attn._wqkv is None or layer.mlp._wgu is None for layer in runner.model.layers):
+        return "the projections are not fused (call fuse() first)"
+    if runner.spec.head_dim % 2 or runner.spec.head_dim > 1024:
+        return f"head_dim {runner.spec.head_dim} is odd or above 1024"
+    return unavailable()
+
+
+def _product(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T + bias for any of the runner's weights: oneDNN-packed, int4 or a plain tensor."""
+    if isinstance(w, cpu_gemm.PackedWeight):
+        return torch.ops.mkldnn._linear_pointwise(x, w.packed, bias, "none", [], "")
+    from kvtool.models.runner import linear
+
+    return linear(x, w, bias)
+
+
+def _product_add(x: torch.Tensor, w, residual: torch.Tensor) -> torch.Tensor:
+    """x @ W.T + residual; one oneDNN call (a binary post-op) for a packed weight."""
+    if isinstance(w, cpu_gemm.PackedWeight):
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w.packed, None, "add")
+    return _product(x, w) + residual
+
+
+def _weight(linear_module):
+    """The weight a projection module multiplies by: its packed copy (oneDNN or int4) or the plain one."""
+    return getattr(linear_module, "packed", linear_module.weight)
+
+
+class DecodeStep:
+    """One new token for each of n sequences through the model, each over its own KVCache. Weights are read
+    from the runner on every call, so load_state_dict() and repacking are seen."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.ops = torch.ops.kvtool_cpu
+        s = runner.spec
+        self.hq, self.hkv = s.num_heads, s.num_kv_heads
+
+    @staticmethod
+    def takes(caches) -> bool:
+        """True when every layer's buffers are the contiguous [1, H, capacity, D] the ops index into."""
+        return all(k.is_contiguous() and v.is_contiguous()
+                   for cache in caches for k, v in (layer.buffers for layer in cache.layers))
+
+    def __call__(self, tokens: torch.Tensor, caches: list, positions: list[int]) -> torch.Tensor:
+        """Logits [n, V] (fp32) of tokens [n], token i at RoPE position positions[i]; its K/V go to the next
+        slot of caches[i]."""
+        r, ops, hq, hkv = self.runner, self.ops, self.hq, self.hkv
+        slots = [cache.offset for cache in caches]
+        for cache, slot in zip(caches, slots):
+            cache.reserve(slot + 1)
+        cos, sin = r.rope_cos_sin(torch.tensor(positions, device=r.device))  # [n, D] each
+        x = r.model.embed_tokens(tokens)  # [n, hidden]
+        for i, layer in enumerate(r.model.layers):
+            attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
+            kv = [cache.layers[i] for cache in caches]
+            qkv = _product(ops.rms_norm(x, norm.weight, norm.eps), attn._wqkv, attn._bqkv)
+            qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+            eps = attn.q_norm.eps if attn.qk_norm else 0.0
+            out = ops.attend(qkv, [layer_kv.buffers[0] for layer_kv in kv], [layer_kv.buffers[1] for layer_kv in kv],
+                             slots, cos, sin, qn, kn, eps, hq, hkv)
+            for layer_kv, slot in zip(kv, slots):
+                layer_kv.offset = slot + 1
+            x = _product_add(out, _weight(attn.o_proj), x)
+            norm = layer.post_attention_layernorm
+            gate_up = _product(ops.rms_norm(x, norm.weight, norm.eps), mlp._wgu)
+            x = _product_add(ops.silu_mul(gate_up), _weight(mlp.down_proj), x)
+        norm = r.model.norm
+        return r.head(ops.rms_norm(x, norm.weight, norm.eps))

@@ -1,0 +1,225 @@
+"""The C++ decode ops (kvtool.kernels.cpu_decode) against torch, and decode steps through them against the
+reference forward on tiny and real models."""
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from kvtool.errors import ModelLoadError
+from kvtool.kernels import cpu_decode, cpu_gemm
+from kvtool.models.rope import apply_rope
+from kvtool.testing.tiny import tiny_checkpoint, tiny_runner
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None or cpu_gemm._op_works() is not None,
+                                reason="needs a C++ compiler and oneDNN's packed linear")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    assert cpu_decode.unavailable() is None
+    return torch.ops.kvtool_cpu
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_rms_norm_and_silu_mul_equal_torch(ops, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 576, generator=gen) * 3, torch.randn(576, generator=gen)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), atol=1e-6, rtol=1e-5)
+    gu = torch.randn(rows, 2 * 100, generator=gen) * 4
+    torch.testing.assert_close(ops.silu_mul(gu), F.silu(gu[:, :100]) * gu[:, 100:], atol=1e-6, rtol=1e-5)
+
+
+def reference_attend(qkv, keys, values, slot, cos, sin, q_norm, k_norm, eps, hq, hkv):
+    """What attend() computes, in torch: (output [1, hq d], the rotated k [hkv, d], v [hkv, d])."""
+    d = keys.shape[-1]
+    q, k, v = qkv.view(hq + 2 * hkv, d).split([hq, hkv, hkv])
+    if q_norm is not None:
+        q, k = F.rms_norm(q, (d,), q_norm, eps), F.rms_norm(k, (d,), k_norm, eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    ks = torch.cat([keys[0, :, :slot], k[:, None]], 1)
+    vs = torch.cat([values[0, :, :slot], v[:, None]], 1)
+    out = F.scaled_dot_product_attention(q[None, :, None], ks[None], vs[None], enable_gqa=True)
+    return out.reshape(1, hq * d), k, v
+
+
+@pytest.mark.parametrize("hq,hkv,d,slot,qk_norm", [(4, 2, 16, 0, False), (9, 3, 64, 40, False),
+                                                   (9, 3, 64, 700, False), (14, 2, 64, 300, False),
+                                                   (16, 8, 128, 257, True), (4, 4, 32, 5, True)])
+def test_attend_equals_norm_rope_and_sdpa_and_writes_only_its_slot(ops, hq, hkv, d, slot, qk_norm):
+    """Slots past 256 span several key chunks (merged per head) and, past 512 keys in all, several threads.
+    Three rows, each with its own buffers, slot and angles: the first at `slot`, the others shorter."""
+    gen = torch.Generator().manual_seed(slot)
+    slots = [slot, slot // 2, 3]
+    keys = [torch.randn(1, hkv, s + 9, d, generator=gen) for s in slots]
+    values = [torch.randn(1, hkv, s + 9, d, generator=gen) for s in slots]
+    qkv = torch.randn(len(slots), (hq + 2 * hkv) * d, generator=gen)
+    angles = torch.rand(len(slots), d // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    norms = (torch.rand(d, generator=gen) + 0.5, torch.rand(d, generator=gen) + 0.5) if qk_norm else (None, None)
+    want = [reference_attend(qkv[r : r + 1], keys[r], values[r], s, cos[r], sin[r], *norms, 1e-6, hq, hkv)
+            for r, s in enumerate(slots)]
+    before = [(k.clone(), v.clone()) for k, v in zip(keys, values)]
+
+    got = ops.attend(qkv, keys, values, slots, cos, sin, *norms, 1e-6, hq, hkv)
+    torch.testing.assert_close(got, torch.cat([w[0] for w in want]), atol=2e-5, rtol=1e-4)
+    for r, s in enumerate(slots):
+        torch.testing.assert_close(keys[r][0, :, s], want[r][1], atol=1e-5, rtol=1e-5)
+        assert torch.equal(values[r][0, :, s], want[r][2])
+        others = [i for i in range(keys[r].shape[2]) if i != s]
+        assert torch.equal(keys[r][:, :, others], before[r][0][:, :, others])
+        assert torch.equal(values[r][:, :, others], before[r][1][:, :, others])
+
+
+def test_attend_refuses_what_does_not_fit(ops):
+    keys = values = torch.zeros(1, 2, 8, 16)
+    qkv, row = torch.zeros(1, 8 * 16), torch.zeros(1, 16)
+    with pytest.raises(RuntimeError, match="slot is outside the buffers"):
+        ops.attend(qkv, [keys], [values], [8], row, row, None, None, 1e-6, 4, 2)
+    with pytest.raises(RuntimeError, match="qkv has the wrong size"):
+        ops.attend(torch.zeros(1, 17), [keys], [values], [0], row, row, None, None, 1e-6, 4, 2)
+    with pytest.raises(RuntimeError, match="must be contiguous"):
+        ops.attend(qkv, [keys.transpose(2, 3)], [values], [0], row, row, None, None, 1e-6, 4, 2)
+    with pytest.raises(RuntimeError, match="one entry per row"):
+        ops.attend(qkv, [keys, keys], [values], [0], row, row, None, None, 1e-6, 4, 2)
+
+
+def decode(runner, prompt: list[int], steps: int, on: bool, positions_from: int | None = None):
+    """Greedy tokens, stacked logits and the final cache of `steps` decode steps after a prefill."""
+    assert runner.use_cpu_decode(on) is None
+    cache = runner.new_cache(len(prompt) + steps + 1)
+    logits = runner.prefill(prompt, cache)
+    tokens, all_logits = [], []
+    for i in range(steps):
+        tok = int(logits.argmax(-1))
+        tokens.append(tok)
+        pos = None if positions_from is None else [positions_from + len(prompt) + i]
+        logits = runner.forward([tok], cache, positions=pos)
+        all_logits.append(logits)
+    return tokens, torch.cat(all_logits), cache
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+def test_decode_steps_equal_the_reference_forward(tmp_path, family):
+    tiny_checkpoint(family, tmp_path)
+    runner = tiny_runner(family, tmp_path)
+    assert runner.cpu_decode  # kvtool's loader turns it on for packed fp32 CPU models
+    prompt = list(range(3, 40))
+    for shift in (None, 100):  # positions past the cache slots, as relocation passes them
+        fast = decode(runner, prompt, 24, True, shift)
+        ref = decode(runner, prompt, 24, False, shift)
+        assert fast[0] == ref[0]
+        torch.testing.assert_close(fast[1], ref[1], atol=1e-4, rtol=1e-4)
+        for a, b in zip(fast[2].layers, ref[2].layers):
+            assert a.offset == b.offset == len(prompt) + 24
+            torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+
+
+def ops_of(fn) -> set[str]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {event.key for event in prof.key_averages()}
+
+
+def test_decode_steps_without_a_tap_take_the_ops(tmp_path):
+    tiny_checkpoint("llama", tmp_path)
+    runner = tiny_runner("llama", tmp_path)
+    cache = runner.new_cache(64)
+    assert "kvtool_cpu::attend" not in ops_of(lambda: runner.prefill(list(range(3, 20)), cache))
+    assert "kvtool_cpu::attend" in ops_of(lambda: runner.forward([5], cache))
+    assert "kvtool_cpu::attend" not in ops_of(lambda: runner.forward([5], cache, tap=lambda seen: None))
+    other = runner.new_cache(64)
+    runner.prefill([4, 5, 6], other)
+    assert "kvtool_cpu::attend" in ops_of(lambda: runner.forward_batch([([7], cache), ([8], other)]))
+    assert "kvtool_cpu::attend" not in ops_of(lambda: runner.forward_batch([([7, 8], cache), ([8], other)]))
+    runner.use_cpu_decode(False)
+    assert "kvtool_cpu::attend" not in ops_of(lambda: runner.forward([5], cache))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_batched_decode_steps_equal_the_reference_batch(tmp_path, family):
+    """Three sequences of different lengths decode together, each into its own cache."""
+    tiny_checkpoint(family, tmp_path)
+    runner = tiny_runner(family, tmp_path)
+    prompts = [list(range(3, 50)), list(range(7, 12)), list(range(60, 90))]
+
+    def run(on: bool):
+        runner.use_cpu_decode(on)
+        caches = [runner.new_cache(64) for _ in prompts]
+        tokens = [int(runner.prefill(p, c).argmax(-1)) for p, c in zip(prompts, caches)]
+        logits = []
+        for _ in range(12):
+            out = runner.forward_batch([([t], c) for t, c in zip(tokens, caches)])
+            tokens = [int(o.argmax(-1)) for o in out]
+            logits.append(torch.cat(out))
+        return torch.stack(logits), caches
+
+    fast, ref = run(True), run(False)
+    torch.testing.assert_close(fast[0], ref[0], atol=1e-4, rtol=1e-4)
+    for a, b in zip(fast[1], ref[1]):
+        assert a.offset == b.offset
+        torch.testing.assert_close(a.layers[1].keys, b.layers[1].keys, atol=1e-5, rtol=1e-5)
+
+
+def test_a_failed_build_or_the_env_switch_keeps_the_reference_forward(tmp_path, monkeypatch, capsys):
+    tiny_checkpoint("llama", tmp_path / "ckpt")
+    monkeypatch.setenv("KVTOOL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", shutil.which("false"))  # a "compiler" that always fails
+    runner = tiny_runner("llama", tmp_path / "ckpt")
+    assert not runner.cpu_decode
+    reason = runner.use_cpu_decode()
+    assert reason.startswith("compiling cpu_decode.cpp with") and "failed" in reason
+    assert "decode steps run the reference forward: compiling cpu_decode.cpp" in capsys.readouterr().err
+    assert not list((tmp_path / "cache" / "ext").glob("*.so*"))  # no half-written library left behind
+    tokens, _, _ = decode(runner, list(range(3, 20)), 4, False)
+    assert len(tokens) == 4
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert "no C++ compiler" in runner.use_cpu_decode()
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv(cpu_decode.ENV, "0")
+    assert runner.use_cpu_decode() == "KVTOOL_CPU_DECODE=0" and not runner.cpu_decode
+    monkeypatch.setenv(cpu_decode.ENV, "fast")
+    with pytest.raises(ValueError, match="KVTOOL_CPU_DECODE must be 0 or 1; got 'fast'"):
+        runner.use_cpu_decode()
+    with pytest.raises(ModelLoadError, match="KVTOOL_CPU_DECODE must be 0 or 1"):
+        tiny_runner("llama", tmp_path / "ckpt")  # the loader turns a malformed switch into a load error
+
+
+def test_plain_and_int4_matmuls_decode_through_the_ops_and_bf16_says_why_not(tmp_path):
+    tiny_checkpoint("qwen3", tmp_path)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(cpu_gemm.ENV, "0")
+        plain = tiny_runner("qwen3", tmp_path)
+    int4 = tiny_runner("qwen3", tmp_path, weights="int4")
+    prompt = list(range(3, 30))
+    assert not plain.cpu_gemm_packed and int4.weights == "int4"
+    # the int4 kernel rounds its inputs to bf16, so summation-order differences can move a logit by a bf16 step
+    for runner, atol in ((plain, 1e-4), (int4, 1e-2)):
+        assert runner.cpu_decode
+        fast, ref = decode(runner, prompt, 16, True), decode(runner, prompt, 16, False)
+        assert fast[0] == ref[0]
+        torch.testing.assert_close(fast[1], ref[1], atol=atol, rtol=1e-4)
+    assert "fp32 on the CPU" in plain.to(torch.bfloat16).use_cpu_decode()
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name,steps", [("smollm2", 64), ("qwen25", 32)])
+def test_real_models_decode_the_same_tokens_through_the_ops(request, name, steps):
+    from kvtool.cli.info import describe
+
+    model = request.getfixturevalue(name)
+    runner = model.runner
+    assert runner.cpu_decode and describe(model)["decode_steps"] == "C++ glue (kvtool.kernels.cpu_decode)"
+    prompt = list(range(200, 300))
+    try:
+        fast = decode(runner, prompt, steps, True)
+        ref = decode(runner, prompt, steps, False)
+    finally:
+        runner.use_cpu_decode(True)
+    assert fast[0] == ref[0]
+    torch.testing.assert_close(fast[1], ref[1], atol=1e-3, rtol=1e-4)
