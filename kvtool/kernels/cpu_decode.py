@@ -1,4 +1,4 @@
-"""Batch-1 fp32 decode steps on the CPU with the work between the matmuls done in C++.
+"""fp32 decode steps on the CPU with the work between the matmuls done in C++.
 
 A SmolLM2 decode step on the 2-core x86_64 machine kvtool is built on took ~42 ms with the projections
 packed (kvtool.kernels.cpu_gemm), of which the 121 matmuls take ~30 ms when run alone. Most of the other
@@ -6,12 +6,12 @@ packed (kvtool.kernels.cpu_gemm), of which the 121 matmuls take ~30 ms when run 
 for one 576-wide row (61 a step), RoPE, the KV write, a GQA SDPA call of ~30 us, silu and the residual
 adds. Here each layer is eight calls: three C++ ops from cpu_decode.cpp (an RMSNorm, `attend`: Qwen3's
 q/k norms, RoPE, the KV write and the attention of the one query, and silu(gate) * up) and the four
-packed matmuls, whose oneDNN post-op adds the residual. A step then takes ~34 ms (29 against 21 tok/s
-for the reference forward, same tokens, 5 interleaved runs of 64 tokens). The math is the reference's;
+packed matmuls, whose oneDNN post-op adds the residual. A step then takes ~37 ms (27 against 22 tok/s
+for the reference forward, same tokens, medians of 5 interleaved runs of 64 tokens). The math is the reference's;
 only summation order differs (logits within ~5e-5 on SmolLM2).
 
-ModelRunner.forward and forward_batch take this path for one new token of each sequence, without a tap, once
-`use_cpu_decode()` turned it on (kvtool.load does, for fp32 CPU models). The matmuls are the runner's
+ModelRunner.forward and forward_batch take this path for one new token of each sequence, without a tap,
+once `use_cpu_decode()` turned it on (kvtool.load does, for fp32 CPU models). The matmuls are the runner's
 own: oneDNN-packed, int4 (`weights="int4"`) or plain F.linear (`KVTOOL_CPU_GEMM=0`). Prefill, taps
 and every other dtype or device run the reference forward. For n sequences the matmuls run once over n
 rows and `attend` takes every sequence's own buffers, so continuous batching's decode steps use it too.
