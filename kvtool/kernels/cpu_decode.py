@@ -20,7 +20,8 @@ The C++ file is compiled once per machine with the system compiler (`CXX`, defau
 installed torch's headers, into `<kvtool cache>/ext` (KVTOOL_CACHE, default ~/.cache/kvtool), named by a
 hash of the source, torch version, flags and CPU, so a new torch or CPU builds anew (~15 s on 2 cores).
 When no compiler is found or the build fails, the runner keeps the reference forward and one line on
-stderr says why. `KVTOOL_CPU_DECODE=0` keeps the reference forward.
+stderr says why. FLAGS are gcc's, as built and measured on x86_64 Linux; Apple's clang has no -fopenmp
+and is expected to take that fallback. `KVTOOL_CPU_DECODE=0` keeps the reference forward.
 """
 
 from __future__ import annotations
@@ -160,9 +161,10 @@ class DecodeStep:
 
     @staticmethod
     def takes(caches) -> bool:
-        """True when every layer's buffers are the contiguous [1, H, capacity, D] the ops index into."""
-        return all(k.is_contiguous() and v.is_contiguous()
-                   for cache in caches for k, v in (layer.buffers for layer in cache.layers))
+        """True when every layer's buffers are the contiguous fp32 CPU [1, H, capacity, D] the ops index into
+        (a runner moved to another dtype or device after use_cpu_decode() makes caches that are not)."""
+        return all(k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == torch.float32
+                   and k.device.type == "cpu" for cache in caches for k, v in (layer.buffers for layer in cache.layers))
 
     def __call__(self, tokens: torch.Tensor, caches: list, positions: list[int]) -> torch.Tensor:
         """Logits [n, V] (fp32) of tokens [n], token i at RoPE position positions[i]; its K/V go to the next

@@ -315,7 +315,8 @@ class ModelRunner(nn.Module):
         return None
 
     def use_cpu_decode(self, on: bool = True) -> str | None:
-        """Run batch-1 decode steps through kvtool.kernels.cpu_decode (on) or the reference forward (off).
+        """Run decode steps (one new token per sequence) through kvtool.kernels.cpu_decode (on) or the reference
+        forward (off).
         Returns None when the requested path is set, else why the C++ path cannot run (the reference stays)."""
         reason = cpu_decode.unsupported(self) if on else None
         self._cpu_step = cpu_decode.DecodeStep(self) if on and reason is None else None

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from kvtool.cache.kv import KVCache
 from kvtool.errors import ModelLoadError
 from kvtool.kernels import cpu_decode, cpu_gemm
 from kvtool.models.rope import apply_rope
@@ -204,6 +205,10 @@ def test_plain_and_int4_matmuls_decode_through_the_ops_and_bf16_says_why_not(tmp
         fast, ref = decode(runner, prompt, 16, True), decode(runner, prompt, 16, False)
         assert fast[0] == ref[0]
         torch.testing.assert_close(fast[1], ref[1], atol=atol, rtol=1e-4)
+    spec = plain.spec  # caches the ops cannot index into go to the reference forward
+    assert cpu_decode.DecodeStep.takes([plain.new_cache(8)])
+    assert not cpu_decode.DecodeStep.takes([KVCache.empty(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                                          torch.bfloat16, "cpu")])
     assert "fp32 on the CPU" in plain.to(torch.bfloat16).use_cpu_decode()
 
 
