@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from kvtool.kernels import cpu_gemm
 from kvtool.kernels.quant import (EXACT_TOP, GROUP, MAX_ROWS, Int4Linear, head_logits, int4_linear,
                                   int4_linear_reference, quantize_int4, unsupported)
 
@@ -89,3 +90,13 @@ def test_bf16_head_gives_exact_top_logits_and_close_others():
     assert 0 < rest <= 2e-2 * want.abs().max()  # the bf16 pass, outside the recomputed top
     many = torch.randn(MAX_ROWS + 1, 64, generator=g)
     assert torch.equal(head_logits(many, dense, dense.bfloat16()), torch.nn.functional.linear(many, dense))
+
+
+@pytest.mark.skipif(cpu_gemm._op_works() is not None, reason="needs oneDNN's packed linear")
+def test_with_a_packed_dense_head_only_one_row_takes_the_bf16_pass():
+    g = torch.Generator().manual_seed(5)
+    dense = torch.randn(1000, 64, generator=g)
+    wide = cpu_gemm.pack(dense)
+    one, two = 3 * torch.randn(1, 64, generator=g), 3 * torch.randn(2, 64, generator=g)
+    assert not torch.equal(head_logits(one, dense, dense.bfloat16(), wide), cpu_gemm.packed_linear(one, wide))
+    assert torch.equal(head_logits(two, dense, dense.bfloat16(), wide), cpu_gemm.packed_linear(two, wide))
