@@ -14,6 +14,7 @@ set -u -o pipefail
 OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)"
+export KVTOOL_CPU_DECODE=${KVTOOL_CPU_DECODE:-0}  # no C++ build on the lease: only CPU models would use it
 failed=0
 step() {  # step NAME COMMAND...: run it, keep its log, count a failure
   local name=$1; shift
