@@ -98,7 +98,12 @@ def _load(compiler: str) -> str | None:
         try:
             if not target.is_file():
                 build(compiler, target)
-            torch.ops.load_library(str(target))
+            try:
+                torch.ops.load_library(str(target))
+            except OSError:  # a damaged file (a full disk, a copied cache): build it again, once
+                target.unlink(missing_ok=True)
+                build(compiler, target)
+                torch.ops.load_library(str(target))
         except (RuntimeError, OSError) as exc:
             reason = str(exc).splitlines()[0]
     if reason:

@@ -3,6 +3,7 @@ reference forward on tiny and real models."""
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,6 +190,24 @@ def test_a_failed_build_or_the_env_switch_keeps_the_reference_forward(tmp_path, 
         runner.use_cpu_decode()
     with pytest.raises(ModelLoadError, match="KVTOOL_CPU_DECODE must be 0 or 1"):
         tiny_runner("llama", tmp_path / "ckpt")  # the loader turns a malformed switch into a load error
+
+
+def test_a_damaged_library_file_is_built_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTOOL_CACHE", str(tmp_path))
+    target = cpu_decode.library_path("c++")
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"half a library")
+    loaded, built = [], []
+
+    def load(path):
+        loaded.append(Path(path).read_bytes())
+        if loaded[-1] == b"half a library":
+            raise OSError("file too short")
+
+    monkeypatch.setattr(torch.ops, "load_library", load)
+    monkeypatch.setattr(cpu_decode, "build", lambda compiler, where: (built.append(where), where.write_bytes(b"ok")))
+    assert cpu_decode._load.__wrapped__("c++") is None
+    assert built == [target] and loaded == [b"half a library", b"ok"]
 
 
 def test_plain_and_int4_matmuls_decode_through_the_ops_and_bf16_says_why_not(tmp_path):
