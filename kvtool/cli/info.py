@@ -25,7 +25,7 @@ def describe(model) -> dict:
         "tied_embeddings": s.tie_word_embeddings, "dtype": model.info["dtype"], "weights": model.runner.weights,
         "decode_weight_bytes": model.runner.decode_weight_bytes(), "device": model.info["device"],
         "matmuls": matmul_path(model.runner),
-        "decode_steps": "C++ glue (kvtool.kernels.cpu_decode)" if model.runner.cpu_decode else "reference forward",
+        "decode_steps": "C++ ops (kvtool.kernels.cpu_decode)" if model.runner.cpu_decode else "reference forward",
         "kv_bytes_per_token": model.kv_bytes_per_token, "chat_template": bool(model.chat_template),
     }
 

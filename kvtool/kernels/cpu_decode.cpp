@@ -13,6 +13,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // Sum of a[i] * b[i] in eight partial sums, which the compiler vectorises without -ffast-math.
@@ -25,6 +29,65 @@ inline float dot(const float* a, const float* b, int64_t n) {
   float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// Sum of w[i] * x[i] for one weight row, reading the row front to back.
+inline float row_dot(const float* w, const float* x, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+  }
+  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
+  const __m256 acc = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  lo = _mm_hadd_ps(lo, lo);
+  lo = _mm_hadd_ps(lo, lo);
+  float s = _mm_cvtss_f32(lo);
+  for (; i < n; ++i) s += w[i] * x[i];
+  return s;
+#else
+  return dot(w, x, n);
+#endif
+}
+
+// y [rows, N] = x [rows, K] @ w [N, K].T (+ bias [N]) (+ residual [rows, N]) for the few rows of a decode
+// step. Each thread streams its share of the weight rows front to back, one row at a time, with a
+// prefetch a few rows ahead; every x row reuses the weight row while it is in L1.
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2, "gemv: x must be contiguous fp32 "
+              "[rows, K]");
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(1) == x.size(1),
+              "gemv: w must be contiguous fp32 [N, K]");
+  const int64_t rows = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == n), "gemv: bias must be [N]");
+  TORCH_CHECK(!residual.has_value() || (residual->is_contiguous() && residual->numel() == rows * n),
+              "gemv: residual must be contiguous [rows, N]");
+  at::Tensor y = at::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const float* wr = wp + j * k;
+      __builtin_prefetch(wr + 8 * k);  // a prefetch past the end never faults
+      __builtin_prefetch(wr + 8 * k + 16);
+      for (int64_t r = 0; r < rows; ++r) {
+        float s = row_dot(wr, xp + r * k, k);
+        if (bp != nullptr) s += bp[j];
+        if (rp != nullptr) s += rp[r * n + j];
+        yp[r * n + j] = s;
+      }
+    }
+  });
+  return y;
 }
 
 // y = x / sqrt(mean(x^2) + eps) * w over the last dimension of x [rows, n].
@@ -209,6 +272,7 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
 TORCH_LIBRARY(kvtool_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("gemv(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("attend(Tensor qkv, Tensor(a!)[] keys, Tensor(b!)[] values, int[] slots, Tensor cos, Tensor sin, "
         "Tensor? q_norm, Tensor? k_norm, float eps, int hq, int hkv) -> Tensor");
 }
@@ -216,5 +280,6 @@ TORCH_LIBRARY(kvtool_cpu, m) {
 TORCH_LIBRARY_IMPL(kvtool_cpu, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("silu_mul", silu_mul);
+  m.impl("gemv", gemv);
   m.impl("attend", attend);
 }

@@ -1,4 +1,4 @@
-"""fp32 decode steps on the CPU with the work between the matmuls done in C++.
+"""fp32 decode steps on the CPU: the work between the matmuls, and the matmuls of few rows, in C++.
 
 A SmolLM2 decode step on the 2-core x86_64 machine kvtool is built on took ~42 ms with the projections
 packed (kvtool.kernels.cpu_gemm), of which the 121 matmuls take ~30 ms when run alone. Most of the other
@@ -6,13 +6,19 @@ packed (kvtool.kernels.cpu_gemm), of which the 121 matmuls take ~30 ms when run 
 for one 576-wide row (61 a step), RoPE, the KV write, a GQA SDPA call of ~30 us, silu and the residual
 adds. Here each layer is eight calls: three C++ ops from cpu_decode.cpp (an RMSNorm, `attend`: Qwen3's
 q/k norms, RoPE, the KV write and the attention of the one query, and silu(gate) * up) and the four
-packed matmuls, whose oneDNN post-op adds the residual. A step then takes ~37 ms (27 against 22 tok/s
-for the reference forward, same tokens, medians of 5 interleaved runs of 64 tokens). The math is the reference's;
-only summation order differs (logits within ~5e-5 on SmolLM2).
+matmuls, which add the residual themselves. That took a step to ~37 ms (27 against 22 tok/s for the
+reference forward, medians of 5 interleaved runs of 64 tokens).
+
+The matmuls of a decode step read every weight once, so they are bound by memory. oneDNN's packed GEMM
+moves ~16 GB/s at one row here; `gemv`, which streams each thread's share of the weight rows front to
+back with AVX2 FMAs and a prefetch a few rows ahead, moves 24-28 GB/s (a `sum` reaches ~30). Up to
+GEMV_MAX_ROWS rows the matmuls and the dense head take it, over the dense values the packed copies were
+made from: a step then takes ~28 ms (35.4 against 21.7 tok/s, same tokens). The math is the
+reference's; only summation order differs (logits within ~5e-5 on SmolLM2).
 
 ModelRunner.forward and forward_batch take this path for one new token of each sequence, without a tap,
-once `use_cpu_decode()` turned it on (kvtool.load does, for fp32 CPU models). The matmuls are the runner's
-own: oneDNN-packed, int4 (`weights="int4"`) or plain F.linear (`KVTOOL_CPU_GEMM=0`). Prefill, taps
+once `use_cpu_decode()` turned it on (kvtool.load does, for fp32 CPU models). Past GEMV_MAX_ROWS rows,
+and for int4 weights (`weights="int4"`, torch's int4 kernel), the matmuls are the runner's own. Prefill, taps
 and every other dtype or device run the reference forward. For n sequences the matmuls run once over n
 rows and `attend` takes every sequence's own buffers, so continuous batching's decode steps use it too.
 
@@ -44,6 +50,10 @@ ENV = "KVTOOL_CPU_DECODE"
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 FLAGS = ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w"]
 BUILD_TIMEOUT_S = 600
+# Up to this many rows the ops' own gemv beats oneDNN's packed GEMM (30 distinct weights of each SmolLM2
+# shape, so they stream from memory: at 1 row 71 vs 126 us for a 960 x 576 qkv, 259 vs 332 for gate_up,
+# 4.2 vs 5.5 ms for the head; even at 8 rows; oneDNN ahead from 16).
+GEMV_MAX_ROWS = 4
 
 
 def _cpu_id() -> str:
@@ -133,20 +143,26 @@ def unsupported(runner) -> str | None:
     return unavailable()
 
 
-def _product(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T + bias for any of the runner's weights: oneDNN-packed, int4 or a plain tensor."""
+def _dense(w) -> torch.Tensor | None:
+    """The contiguous fp32 [N, K] values `gemv` reads for a oneDNN-packed or plain weight; None for int4."""
+    dense = w.dense if isinstance(w, cpu_gemm.PackedWeight) else w
+    return dense if isinstance(dense, torch.Tensor) and dense.is_contiguous() else None
+
+
+def _product(x: torch.Tensor, w, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+    """x @ W.T (+ bias) (+ residual) for any of the runner's weights: `gemv` over the dense values for up to
+    GEMV_MAX_ROWS rows, else the runner's own product (oneDNN-packed, int4 or F.linear)."""
+    dense = _dense(w)
+    if dense is not None and x.shape[0] <= GEMV_MAX_ROWS:
+        return torch.ops.kvtool_cpu.gemv(x, dense, bias, residual)
     if isinstance(w, cpu_gemm.PackedWeight):
+        if residual is not None:  # one oneDNN call: the residual as a binary post-op
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w.packed, None, "add")
         return torch.ops.mkldnn._linear_pointwise(x, w.packed, bias, "none", [], "")
     from kvtool.models.runner import linear
 
-    return linear(x, w, bias)
-
-
-def _product_add(x: torch.Tensor, w, residual: torch.Tensor) -> torch.Tensor:
-    """x @ W.T + residual; one oneDNN call (a binary post-op) for a packed weight."""
-    if isinstance(w, cpu_gemm.PackedWeight):
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w.packed, None, "add")
-    return _product(x, w) + residual
+    y = linear(x, w, bias)
+    return y if residual is None else y + residual
 
 
 def _weight(linear_module):
@@ -190,9 +206,12 @@ class DecodeStep:
                              slots, cos, sin, qn, kn, eps, hq, hkv)
             for layer_kv, slot in zip(kv, slots):
                 layer_kv.offset = slot + 1
-            x = _product_add(out, _weight(attn.o_proj), x)
+            x = _product(out, _weight(attn.o_proj), residual=x)
             norm = layer.post_attention_layernorm
             gate_up = _product(ops.rms_norm(x, norm.weight, norm.eps), mlp._wgu)
-            x = _product_add(ops.silu_mul(gate_up), _weight(mlp.down_proj), x)
+            x = _product(ops.silu_mul(gate_up), _weight(mlp.down_proj), residual=x)
         norm = r.model.norm
-        return r.head(ops.rms_norm(x, norm.weight, norm.eps))
+        h = ops.rms_norm(x, norm.weight, norm.eps)
+        if r.weights == "dense" and h.shape[0] <= GEMV_MAX_ROWS and r.output_weight.is_contiguous():
+            return ops.gemv(h, r.output_weight, None, None)
+        return r.head(h)

@@ -35,6 +35,30 @@ def test_rms_norm_and_silu_mul_equal_torch(ops, rows):
     torch.testing.assert_close(ops.silu_mul(gu), F.silu(gu[:, :100]) * gu[:, 100:], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows,n,k", [(1, 96, 576), (3, 130, 70), (4, 1000, 1536), (2, 7, 5)])
+def test_gemv_equals_linear_with_bias_and_residual(ops, rows, n, k):
+    """K not a multiple of the 32-wide or 8-wide steps exercises the tails; N below the thread grain too."""
+    gen = torch.Generator().manual_seed(n)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    bias, residual = torch.randn(n, generator=gen), torch.randn(rows, n, generator=gen)
+    want = F.linear(x, w)
+    torch.testing.assert_close(ops.gemv(x, w, None, None), want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ops.gemv(x, w, bias, residual), want + bias + residual, atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="w must be contiguous fp32"):
+        ops.gemv(x, w.t().contiguous().t(), None, None)
+
+
+def test_decode_products_take_gemv_for_few_rows_and_the_runner_product_for_more(ops):
+    weight = cpu_gemm.pack(torch.randn(48, 32))
+    few, many = torch.randn(cpu_decode.GEMV_MAX_ROWS, 32), torch.randn(cpu_decode.GEMV_MAX_ROWS + 1, 32)
+    assert "kvtool_cpu::gemv" in ops_of(lambda: cpu_decode._product(few, weight))
+    assert "kvtool_cpu::gemv" not in ops_of(lambda: cpu_decode._product(many, weight))
+    for x in (few, many):
+        residual = torch.randn(x.shape[0], 48)
+        torch.testing.assert_close(cpu_decode._product(x, weight, residual=residual),
+                                   F.linear(x, weight.dense) + residual, atol=1e-4, rtol=1e-5)
+
+
 def reference_attend(qkv, keys, values, slot, cos, sin, q_norm, k_norm, eps, hq, hkv):
     """What attend() computes, in torch: (output [1, hq d], the rotated k [hkv, d], v [hkv, d])."""
     d = keys.shape[-1]
@@ -238,7 +262,7 @@ def test_real_models_decode_the_same_tokens_through_the_ops(request, name, steps
 
     model = request.getfixturevalue(name)
     runner = model.runner
-    assert runner.cpu_decode and describe(model)["decode_steps"] == "C++ glue (kvtool.kernels.cpu_decode)"
+    assert runner.cpu_decode and describe(model)["decode_steps"] == "C++ ops (kvtool.kernels.cpu_decode)"
     prompt = list(range(200, 300))
     try:
         fast = decode(runner, prompt, steps, True)
