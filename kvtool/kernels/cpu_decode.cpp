@@ -1,7 +1,8 @@
-// The elementwise and attention parts of a batch-1 fp32 decode step on the CPU, as torch ops
-// (torch.ops.kvtool_cpu.*). kvtool/kernels/cpu_decode.py builds this file and documents why.
+// The ops of an fp32 decode step on the CPU (one new token for each of a few sequences): RMSNorm,
+// silu * up, attention with RoPE and the KV write, and a streaming gemv for matmuls of few rows, as torch
+// ops (torch.ops.kvtool_cpu.*). kvtool/kernels/cpu_decode.py builds this file and documents why.
 //
-// Every tensor is fp32, contiguous and on the CPU; cpu_decode.py checks shapes before the first call.
+// Every tensor is fp32, contiguous and on the CPU; each op checks what it indexes into.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -93,7 +93,7 @@ def build(compiler: str, target: Path) -> None:
         raise RuntimeError(f"compiling {SOURCE.name} with {compiler} failed: {tail}")
     tmp.replace(target)
     for stale in target.parent.glob("kvtool_cpu_decode-*.so"):  # builds for an older source, torch or CPU
-        if stale != target:
+        if stale != target and ".tmp" not in stale.name:  # not another process's build in progress
             stale.unlink(missing_ok=True)
 
 
