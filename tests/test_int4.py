@@ -11,6 +11,7 @@ from kvtool.config import EngineConfig
 from kvtool.engine import Engine
 from kvtool.engine.static import StaticDecoder
 from kvtool.errors import ModelLoadError
+from kvtool.kernels import cpu_decode
 from kvtool.kernels.quant import Int4Linear, Int4Weight
 from kvtool.models.loading import check_weights
 from kvtool.testing.tiny import tiny_checkpoint, tiny_runner
@@ -184,7 +185,8 @@ def test_cli_info_and_generate_take_weights_int4(capsys):
     assert main(["info", "--model", str(smollm2_gguf()), "--weights", "int4", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["weights"] == "int4" and 100e6 < info["decode_weight_bytes"] < 150e6  # dense: 538 MB
-    assert info["matmuls"] == "int4 kernel up to 8 rows, oneDNN packed above"
+    kernel = "C++ gemv_q4" if cpu_decode.unavailable() is None else "torch's int4 kernel"
+    assert info["matmuls"] == f"int4 ({kernel}) up to 8 rows, oneDNN packed above"
     assert main(["generate", "Rivers of Europe:", "--model", str(smollm2_gguf()), "--weights", "int4",
                  "--max-tokens", "8", "--temperature", "0"]) == 0
     assert "decode 8 tok" in capsys.readouterr().err

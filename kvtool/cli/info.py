@@ -31,10 +31,12 @@ def describe(model) -> dict:
 
 
 def matmul_path(runner) -> str:
+    from kvtool.kernels import cpu_decode
     from kvtool.kernels.quant import MAX_ROWS
 
     dense = "oneDNN packed" if runner.cpu_gemm_packed else "torch F.linear"
-    return dense if runner.weights == "dense" else f"int4 kernel up to {MAX_ROWS} rows, {dense} above"
+    kernel = "C++ gemv_q4" if cpu_decode.loaded() else "torch's int4 kernel"
+    return dense if runner.weights == "dense" else f"int4 ({kernel}) up to {MAX_ROWS} rows, {dense} above"
 
 
 def run(args) -> int:

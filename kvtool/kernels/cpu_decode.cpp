@@ -1,8 +1,9 @@
 // The ops of an fp32 decode step on the CPU (one new token for each of a few sequences): RMSNorm,
-// silu * up, attention with RoPE and the KV write, and a streaming gemv for matmuls of few rows, as torch
-// ops (torch.ops.kvtool_cpu.*). kvtool/kernels/cpu_decode.py builds this file and documents why.
+// silu * up, attention with RoPE and the KV write, and streaming gemvs for matmuls of few rows (fp32 or
+// bf16 weights; 4-bit weights against 16-bit activations), as torch ops (torch.ops.kvtool_cpu.*).
+// kvtool/kernels/cpu_decode.py builds this file and documents why.
 //
-// Every tensor is fp32, contiguous and on the CPU; each op checks what it indexes into.
+// Activations are fp32; every tensor is contiguous and on the CPU; each op checks what it indexes into.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -10,6 +11,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <utility>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -56,35 +58,223 @@ inline float row_dot(const float* w, const float* x, int64_t n) {
 #endif
 }
 
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Sum of w[i] * x[i] for a bf16 weight row w (raw bits) and fp32 x: each weight widened to fp32 exactly.
+inline float row_dot_bf16(const uint16_t* w, const float* x, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  auto widen = [](const uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  };
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_fmadd_ps(widen(w + i), _mm256_loadu_ps(x + i), a0);
+    a1 = _mm256_fmadd_ps(widen(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+  }
+  const __m256 acc = _mm256_add_ps(a0, a1);
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  lo = _mm_hadd_ps(lo, lo);
+  lo = _mm_hadd_ps(lo, lo);
+  s = _mm_cvtss_f32(lo);
+#endif
+  for (; i < n; ++i) s += bf16_to_float(w[i]) * x[i];
+  return s;
+}
+
 // y [rows, N] = x [rows, K] @ w [N, K].T (+ bias [N]) (+ residual [rows, N]) for the few rows of a decode
-// step. Each thread streams its share of the weight rows front to back, one row at a time, with a
+// step, w in fp32 or bf16 (widened exactly; sums in fp32). Each thread streams its share of the weight rows front to back, one row at a time, with a
 // prefetch a few rows ahead; every x row reuses the weight row while it is in L1.
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                 const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2, "gemv: x must be contiguous fp32 "
               "[rows, K]");
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(1) == x.size(1),
-              "gemv: w must be contiguous fp32 [N, K]");
+  const bool half = w.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(w.is_contiguous() && (w.scalar_type() == at::kFloat || half) && w.dim() == 2 && w.size(1) == x.size(1),
+              "gemv: w must be contiguous fp32 or bf16 [N, K]");
   const int64_t rows = x.size(0), k = x.size(1), n = w.size(0);
   TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == n), "gemv: bias must be [N]");
   TORCH_CHECK(!residual.has_value() || (residual->is_contiguous() && residual->numel() == rows * n),
               "gemv: residual must be contiguous [rows, N]");
   at::Tensor y = at::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
+  const char* wp = static_cast<const char*>(w.data_ptr());
+  const int64_t row_bytes = k * w.element_size();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
-      const float* wr = wp + j * k;
-      __builtin_prefetch(wr + 8 * k);  // a prefetch past the end never faults
-      __builtin_prefetch(wr + 8 * k + 16);
+      const char* wr = wp + j * row_bytes;
+      __builtin_prefetch(wr + 8 * row_bytes);  // a prefetch past the end never faults
+      __builtin_prefetch(wr + 8 * row_bytes + 64);
       for (int64_t r = 0; r < rows; ++r) {
-        float s = row_dot(wr, xp + r * k, k);
+        float s = half ? row_dot_bf16(reinterpret_cast<const uint16_t*>(wr), xp + r * k, k)
+                       : row_dot(reinterpret_cast<const float*>(wr), xp + r * k, k);
         if (bp != nullptr) s += bp[j];
         if (rp != nullptr) s += rp[r * n + j];
         yp[r * n + j] = s;
+      }
+    }
+  });
+  return y;
+}
+
+// x [rows, K] in 16 bits per group of 32 columns: xq = round(x * 32767 / max |x|), xscale = max |x| / 32767
+// of the group (round to nearest even, as torch.round), and the exact group sums of x for the zero terms.
+// Rounding moves an element by at most 2^-16 of its group's largest, against 2^-9 of itself for bf16.
+struct Q16Rows {
+  std::vector<int16_t> q;      // [rows, K]
+  std::vector<float> scale;    // [rows, K/32]
+  std::vector<float> sum;      // [rows, K/32]
+  Q16Rows(const float* x, int64_t rows, int64_t k) : q(rows * k), scale(rows * k / 32), sum(rows * k / 32) {
+    for (int64_t g = 0; g < rows * k / 32; ++g) {
+      const float* xg = x + g * 32;
+      float mx = 0.f, s = 0.f;
+      for (int i = 0; i < 32; ++i) {
+        mx = std::max(mx, std::fabs(xg[i]));
+        s += xg[i];
+      }
+      const float inv = mx > 0.f ? 32767.f / mx : 0.f;
+      for (int i = 0; i < 32; ++i) q[g * 32 + i] = static_cast<int16_t>(std::nearbyint(xg[i] * inv));
+      scale[g] = mx / 32767.f;
+      sum[g] = s;
+    }
+  }
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+// One group's 32 codes (16 bytes: see q4_row) as 16-bit integers, columns 0..15 and 16..31.
+struct Codes16 {
+  __m256i lo, hi;
+};
+
+inline Codes16 unpack4(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), low4 = _mm_set1_epi8(0x0F);
+  return {_mm256_cvtepu8_epi16(_mm_and_si128(b, low4)), _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low4))};
+}
+
+// The group's q . xq (xg: its 32 16-bit x values) in eight fp32 partial sums; exact (|sum| < 2^24).
+inline __m256 dot16(const Codes16& q, const int16_t* xg) {
+  const __m256i* x = reinterpret_cast<const __m256i*>(xg);
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(q.lo, _mm256_loadu_si256(x)),
+                                             _mm256_madd_epi16(q.hi, _mm256_loadu_si256(x + 1))));
+}
+#endif
+
+// How far ahead gemv_q4 prefetches its codes (and its scales and zeros, half that): one row is too little.
+constexpr int64_t PREFETCH_BYTES = 4096;
+
+// out[t] = sum over groups g of scale_g * xscale[t, g] * (q . xq[t]) for one 4-bit weight row (codes cr [K/2]:
+// byte 16g + i holds column 32g + i in its low nibble and column 32g + 16 + i in its high one; sz: the row's
+// bf16 scales [K/32]) and the T Q16 rows from r0. The integer dots are exact (vpmaddwd: 2 * 15 * 32767 fits
+// int32); the nibbles are unpacked once per group for all T rows.
+template <int T>
+inline void q4_row(const uint8_t* cr, const uint16_t* sz, const Q16Rows& x, int64_t r0, int64_t k, float* out) {
+  const int64_t groups = k / 32;
+  const int16_t* xq[T];
+  const float* xs[T];
+  for (int t = 0; t < T; ++t) {
+    xq[t] = x.q.data() + (r0 + t) * k;
+    xs[t] = x.scale.data() + (r0 + t) * groups;
+  }
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[T][2];  // even and odd groups: two chains of FMAs per row
+  for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  alignas(32) float mult[T][8];  // scale * xscale of the block's groups
+  for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+    const int64_t block = std::min<int64_t>(8, groups - g0);
+    if (block == 8) {
+      const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sz + g0))), 16));
+      for (int t = 0; t < T; ++t) _mm256_store_ps(mult[t], _mm256_mul_ps(s, _mm256_loadu_ps(xs[t] + g0)));
+    } else {
+      for (int t = 0; t < T; ++t) {
+        for (int64_t i = 0; i < block; ++i) mult[t][i] = bf16_to_float(sz[g0 + i]) * xs[t][g0 + i];
+      }
+    }
+    for (int64_t i = 0; i < block; ++i) {
+      const int64_t g = g0 + i;
+      const Codes16 q = unpack4(cr + g * 16);
+      for (int t = 0; t < T; ++t) {
+        acc[t][i & 1] = _mm256_fmadd_ps(_mm256_broadcast_ss(&mult[t][i]), dot16(q, xq[t] + g * 32), acc[t][i & 1]);
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    const __m256 a = _mm256_add_ps(acc[t][0], acc[t][1]);
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    v = _mm_hadd_ps(v, v);
+    v = _mm_hadd_ps(v, v);
+    out[t] = _mm_cvtss_f32(v);
+  }
+#else
+  for (int t = 0; t < T; ++t) out[t] = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int t = 0; t < T; ++t) {
+      int32_t d = 0;
+      for (int i = 0; i < 16; ++i) {
+        d += (cr[g * 16 + i] & 0x0F) * xq[t][g * 32 + i] + (cr[g * 16 + i] >> 4) * xq[t][g * 32 + 16 + i];
+      }
+      out[t] += bf16_to_float(sz[g]) * xs[t][g] * static_cast<float>(d);
+    }
+  }
+#endif
+}
+
+// y [rows, N] = x [rows, K] @ W.T (+ bias) (+ residual) for 4-bit weights W [N, K] in groups of 32 columns,
+// W[j, 32g + i] = (q - 8) * scale[j, g] + zero[j, g] with q in 0..15, held as codes [N, K/2] (see q4_row) and
+// scale_zero [N, 2, K/32] bf16, and x in 16 bits per group (Q16Rows). Per group that is scale * xscale *
+// (q . xq) + (zero - 8 * scale) * sum(x), the sum exact. Rows go four at a time through q4_row.
+at::Tensor gemv_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_zero,
+                   const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) % 32 == 0,
+              "gemv_q4: x must be contiguous fp32 [rows, K] with K a multiple of 32");
+  const int64_t rows = x.size(0), k = x.size(1), groups = k / 32;
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 2 &&
+              codes.size(1) * 2 == k, "gemv_q4: codes must be contiguous uint8 [N, K/2]");
+  const int64_t n = codes.size(0);
+  TORCH_CHECK(scale_zero.is_contiguous() && scale_zero.scalar_type() == at::kBFloat16 &&
+              scale_zero.numel() == n * groups * 2, "gemv_q4: scale_zero must be contiguous bf16 [N, 2, K/32]");
+  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == n), "gemv_q4: bias must be [N]");
+  TORCH_CHECK(!residual.has_value() || (residual->is_contiguous() && residual->numel() == rows * n),
+              "gemv_q4: residual must be contiguous [rows, N]");
+  at::Tensor y = at::empty({rows, n}, x.options());
+  const Q16Rows xq(x.data_ptr<float>(), rows, k);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr());
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const uint8_t* cr = cp + j * (k / 2);
+      const uint16_t* sz = sp + j * groups * 2;
+      for (int64_t at = 0; at < k / 2; at += 64) __builtin_prefetch(cr + PREFETCH_BYTES + at);
+      for (int64_t at = 0; at < groups * 2; at += 32) __builtin_prefetch(sz + PREFETCH_BYTES / 2 + at);
+      for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int64_t tile = std::min<int64_t>(4, rows - r0);
+        float out[4];
+        switch (tile) {
+          case 1: q4_row<1>(cr, sz, xq, r0, k, out); break;
+          case 2: q4_row<2>(cr, sz, xq, r0, k, out); break;
+          case 3: q4_row<3>(cr, sz, xq, r0, k, out); break;
+          default: q4_row<4>(cr, sz, xq, r0, k, out); break;
+        }
+        for (int64_t t = 0; t < tile; ++t) {
+          const float* sums = xq.sum.data() + (r0 + t) * groups;  // offsets z - 8 * scale
+          float v = out[t] + row_dot_bf16(sz + groups, sums, groups) - 8.f * row_dot_bf16(sz, sums, groups);
+          if (bp != nullptr) v += bp[j];
+          if (rp != nullptr) v += rp[(r0 + t) * n + j];
+          yp[(r0 + t) * n + j] = v;
+        }
       }
     }
   });
@@ -274,6 +464,7 @@ TORCH_LIBRARY(kvtool_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("gemv(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("gemv_q4(Tensor x, Tensor codes, Tensor scale_zero, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("attend(Tensor qkv, Tensor(a!)[] keys, Tensor(b!)[] values, int[] slots, Tensor cos, Tensor sin, "
         "Tensor? q_norm, Tensor? k_norm, float eps, int hq, int hkv) -> Tensor");
 }
@@ -282,5 +473,6 @@ TORCH_LIBRARY_IMPL(kvtool_cpu, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("silu_mul", silu_mul);
   m.impl("gemv", gemv);
+  m.impl("gemv_q4", gemv_q4);
   m.impl("attend", attend);
 }

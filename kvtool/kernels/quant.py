@@ -2,27 +2,39 @@
 
 At batch 1 a CPU decode step reads every weight once and does two flops with it, so memory
 bandwidth sets the speed: SmolLM2-135M in fp32 is 540 MB a token, which the two cores' fp32
-GEMMs stream at 11.5 GB/s (F.linear) to 17.5 GB/s (oneDNN, kvtool.kernels.cpu_gemm). With its
+GEMMs stream at 11.5 GB/s (F.linear) to 17.5 GB/s (oneDNN, kvtool.kernels.cpu_gemm) and the C++
+decode ops' gemv at 24-28 GB/s (kvtool.kernels.cpu_decode). With its
 projections in 4 bits (plus a bf16 scale and zero per 32 weights) and its head in bf16 it reads
 123 MB.
 
 Int4: per output row, groups of 32 input columns; w = (q - 8) * scale + zero with q in 0..15.
 The codes come from round-to-nearest between the group's min and max, then scale and zero are
-refit by least squares. This is torch's CPU int4 layout (`_weight_int4pack_mm_for_cpu`, bf16
-scales and activations). GGUF Q4_0/Q4_1 weights already sit on such a grid, so for them the
-re-quantization only rounds scale and zero to bf16. Against SmolLM2's Q4_1 weights that moves a
-weight by 0.17% of its norm (min/max alone: 0.39%). GGUF Q5_0/Q6_K weights lose real precision.
-Every packed weight keeps `dense`, the exact values it stands for, in the model's dtype. Calls
-with more than MAX_ROWS rows (prefill, many streams) multiply by it, through `wide` (the same
+refit by least squares and rounded to bf16. GGUF Q4_0/Q4_1 weights already sit on such a grid, so
+for them the re-quantization only rounds scale and zero to bf16. Against SmolLM2's Q4_1 weights that
+moves a weight by 0.17% of its norm (min/max alone: 0.39%). GGUF Q5_0/Q6_K weights lose real
+precision. Every packed weight keeps `dense`, the exact values it stands for, in the model's dtype.
+Calls with more than MAX_ROWS rows (prefill, many streams) multiply by it, through `wide` (the same
 values packed for oneDNN, kvtool.kernels.cpu_gemm) when ModelRunner.quantize_int4 made one; the
 fp32 reference multiplies by `dense` too.
 
+Two kernels take the products of up to MAX_ROWS rows. Once the C++ decode ops are loaded
+(kvtool.kernels.cpu_decode; kvtool.load loads them for CPU models), `gemv_q4`: x goes in at 16 bits
+per group of 32 (each value moved by at most 2^-16 of its group's largest), integer dots, sums in
+fp32. Otherwise torch's `_weight_int4pack_mm_for_cpu`, which rounds x and its output to bf16 (2^-9
+of each value). Against the dense model of the grid values on SmolLM2 (32 greedy steps), gemv_q4
+gave a mean next-token KL of 0.00017 and torch's kernel 0.00038; an 8-bit x (llama.cpp's Q8 vectors,
+~1.3x faster again) gave 0.0089, since SmolLM2's activations have outliers that take a group's range.
+At one row gemv_q4 took 9.6 ms over all of SmolLM2's projections (30 distinct weights of each
+shape, 66 MB) against 13.0 for torch's kernel; from two rows on the two are even, as its time grows
+with the rows (the unpacked codes are shared by up to four rows, but the dots are per row).
+
 The output head is not packed in 4 bits: that moved SmolLM2's next-token distribution 70x more
-than all 210 projections together (KL 0.059 vs 0.0008). It runs in bf16, whose output rounds
-logits of ~20 to steps of 0.125 and would flip near-ties, so the EXACT_TOP highest logits are then
-recomputed in fp32 from the dense head: those, and so the argmax, are exact; the rest carry bf16
-rounding (~2^-8 relative). (The CPU kernels take bf16 or fp16 activations; fp16 runs 15x slower
-on AVX2.)
+than all 210 projections together (KL 0.059 vs 0.0008). It is copied to bf16 for decode, whose
+weights are off by up to 2^-9 and would flip near-ties, so the EXACT_TOP highest logits are then
+recomputed in fp32 from the dense head: those, and so the argmax, are exact; the rest carry the bf16
+weights' rounding. With the C++ ops loaded the bf16 pass is their `gemv` (fp32 x and sums) for up to
+GEMV_MAX_ROWS rows; otherwise F.linear in bf16 (bf16 x and output too; torch's CPU kernels take
+bf16 or fp16 activations, and fp16 runs 15x slower on AVX2).
 """
 
 from __future__ import annotations
@@ -32,28 +44,32 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvtool.kernels import cpu_gemm
+from kvtool.kernels import cpu_decode, cpu_gemm
 
 GROUP = 32
-# At more rows per call than this the dense fp32 GEMM beats the int4 kernel (2 cores, AVX2, a
-# 3072 x 576 weight: 2.1x faster at 2-4 rows, even at 8, 0.73x at 16, 0.43x at 512; against
-# oneDNN's packed fp32 GEMM over all of SmolLM2's projections: 2x at 1 row, even at 8, 0.7x at 16).
+# At more rows per call than this the dense fp32 GEMM beats the int4 kernels (2 cores, AVX2; against
+# oneDNN's packed fp32 GEMM over all of SmolLM2's projections, gemv_q4: 3.2x at 1 row, 1.7x at 4,
+# even at 8, 0.8x at 12, 0.65x at 16; torch's int4 kernel: 2x at 1 row, even at 8, 0.7x at 16).
 MAX_ROWS = 8
 EXACT_TOP = 64  # head logits recomputed in fp32 per row
-# The bf16 head pass reads the whole head once per row on AVX2 (no bf16 dot instructions), so with a
+# torch's bf16 head pass reads the whole head once per row on AVX2 (no bf16 dot instructions), so with a
 # oneDNN-packed dense head at hand it only pays at one row: SmolLM2's head took 4.7 ms against 5.3 dense
-# at 1 row, 8.3 against 5.2 at 2 and 32 against 7.5 at 8.
+# at 1 row, 8.3 against 5.2 at 2 and 32 against 7.5 at 8. (The C++ gemv reads it once for all rows.)
 HALF_HEAD_MAX_ROWS = 1
 
 
 @dataclass
 class Int4Weight:
-    """dense [N, K] in the model's dtype; packed [N, K/2] uint8 in the kernel's tiled layout;
-    scales_zeros [K/32, N, 2] bf16."""
+    """dense [N, K] in the model's dtype; packed [N, K/2] uint8 in torch's tiled layout and scales_zeros
+    [K/32, N, 2] bf16 for torch's kernel; the same codes row by row (codes [N, K/2]: byte 16g + i holds
+    column 32g + i in its low nibble, column 32g + 16 + i in its high one) and scale_zero [N, 2, K/32] bf16
+    for the C++ decode ops' gemv_q4 (kvtool.kernels.cpu_decode)."""
 
     dense: torch.Tensor
     packed: torch.Tensor
     scales_zeros: torch.Tensor
+    codes: torch.Tensor
+    scale_zero: torch.Tensor
     wide: cpu_gemm.PackedWeight | None = None  # dense, packed for oneDNN: the product above MAX_ROWS rows
 
     @property
@@ -66,8 +82,8 @@ def unsupported(weight: torch.Tensor) -> str | None:
     """None when `weight` can be packed here, else why not."""
     if weight.device.type != "cpu":
         return f"int4 weights run on the CPU only (this model is on {weight.device.type})"
-    if weight.dim() != 2 or weight.shape[1] % GROUP:
-        return f"int4 weights need [N, K] with K a multiple of {GROUP}; got {tuple(weight.shape)}"
+    if weight.dim() != 2 or weight.shape[1] % GROUP or weight.shape[0] % 16:
+        return f"int4 weights need [N, K] with N a multiple of 16 and K of {GROUP}; got {tuple(weight.shape)}"
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return f"torch {torch.__version__} has no CPU int4 kernel (_weight_int4pack_mm_for_cpu)"
     return None
@@ -93,15 +109,23 @@ def quantize_int4(weight: torch.Tensor) -> Int4Weight:
     dense = ((q - 8) * scale + zero).reshape(n, k).to(weight.dtype)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(n, k).to(torch.int32), 1)
     scales_zeros = torch.stack([scale[..., 0], zero[..., 0]], -1).transpose(0, 1).contiguous().bfloat16()
-    return Int4Weight(dense, packed, scales_zeros)
+    codes = q.to(torch.uint8)
+    codes = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, k // 2)
+    scale_zero = torch.stack([scale[..., 0], zero[..., 0]], 1).bfloat16()  # [N, 2, K/32]
+    return Int4Weight(dense, packed, scales_zeros, codes, scale_zero)
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W.T + bias in x's dtype: the int4 kernel for up to MAX_ROWS rows (x rounded to
-    bf16, sums in fp32, output rounded to bf16), the dense values for more."""
+    """x [..., K] @ W.T + bias in x's dtype: for up to MAX_ROWS rows an int4 kernel, for more the dense
+    values. The kernel is the C++ ops' gemv_q4 once they are loaded (x in 16 bits per group of 32, sums in
+    fp32), else torch's (x rounded to bf16, sums in fp32, output rounded to bf16)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] > MAX_ROWS:
         return F.linear(x, w.dense, bias) if w.wide is None else cpu_gemm.packed_linear(x, w.wide, bias)
+    if cpu_decode.loaded():
+        y = torch.ops.kvtool_cpu.gemv_q4(rows.float().contiguous(), w.codes, w.scale_zero,
+                                         None if bias is None else bias.float(), None)
+        return y.to(x.dtype).reshape(*x.shape[:-1], w.dense.shape[0])
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.bfloat16(), w.packed, GROUP, w.scales_zeros)
     y = y.to(x.dtype).reshape(*x.shape[:-1], w.dense.shape[0])
     return y if bias is None else y + bias
@@ -115,12 +139,16 @@ def int4_linear_reference(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | N
 def head_logits(h: torch.Tensor, dense: torch.Tensor, half: torch.Tensor,
                 wide: cpu_gemm.PackedWeight | None = None) -> torch.Tensor:
     """fp32 logits [..., V] of h [..., hidden] through the head (dense [V, hidden], half its bf16 copy).
-    Up to MAX_ROWS rows (HALF_HEAD_MAX_ROWS when `wide`, the dense head packed for oneDNN, is given): a
-    bf16 pass, then the EXACT_TOP highest recomputed in fp32; more rows: dense (through `wide` if given)."""
+    For few rows a bf16 pass, then the EXACT_TOP highest recomputed in fp32: up to GEMV_MAX_ROWS rows through
+    the C++ ops' gemv once they are loaded, else up to MAX_ROWS (HALF_HEAD_MAX_ROWS when `wide`, the dense
+    head packed for oneDNN, is given) through F.linear in bf16. More rows: dense (through `wide` if given)."""
     rows = h.reshape(-1, h.shape[-1])
-    if rows.shape[0] > (MAX_ROWS if wide is None else HALF_HEAD_MAX_ROWS):
+    if cpu_decode.loaded() and rows.shape[0] <= cpu_decode.GEMV_MAX_ROWS:  # bf16 weights, fp32 sums and output
+        logits = torch.ops.kvtool_cpu.gemv(rows.float().contiguous(), half, None, None)
+    elif rows.shape[0] > (MAX_ROWS if wide is None else HALF_HEAD_MAX_ROWS):
         return (F.linear(h, dense) if wide is None else cpu_gemm.packed_linear(h, wide)).float()
-    logits = F.linear(rows.bfloat16(), half).float()
+    else:
+        logits = F.linear(rows.bfloat16(), half).float()
     top = logits.topk(min(EXACT_TOP, logits.shape[-1]), -1).indices  # [M, k]
     exact = torch.einsum("mh,mkh->mk", rows.float(), dense[top].float())
     return logits.scatter_(-1, top, exact).reshape(*h.shape[:-1], -1)

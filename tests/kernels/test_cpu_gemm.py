@@ -2,19 +2,13 @@
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from kvtool.errors import ModelLoadError
 from kvtool.kernels import cpu_gemm, quant
+from kvtool.testing.ops import ops_of
 from kvtool.testing.tiny import tiny_checkpoint, tiny_runner
 
 pytestmark = pytest.mark.skipif(cpu_gemm._op_works() is not None, reason=f"{cpu_gemm._op_works()}")
-
-
-def ops_of(fn) -> set[str]:
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    return {event.key for event in prof.key_averages()}
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 100])

@@ -2,11 +2,13 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from kvtool.kernels import cpu_gemm
+from kvtool.kernels import cpu_decode, cpu_gemm
 from kvtool.kernels.quant import (EXACT_TOP, GROUP, MAX_ROWS, Int4Linear, head_logits, int4_linear,
                                   int4_linear_reference, quantize_int4, unsupported)
+from kvtool.testing.ops import ops_of
 
 
 def grid_codes(w, packed):
@@ -42,16 +44,28 @@ def test_weights_already_on_a_4bit_grid_come_back_unchanged():
     assert torch.equal(quantize_int4(w).dense, w)
 
 
+@pytest.fixture(params=["torch", "cpp"])
+def kernel(request, monkeypatch):
+    """Which int4 kernel and bf16 head pass run: torch's, or the C++ decode ops' once they are loaded."""
+    if request.param == "cpp" and cpu_decode.unavailable() is not None:
+        pytest.skip("the C++ decode ops do not build here")
+    monkeypatch.setattr(cpu_decode, "_loaded", request.param == "cpp")
+    return request.param
+
+
 @pytest.mark.parametrize("rows", [1, 2, MAX_ROWS])
-def test_int4_kernel_matches_the_fp32_reference(rows):
+def test_int4_kernel_matches_the_fp32_reference(rows, kernel):
     g = torch.Generator().manual_seed(rows)
     packed = quantize_int4(torch.randn(96, 64, generator=g))
     x, bias = torch.randn(rows, 64, generator=g), torch.randn(96, generator=g)
+    ops = ops_of(lambda: int4_linear(x, packed, bias))
     out, ref = int4_linear(x, packed, bias), int4_linear_reference(x, packed, bias)
     assert out.dtype == torch.float32 and out.shape == (rows, 96)
-    # bf16 activations and output: ~2^-8 relative error on each product
-    assert (out - ref).abs().max() <= 2e-2 * ref.abs().max()
+    # torch's: bf16 activations and output, ~2^-8 relative error on each product; the C++ gemv_q4: x in
+    # 16 bits per group of 32, sums and output in fp32
+    assert (out - ref).abs().max() <= (2e-2 if kernel == "torch" else 2e-4) * ref.abs().max()
     assert not torch.equal(out, ref)  # the kernel ran, not the dense path
+    assert ("kvtool_cpu::gemv_q4" in ops) == (kernel == "cpp")
 
 
 def test_more_rows_than_the_kernel_takes_use_the_dense_values_exactly():
@@ -70,13 +84,14 @@ def test_int4_linear_module_keeps_the_hf_names():
 
 
 def test_weights_the_kernel_cannot_take_are_refused_with_the_reason():
-    assert "multiple of 32" in unsupported(torch.zeros(8, 40))
-    assert "CPU only" in unsupported(torch.zeros(8, 64, device="meta"))
-    with pytest.raises(ValueError, match=r"multiple of 32; got \(8, 40\)"):
-        quantize_int4(torch.zeros(8, 40))
+    assert "K of 32" in unsupported(torch.zeros(16, 40))
+    assert "N a multiple of 16" in unsupported(torch.zeros(8, 64))
+    assert "CPU only" in unsupported(torch.zeros(16, 64, device="meta"))
+    with pytest.raises(ValueError, match=r"K of 32; got \(16, 40\)"):
+        quantize_int4(torch.zeros(16, 40))
 
 
-def test_bf16_head_gives_exact_top_logits_and_close_others():
+def test_bf16_head_gives_exact_top_logits_and_close_others(kernel):
     g = torch.Generator().manual_seed(4)
     dense, h = torch.randn(1000, 64, generator=g), 3 * torch.randn(2, 1, 64, generator=g)
     got, want = head_logits(h, dense, dense.bfloat16()), torch.nn.functional.linear(h, dense)
@@ -93,10 +108,15 @@ def test_bf16_head_gives_exact_top_logits_and_close_others():
 
 
 @pytest.mark.skipif(cpu_gemm._op_works() is not None, reason="needs oneDNN's packed linear")
-def test_with_a_packed_dense_head_only_one_row_takes_the_bf16_pass():
+def test_with_a_packed_dense_head_few_rows_take_the_bf16_pass(kernel):
+    """torch's bf16 pass reads the head once per row, so with a packed dense head only one row takes it; the
+    C++ gemv streams the bf16 head once for up to GEMV_MAX_ROWS rows."""
     g = torch.Generator().manual_seed(5)
     dense = torch.randn(1000, 64, generator=g)
     wide = cpu_gemm.pack(dense)
-    one, two = 3 * torch.randn(1, 64, generator=g), 3 * torch.randn(2, 64, generator=g)
-    assert not torch.equal(head_logits(one, dense, dense.bfloat16(), wide), cpu_gemm.packed_linear(one, wide))
-    assert torch.equal(head_logits(two, dense, dense.bfloat16(), wide), cpu_gemm.packed_linear(two, wide))
+    most = 1 if kernel == "torch" else cpu_decode.GEMV_MAX_ROWS
+    few, more = 3 * torch.randn(most, 64, generator=g), 3 * torch.randn(most + 1, 64, generator=g)
+    got = head_logits(few, dense, dense.bfloat16(), wide)
+    assert not torch.equal(got, cpu_gemm.packed_linear(few, wide))
+    assert torch.equal(got.argmax(-1), F.linear(few, dense).argmax(-1))
+    assert torch.equal(head_logits(more, dense, dense.bfloat16(), wide), cpu_gemm.packed_linear(more, wide))
