@@ -11,7 +11,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <utility>
 #include <cmath>
 #include <cstring>
 #include <vector>
