@@ -89,8 +89,9 @@ inline float row_dot_bf16(const uint16_t* w, const float* x, int64_t n) {
 }
 
 // y [rows, N] = x [rows, K] @ w [N, K].T (+ bias [N]) (+ residual [rows, N]) for the few rows of a decode
-// step, w in fp32 or bf16 (widened exactly; sums in fp32). Each thread streams its share of the weight rows front to back, one row at a time, with a
-// prefetch a few rows ahead; every x row reuses the weight row while it is in L1.
+// step, w in fp32 or bf16 (widened exactly; sums in fp32). Each thread streams its share of the weight rows
+// front to back, one row at a time, with a prefetch a few rows ahead; every x row reuses the weight row
+// while it is in L1.
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                 const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2, "gemv: x must be contiguous fp32 "
@@ -157,7 +158,8 @@ struct Codes16 {
 
 inline Codes16 unpack4(const uint8_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), low4 = _mm_set1_epi8(0x0F);
-  return {_mm256_cvtepu8_epi16(_mm_and_si128(b, low4)), _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low4))};
+  return {_mm256_cvtepu8_epi16(_mm_and_si128(b, low4)),
+          _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low4))};
 }
 
 // The group's q . xq (xg: its 32 16-bit x values) in eight fp32 partial sums; exact (|sum| < 2^24).
@@ -457,6 +459,43 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
   return out;
 }
 
+// All decoder layers of one decode step in one call (kvtool.kernels.cpu_decode.DecodeStep), each as the
+// eight ops above: RMSNorm, the qkv product (+ bias), attend, the o product + residual, RMSNorm, gate_up,
+// silu * up, down + residual. Per layer: norms holds the input and post-attention RMSNorm weights; mats
+// the qkv, o, gate_up and down weights, each one fp32 or bf16 tensor, or with q4 its codes and
+// scale_zero; qkv_bias one entry and qk_norms two (q, k), None where the model has none; keys and
+// values one buffer per row. Returns the hidden states after the last layer.
+at::Tensor layers(const at::Tensor& x0, at::TensorList norms, at::TensorList mats,
+                  const c10::List<std::optional<at::Tensor>>& qkv_bias,
+                  const c10::List<std::optional<at::Tensor>>& qk_norms, at::TensorList keys, at::TensorList values,
+                  at::IntArrayRef slots, const at::Tensor& cos, const at::Tensor& sin, double eps, double qk_eps,
+                  int64_t hq, int64_t hkv, bool q4) {
+  TORCH_CHECK(x0.dim() == 2, "layers: x must be [rows, hidden]");
+  const int64_t count = static_cast<int64_t>(norms.size()) / 2, rows = x0.size(0), per = q4 ? 8 : 4;
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * count && static_cast<int64_t>(mats.size()) == per * count &&
+                  static_cast<int64_t>(qkv_bias.size()) == count &&
+                  static_cast<int64_t>(qk_norms.size()) == 2 * count &&
+                  static_cast<int64_t>(keys.size()) == rows * count &&
+                  static_cast<int64_t>(values.size()) == rows * count,
+              "layers: per layer, norms needs 2 entries, mats ", per, ", qkv_bias 1, qk_norms 2, keys and values "
+              "one per row");
+  auto product = [&](int64_t layer, int64_t which, const at::Tensor& in, const std::optional<at::Tensor>& bias,
+                     const std::optional<at::Tensor>& residual) {
+    if (q4) return gemv_q4(in, mats[per * layer + 2 * which], mats[per * layer + 2 * which + 1], bias, residual);
+    return gemv(in, mats[per * layer + which], bias, residual);
+  };
+  at::Tensor x = x0;
+  for (int64_t layer = 0; layer < count; ++layer) {
+    const at::Tensor qkv = product(layer, 0, rms_norm(x, norms[2 * layer], eps), qkv_bias.get(layer), std::nullopt);
+    const at::Tensor out = attend(qkv, keys.slice(layer * rows, rows), values.slice(layer * rows, rows), slots, cos,
+                                  sin, qk_norms.get(2 * layer), qk_norms.get(2 * layer + 1), qk_eps, hq, hkv);
+    x = product(layer, 1, out, std::nullopt, x);
+    const at::Tensor gate_up = product(layer, 2, rms_norm(x, norms[2 * layer + 1], eps), std::nullopt, std::nullopt);
+    x = product(layer, 3, silu_mul(gate_up), std::nullopt, x);
+  }
+  return x;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvtool_cpu, m) {
@@ -466,6 +505,9 @@ TORCH_LIBRARY(kvtool_cpu, m) {
   m.def("gemv_q4(Tensor x, Tensor codes, Tensor scale_zero, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("attend(Tensor qkv, Tensor(a!)[] keys, Tensor(b!)[] values, int[] slots, Tensor cos, Tensor sin, "
         "Tensor? q_norm, Tensor? k_norm, float eps, int hq, int hkv) -> Tensor");
+  m.def("layers(Tensor x, Tensor[] norms, Tensor[] mats, Tensor?[] qkv_bias, Tensor?[] qk_norms, Tensor(a!)[] keys, "
+        "Tensor(b!)[] values, int[] slots, Tensor cos, Tensor sin, float eps, float qk_eps, int hq, int hkv, "
+        "bool q4) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvtool_cpu, CPU, m) {
@@ -474,4 +516,5 @@ TORCH_LIBRARY_IMPL(kvtool_cpu, CPU, m) {
   m.impl("gemv", gemv);
   m.impl("gemv_q4", gemv_q4);
   m.impl("attend", attend);
+  m.impl("layers", layers);
 }

@@ -16,19 +16,25 @@ GEMV_MAX_ROWS rows the matmuls and the dense head take it, over the dense values
 made from: a step then takes ~28 ms (35.4 against 21.7 tok/s, same tokens). The math is the
 reference's; only summation order differs (logits within ~5e-5 on SmolLM2).
 
+Called one by one from Python, those ops cost ~3 us each to dispatch, and a step makes ~240 of them
+plus the Python around them. When every product of a step runs in C++ (up to GEMV_MAX_ROWS rows, or
+quant.MAX_ROWS with int4 weights), one more op, `layers`, runs all the layers' ops in turn from one
+call: SmolLM2 steps took 25.5 against 28.7 ms (dense) and 15.3 against 18.0 ms (int4), medians of 5
+interleaved runs of 64 tokens, the same tokens. More rows go layer by layer, their products through
+the runner's own (oneDNN).
+
 ModelRunner.forward and forward_batch take this path for one new token of each sequence, without a tap,
-once `use_cpu_decode()` turned it on (kvtool.load does, for fp32 CPU models). Past GEMV_MAX_ROWS rows the
-matmuls are the runner's own (oneDNN). Prefill, taps and every other dtype or device run the reference
-forward. For n sequences the matmuls run once over n rows and `attend` takes every sequence's own
-buffers, so continuous batching's decode steps use it too.
+once `use_cpu_decode()` turned it on (kvtool.load does, for fp32 CPU models). Prefill, taps and every
+other dtype or device run the reference forward. For n sequences the matmuls run once over n rows and
+`attend` takes every sequence's own buffers, so continuous batching's decode steps use it too.
 
 Int4 weights (`weights="int4"`, kvtool.kernels.quant) have two more ops here, which kvtool.kernels.quant
 uses wherever it multiplies few rows once the library is loaded (loaded()), in this path and the reference
 forward alike: `gemv_q4` (4-bit codes and bf16 scales and zeros per group of 32 against x at 16 bits per
 group, integer dots, sums in fp32) for up to quant.MAX_ROWS rows, and `gemv` over bf16 weights (widened
 exactly) for the bf16 copy of the head. A SmolLM2 int4 step then reads ~123 MB and took 18.7 ms against
-27.1 with torch's int4 kernel and bf16 head (medians of 5 interleaved runs of 64 tokens, 1.45x), and its
-next-token KL to the dense model of its grid values went from 0.00038 to 0.00017.
+27.1 with torch's int4 kernel and bf16 head (medians of 5 interleaved runs of 64 tokens, 1.45x; before
+`layers`), and its next-token KL to the dense model of its grid values went from 0.00038 to 0.00017.
 
 The C++ file is compiled once per machine with the system compiler (`CXX`, default c++) against the
 installed torch's headers, into `<kvtool cache>/ext` (KVTOOL_CACHE, default ~/.cache/kvtool), named by a
@@ -212,16 +218,40 @@ class DecodeStep:
         return all(k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == torch.float32
                    and k.device.type == "cpu" for cache in caches for k, v in (layer.buffers for layer in cache.layers))
 
-    def __call__(self, tokens: torch.Tensor, caches: list, positions: list[int]) -> torch.Tensor:
-        """Logits [n, V] (fp32) of tokens [n], token i at RoPE position positions[i]; its K/V go to the next
-        slot of caches[i]."""
-        r, ops, hq, hkv = self.runner, self.ops, self.hq, self.hkv
-        slots = [cache.offset for cache in caches]
-        for cache, slot in zip(caches, slots):
-            cache.reserve(slot + 1)
-        cos, sin = r.rope_cos_sin(torch.tensor(positions, device=r.device))  # [n, D] each
-        x = r.model.embed_tokens(tokens)  # [n, hidden]
-        for i, layer in enumerate(r.model.layers):
+    def layer_args(self, rows: int) -> tuple | None:
+        """(norms, mats, qkv_bias, qk_norms, eps, qk_eps, q4) for ops.layers, which runs every layer in one call,
+        when each product of `rows` rows runs in C++ (every weight dense and rows <= GEMV_MAX_ROWS, or every
+        weight int4 and rows <= quant.MAX_ROWS) and the layers share their RMSNorm eps; else None."""
+        from kvtool.kernels import quant  # which imports this module
+
+        norms, mats, biases, qk_norms, eps, qk_eps, kinds = [], [], [], [], set(), set(), set()
+        for layer in self.runner.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            weights = (attn._wqkv, _weight(attn.o_proj), mlp._wgu, _weight(mlp.down_proj))
+            if all(isinstance(w, quant.Int4Weight) for w in weights) and rows <= quant.MAX_ROWS:
+                kinds.add("q4")
+                mats += [t for w in weights for t in (w.codes, w.scale_zero)]
+            else:
+                dense = [_dense(w) for w in weights]
+                if rows > GEMV_MAX_ROWS or any(w is None for w in dense):
+                    return None
+                kinds.add("dense")
+                mats += dense
+            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            eps |= {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
+            biases.append(attn._bqkv)
+            qk_norms += [attn.q_norm.weight, attn.k_norm.weight] if attn.qk_norm else [None, None]
+            qk_eps.add(attn.q_norm.eps if attn.qk_norm else 0.0)
+        if len(kinds) != 1 or len(eps) != 1 or len(qk_eps) != 1:
+            return None
+        return norms, mats, biases, qk_norms, eps.pop(), qk_eps.pop(), kinds.pop() == "q4"
+
+    def each_layer(self, x: torch.Tensor, caches: list, slots: list[int], cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
+        """The layers one by one, eight op calls each, the products through _product (oneDNN past GEMV_MAX_ROWS
+        rows): x after the last layer."""
+        ops, hq, hkv = self.ops, self.hq, self.hkv
+        for i, layer in enumerate(self.runner.model.layers):
             attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
             kv = [cache.layers[i] for cache in caches]
             qkv = _product(ops.rms_norm(x, norm.weight, norm.eps), attn._wqkv, attn._bqkv)
@@ -235,6 +265,29 @@ class DecodeStep:
             norm = layer.post_attention_layernorm
             gate_up = _product(ops.rms_norm(x, norm.weight, norm.eps), mlp._wgu)
             x = _product(ops.silu_mul(gate_up), _weight(mlp.down_proj), residual=x)
+        return x
+
+    def __call__(self, tokens: torch.Tensor, caches: list, positions: list[int]) -> torch.Tensor:
+        """Logits [n, V] (fp32) of tokens [n], token i at RoPE position positions[i]; its K/V go to the next
+        slot of caches[i]."""
+        r, ops, hq, hkv = self.runner, self.ops, self.hq, self.hkv
+        slots = [cache.offset for cache in caches]
+        for cache, slot in zip(caches, slots):
+            cache.reserve(slot + 1)
+        cos, sin = r.rope_cos_sin(torch.tensor(positions, device=r.device))  # [n, D] each
+        x = r.model.embed_tokens(tokens)  # [n, hidden]
+        fused = self.layer_args(len(caches))
+        if fused is not None:  # every layer in one call
+            norms, mats, biases, qk_norms, eps, qk_eps, q4 = fused
+            count = len(r.model.layers)
+            keys = [cache.layers[i].buffers[0] for i in range(count) for cache in caches]
+            values = [cache.layers[i].buffers[1] for i in range(count) for cache in caches]
+            x = ops.layers(x, norms, mats, biases, qk_norms, keys, values, slots, cos, sin, eps, qk_eps, hq, hkv, q4)
+            for cache, slot in zip(caches, slots):
+                for layer_kv in cache.layers:
+                    layer_kv.offset = slot + 1
+        else:
+            x = self.each_layer(x, caches, slots, cos, sin)
         norm = r.model.norm
         h = ops.rms_norm(x, norm.weight, norm.eps)
         if r.weights == "dense" and h.shape[0] <= GEMV_MAX_ROWS and r.output_weight.is_contiguous():

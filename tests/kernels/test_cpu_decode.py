@@ -187,26 +187,34 @@ def test_decode_steps_equal_the_reference_forward(tmp_path, family):
 
 
 def test_decode_steps_without_a_tap_take_the_ops(tmp_path):
+    """Up to GEMV_MAX_ROWS sequences every layer runs in one `layers` call; more go layer by layer, their
+    products through oneDNN; prefill, taps and steps of several tokens run the reference forward."""
     tiny_checkpoint("llama", tmp_path)
     runner = tiny_runner("llama", tmp_path)
     cache = runner.new_cache(64)
-    assert "kvtool_cpu::attend" not in ops_of(lambda: runner.prefill(list(range(3, 20)), cache))
-    assert "kvtool_cpu::attend" in ops_of(lambda: runner.forward([5], cache))
-    assert "kvtool_cpu::attend" not in ops_of(lambda: runner.forward([5], cache, tap=lambda seen: None))
-    other = runner.new_cache(64)
-    runner.prefill([4, 5, 6], other)
-    assert "kvtool_cpu::attend" in ops_of(lambda: runner.forward_batch([([7], cache), ([8], other)]))
-    assert "kvtool_cpu::attend" not in ops_of(lambda: runner.forward_batch([([7, 8], cache), ([8], other)]))
+    step_ops = {"kvtool_cpu::layers", "kvtool_cpu::attend"}
+    assert not step_ops & ops_of(lambda: runner.prefill(list(range(3, 20)), cache))
+    assert "kvtool_cpu::layers" in ops_of(lambda: runner.forward([5], cache))
+    assert not step_ops & ops_of(lambda: runner.forward([5], cache, tap=lambda seen: None))
+    others = [runner.new_cache(64) for _ in range(cpu_decode.GEMV_MAX_ROWS)]
+    for other in others:
+        runner.prefill([4, 5, 6], other)
+    two = [([7], cache), ([8], others[0])]
+    assert "kvtool_cpu::layers" in ops_of(lambda: runner.forward_batch(two))
+    many = ops_of(lambda: runner.forward_batch([([7], cache)] + [([8], other) for other in others]))
+    assert "kvtool_cpu::attend" in many and "kvtool_cpu::layers" not in many
+    assert not step_ops & ops_of(lambda: runner.forward_batch([([7, 8], cache), ([8], others[0])]))
     runner.use_cpu_decode(False)
-    assert "kvtool_cpu::attend" not in ops_of(lambda: runner.forward([5], cache))
+    assert not step_ops & ops_of(lambda: runner.forward([5], cache))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
-def test_batched_decode_steps_equal_the_reference_batch(tmp_path, family):
-    """Three sequences of different lengths decode together, each into its own cache."""
+@pytest.mark.parametrize("family,count", [("qwen3", 3), ("qwen2", 3), ("qwen2", 6)])
+def test_batched_decode_steps_equal_the_reference_batch(tmp_path, family, count):
+    """Sequences of different lengths decode together, each into its own cache: 3 in one `layers` call per
+    step, 6 (past GEMV_MAX_ROWS) layer by layer."""
     tiny_checkpoint(family, tmp_path)
     runner = tiny_runner(family, tmp_path)
-    prompts = [list(range(3, 50)), list(range(7, 12)), list(range(60, 90))]
+    prompts = [list(range(3, 50)), list(range(7, 12)), list(range(60, 90)), [5], list(range(9, 30)), [8, 9]][:count]
 
     def run(on: bool):
         runner.use_cpu_decode(on)
@@ -283,6 +291,15 @@ def test_plain_and_int4_matmuls_decode_through_the_ops_and_bf16_says_why_not(tmp
         fast, ref = decode(runner, prompt, 16, True), decode(runner, prompt, 16, False)
         assert fast[0] == ref[0]
         torch.testing.assert_close(fast[1], ref[1], atol=atol, rtol=1e-4)
+        assert runner.use_cpu_decode(True) is None
+        assert "kvtool_cpu::layers" in ops_of(lambda: runner.forward([5], fast[2]))
+    eight = [int4.new_cache(8) for _ in range(8)]  # int4's gemv_q4 takes up to 8 rows, so the layers go in one call
+    for cache in eight:
+        int4.prefill([3, 4], cache)
+    assert "kvtool_cpu::layers" in ops_of(lambda: int4.forward_batch([([5], cache) for cache in eight]))
+    with pytest.raises(RuntimeError, match="layers: per layer, norms needs 2 entries, mats 4"):
+        torch.ops.kvtool_cpu.layers(torch.zeros(1, 8), [torch.zeros(8)] * 2, [], [None], [None, None], [], [], [0],
+                                    torch.zeros(1, 2), torch.zeros(1, 2), 1e-6, 0.0, 1, 1, False)
     spec = plain.spec  # caches the ops cannot index into go to the reference forward
     assert cpu_decode.DecodeStep.takes([plain.new_cache(8)])
     assert not cpu_decode.DecodeStep.takes([KVCache.empty(spec.num_layers, spec.num_kv_heads, spec.head_dim,
