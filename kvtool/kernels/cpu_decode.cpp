@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/silu.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -300,19 +301,83 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
-// silu(gate) * up for gu [rows, 2I] holding gate then up.
+// silu(gate) * up for gu [rows, 2I] holding gate then up, through ATen's silu (vectorized, threaded, and the
+// reference forward's own): a scalar loop of exps took 13 ms of a 64-row step across the 30 layers.
 at::Tensor silu_mul(const at::Tensor& gu) {
   TORCH_CHECK(gu.is_contiguous() && gu.scalar_type() == at::kFloat && gu.dim() == 2 && gu.size(1) % 2 == 0,
               "silu_mul: gu must be contiguous fp32 [rows, 2I]");
-  const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
-  at::Tensor y = at::empty({rows, inter}, gu.options());
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* g = gu.data_ptr<float>() + r * 2 * inter;
-    const float* u = g + inter;
-    float* yp = y.data_ptr<float>() + r * inter;
-    for (int64_t i = 0; i < inter; ++i) yp[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  const int64_t inter = gu.size(1) / 2;
+  return at::silu(gu.narrow(1, 0, inter)).mul_(gu.narrow(1, inter, inter));
+}
+
+// exp(s[t] - mx) into s[t] for t < n, returning their sum: eight at a time with Cephes' expf (range reduction
+// by ln 2, a degree-5 polynomial, ~1 ulp for the arguments here, which are <= 0), the tail with std::exp.
+inline float exp_sum(float* s, int64_t n, float mx) {
+  int64_t t = 0;
+  float total = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  for (; t + 8 <= n; t += 8) {
+    __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), m), _mm256_set1_ps(-87.33654f));
+    const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+    const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+    _mm256_storeu_ps(s + t, y);
+    acc = _mm256_add_ps(acc, y);
   }
-  return y;
+  __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  v = _mm_hadd_ps(v, v);
+  v = _mm_hadd_ps(v, v);
+  total = _mm_cvtss_f32(v);
+#endif
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    total += s[t];
+  }
+  return total;
+}
+
+// o [d] += sum over t < n of w[t] * v[t * d : t * d + d]: 8 * NV columns from c0 held in registers across
+// all n rows of v.
+template <int NV>
+inline void weighted_rows(float* o, const float* w, const float* v, int64_t n, int64_t d, int64_t c0) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[NV];
+  for (int k = 0; k < NV; ++k) acc[k] = _mm256_loadu_ps(o + c0 + 8 * k);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 wt = _mm256_broadcast_ss(w + t);
+    const float* vt = v + t * d + c0;
+    for (int k = 0; k < NV; ++k) acc[k] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 8 * k), acc[k]);
+  }
+  for (int k = 0; k < NV; ++k) _mm256_storeu_ps(o + c0 + 8 * k, acc[k]);
+#else
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t i = c0; i < c0 + 8 * NV; ++i) o[i] += w[t] * v[t * d + i];
+  }
+#endif
+}
+
+// o [d] += sum over t < n of w[t] * v[t]: the columns in blocks of 64, 32, 16 and 8, the rest one by one.
+inline void weighted_sum(float* o, const float* w, const float* v, int64_t n, int64_t d) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= d; c0 += 64) weighted_rows<8>(o, w, v, n, d, c0);
+  if (c0 + 32 <= d) weighted_rows<4>(o, w, v, n, d, c0), c0 += 32;
+  if (c0 + 16 <= d) weighted_rows<2>(o, w, v, n, d, c0), c0 += 16;
+  if (c0 + 8 <= d) weighted_rows<1>(o, w, v, n, d, c0), c0 += 8;
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t i = c0; i < d; ++i) o[i] += w[t] * v[t * d + i];
+  }
 }
 
 // In place on one head x [d]: optional RMSNorm with weight nw (Qwen3's q_norm / k_norm), then RoPE in the
@@ -415,23 +480,12 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
       std::fill(o, o + group * d, 0.f);
       for (int64_t j = 0; j < group; ++j) {
         float* sj = score.data() + j * CHUNK;
-        float mx = -INFINITY, total = 0.f;
+        float mx = -INFINITY;
         for (int64_t t = 0; t < n; ++t) mx = sj[t] > mx ? sj[t] : mx;
-        for (int64_t t = 0; t < n; ++t) {
-          sj[t] = std::exp(sj[t] - mx);
-          total += sj[t];
-        }
         part_m[it * group + j] = mx;
-        part_l[it * group + j] = total;
+        part_l[it * group + j] = exp_sum(sj, n, mx);
       }
-      for (int64_t t = 0; t < n; ++t) {
-        const float* vt = vh + t * d;
-        for (int64_t j = 0; j < group; ++j) {
-          const float w = score[j * CHUNK + t];
-          float* oj = o + j * d;
-          for (int64_t i = 0; i < d; ++i) oj[i] += w * vt[i];
-        }
-      }
+      for (int64_t j = 0; j < group; ++j) weighted_sum(o + j * d, score.data() + j * CHUNK, vh, n, d);
     }
   });
 
