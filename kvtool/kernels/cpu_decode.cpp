@@ -22,6 +22,16 @@
 
 namespace {
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The sum of a vector's eight lanes.
+inline float hsum(__m256 a) {
+  __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  v = _mm_hadd_ps(v, v);
+  v = _mm_hadd_ps(v, v);
+  return _mm_cvtss_f32(v);
+}
+#endif
+
 // Sum of a[i] * b[i] in eight partial sums, which the compiler vectorises without -ffast-math.
 inline float dot(const float* a, const float* b, int64_t n) {
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -46,11 +56,7 @@ inline float row_dot(const float* w, const float* x, int64_t n) {
     a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);
   }
   for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
-  const __m256 acc = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  float s = _mm_cvtss_f32(lo);
+  float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
   for (; i < n; ++i) s += w[i] * x[i];
   return s;
 #else
@@ -79,11 +85,7 @@ inline float row_dot_bf16(const uint16_t* w, const float* x, int64_t n) {
     a0 = _mm256_fmadd_ps(widen(w + i), _mm256_loadu_ps(x + i), a0);
     a1 = _mm256_fmadd_ps(widen(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
   }
-  const __m256 acc = _mm256_add_ps(a0, a1);
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  s = _mm_cvtss_f32(lo);
+  s = hsum(_mm256_add_ps(a0, a1));
 #endif
   for (; i < n; ++i) s += bf16_to_float(w[i]) * x[i];
   return s;
@@ -210,13 +212,7 @@ inline void q4_row(const uint8_t* cr, const uint16_t* sz, const Q16Rows& x, int6
       }
     }
   }
-  for (int t = 0; t < T; ++t) {
-    const __m256 a = _mm256_add_ps(acc[t][0], acc[t][1]);
-    __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    v = _mm_hadd_ps(v, v);
-    v = _mm_hadd_ps(v, v);
-    out[t] = _mm_cvtss_f32(v);
-  }
+  for (int t = 0; t < T; ++t) out[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
 #else
   for (int t = 0; t < T; ++t) out[t] = 0.f;
   for (int64_t g = 0; g < groups; ++g) {
@@ -336,10 +332,7 @@ inline float exp_sum(float* s, int64_t n, float mx) {
     _mm256_storeu_ps(s + t, y);
     acc = _mm256_add_ps(acc, y);
   }
-  __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  v = _mm_hadd_ps(v, v);
-  v = _mm_hadd_ps(v, v);
-  total = _mm_cvtss_f32(v);
+  total = hsum(acc);
 #endif
   for (; t < n; ++t) {
     s[t] = std::exp(s[t] - mx);

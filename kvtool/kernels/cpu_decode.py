@@ -185,15 +185,10 @@ def _dense(w) -> torch.Tensor | None:
 
 def _product(x: torch.Tensor, w, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None):
     """x @ W.T (+ bias) (+ residual) for any of the runner's weights: `gemv` over the dense values for up to
-    GEMV_MAX_ROWS rows, `gemv_q4` over int4 weights for up to quant.MAX_ROWS, else the runner's own product
-    (oneDNN-packed, int4 or F.linear)."""
+    GEMV_MAX_ROWS rows, else the runner's own product (oneDNN-packed, int4 or F.linear)."""
     dense = _dense(w)
     if dense is not None and x.shape[0] <= GEMV_MAX_ROWS:
         return torch.ops.kvtool_cpu.gemv(x, dense, bias, residual)
-    from kvtool.kernels import quant  # which imports this module
-
-    if isinstance(w, quant.Int4Weight) and x.shape[0] <= quant.MAX_ROWS:
-        return torch.ops.kvtool_cpu.gemv_q4(x, w.codes, w.scale_zero, bias, residual)
     if isinstance(w, cpu_gemm.PackedWeight):
         if residual is not None:  # one oneDNN call: the residual as a binary post-op
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w.packed, None, "add")
