@@ -225,6 +225,17 @@ class ModelRunner(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        self._weights_replaced()
+
+    def _weights_replaced(self) -> None:
+        """fuse(), packing, int4 or a move swapped weight objects: decode steps gather them anew."""
+        if getattr(self, "_cpu_step", None) is not None:
+            self._cpu_step = cpu_decode.DecodeStep(self)
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self._weights_replaced()
+        return out
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (fp32) of final hidden states h [..., hidden]."""
@@ -286,6 +297,7 @@ class ModelRunner(nn.Module):
             mlp.down_proj = quant.Int4Linear(mlp.down_proj, snap(mlp.down_proj.weight))
         self._head_bf16 = self.output_weight.detach().bfloat16().contiguous()
         self._head_packed = cpu_gemm.pack(self.output_weight) if wide else None
+        self._weights_replaced()
 
     @property
     def cpu_gemm_packed(self) -> bool:
@@ -312,6 +324,7 @@ class ModelRunner(nn.Module):
             attn.o_proj = cpu_gemm.PackedLinear(attn.o_proj, cpu_gemm.pack(attn.o_proj.weight))
             mlp.down_proj = cpu_gemm.PackedLinear(mlp.down_proj, cpu_gemm.pack(mlp.down_proj.weight))
         self._head_packed = cpu_gemm.pack(self.output_weight)
+        self._weights_replaced()
         return None
 
     def use_cpu_decode(self, on: bool = True) -> str | None:

@@ -208,6 +208,29 @@ def test_decode_steps_without_a_tap_take_the_ops(tmp_path):
     assert not step_ops & ops_of(lambda: runner.forward([5], cache))
 
 
+def test_decode_steps_see_new_weights_and_swapped_ones(tmp_path):
+    """The layers op's arguments are gathered once: load_state_dict() copies into the same tensors, and
+    packing in int4 afterwards swaps the weight objects, which starts a new gathering."""
+    tiny_checkpoint("qwen2", tmp_path)
+    runner = tiny_runner("qwen2", tmp_path)
+    prompt = list(range(3, 30))
+    before = decode(runner, prompt, 4, True)[1]
+    state = {k: v * 1.5 if k.endswith("proj.weight") else v for k, v in runner.state_dict().items()}
+    runner.load_state_dict(state)
+    fast, ref = decode(runner, prompt, 4, True), decode(runner, prompt, 4, False)
+    assert not torch.allclose(fast[1], before, atol=1e-3)
+    torch.testing.assert_close(fast[1], ref[1], atol=1e-4, rtol=1e-4)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(cpu_gemm.ENV, "0")
+        unpacked = tiny_runner("qwen2", tmp_path)
+    decode(unpacked, prompt, 2, True)  # gathers the dense weights
+    assert unpacked.cpu_decode and not unpacked._cpu_step.layer_args(1)[-1]
+    unpacked.quantize_int4()
+    assert unpacked.cpu_decode and unpacked._cpu_step.layer_args(1)[-1]  # now the int4 codes
+    fast, ref = decode(unpacked, prompt, 4, True), decode(unpacked, prompt, 4, False)
+    torch.testing.assert_close(fast[1], ref[1], atol=1e-3, rtol=1e-4)
+
+
 @pytest.mark.parametrize("family,count", [("qwen3", 3), ("qwen2", 3), ("qwen2", 6)])
 def test_batched_decode_steps_equal_the_reference_batch(tmp_path, family, count):
     """Sequences of different lengths decode together, each into its own cache: 3 in one `layers` call per
