@@ -18,6 +18,12 @@ steps spend outside the forward and that read (scheduling, detokenizing, callbac
 
 A fault while sampling one request (on_event or the sampler raising) ends that request alone,
 with finish_reason "error" and the exception passed to its on_finish callback.
+
+Requests added with one Fork (the n choices of one prompt) prefill their prompt once: the first
+prefills it; the others wait, and when its prefill ends they start from a copy of its prompt KV,
+each drawing its first token from the same last-prompt-token logits with its own sampler. If the
+first ends before its prefill does, the others prefill on their own. The copy waiting for them is
+outside the KV budget.
 """
 
 from __future__ import annotations
@@ -35,6 +41,15 @@ from kvtool.engine.batch_sampling import batchable, sample_rows
 from kvtool.engine.generate import Engine, Generation, OutputState, TokenEvent
 
 
+@dataclass(eq=False)
+class Fork:
+    """A prompt shared by sibling requests: its KV and last-token logits once the first has prefilled it."""
+    leader: "BatchRequest | None" = None
+    cache: KVCache | None = None
+    logits: torch.Tensor | None = None
+    abandoned: bool = False  # the leader ended before its prefill did: the others prefill on their own
+
+
 @dataclass(eq=False)  # a request is an entity: membership tests and remove() go by identity
 class BatchRequest:
     gen: Generation
@@ -47,6 +62,7 @@ class BatchRequest:
     admitted_at: int = -1
     slot: int | None = None  # its row in the batched static decoder, while decoding there
     preemptions: int = 0
+    fork: Fork | None = None  # until admitted: the prompt it shares with sibling requests
 
 
 class BatchScheduler:
@@ -64,18 +80,26 @@ class BatchScheduler:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, skip_special_tokens: bool = True,
                on_event: Callable[[TokenEvent], None] | None = None,
-               on_finish: Callable[[Generation, BaseException | None], None] | None = None) -> Generation:
+               on_finish: Callable[[Generation, BaseException | None], None] | None = None,
+               fork: Fork | None = None) -> Generation:
         """Validate and queue a request (raises KvtoolError for bad input); returns its Generation."""
         gen, max_tokens = self.engine.new_generation(prompt_ids, params)
-        self.add(gen, max_tokens, skip_special_tokens, on_event, on_finish)
+        self.add(gen, max_tokens, skip_special_tokens, on_event, on_finish, fork)
         return gen
 
     def add(self, gen: Generation, max_tokens: int, skip_special_tokens: bool = True,
             on_event: Callable[[TokenEvent], None] | None = None,
-            on_finish: Callable[[Generation, BaseException | None], None] | None = None) -> None:
-        """Queue a Generation already validated by Engine.new_generation()."""
+            on_finish: Callable[[Generation, BaseException | None], None] | None = None,
+            fork: Fork | None = None) -> None:
+        """Queue a Generation already validated by Engine.new_generation(). Requests given the same `fork`
+        (same prompt ids) prefill that prompt once: the first added prefills it for the others."""
         state = OutputState(self.engine, gen, max_tokens, skip_special_tokens, time.perf_counter())
-        self.waiting.append(BatchRequest(gen, state, on_event, on_finish, pending=list(gen.prompt_ids)))
+        req = BatchRequest(gen, state, on_event, on_finish, pending=list(gen.prompt_ids), fork=fork)
+        if fork is not None and fork.leader is None:
+            fork.leader = req
+        elif fork is not None and fork.leader.gen.prompt_ids != gen.prompt_ids:
+            raise ValueError("requests that share a fork must have the same prompt ids")
+        self.waiting.append(req)
 
     @property
     def idle(self) -> bool:
@@ -97,17 +121,24 @@ class BatchScheduler:
                    for r in self.running if r.cache is not None)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_running:
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if len(self.running) >= self.max_running:
+                break
+            fork = req.fork
+            if fork is not None and fork.leader is not req and fork.cache is None and not fork.abandoned:
+                continue  # its sibling is still prefilling their prompt
             need = len(req.pending) + 1
             if self.kv_budget_tokens is not None and self.running and self._kv_tokens() + need > self.kv_budget_tokens:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             first = req.preemptions == 0
             if first:  # time from now on (TTFT excludes the wait in the queue, reported as queue_ms)
                 now = time.perf_counter()
                 req.gen.timings.queue_ms += (now - req.state.t0) * 1000.0
                 req.state.t0 = now
+            if fork is not None and fork.cache is not None:
+                self._admit_sibling(req, fork)
+                continue
             known = req.gen.prompt_ids + req.gen.token_ids
             try:
                 cache, cached, req.handle = self.engine.open_cache(req.gen, known, first)
@@ -116,6 +147,41 @@ class BatchScheduler:
                 continue
             req.cache, req.pending, req.admitted_at = cache, known[cached:], self.steps
             self.running.append(req)
+
+    def _admit_sibling(self, req: BatchRequest, fork: Fork) -> None:
+        """Start req from its fork's prompt KV (a copy, or the last one itself) and draw its first token."""
+        leader, req.fork = fork.leader, None
+        # TTFT counts from when the shared prefill started; waiting for it is not queueing
+        req.gen.timings.queue_ms, req.state.t0 = leader.gen.timings.queue_ms, leader.state.t0
+        last = not any(r.fork is fork for r in self.waiting)
+        req.cache = fork.cache if last else fork.cache.clone()
+        logits = fork.logits
+        if last:
+            fork.cache = fork.logits = None
+        prompt = len(req.gen.prompt_ids)
+        req.gen.timings.account(prompt, prompt, None)
+        req.gen.timings.prefill_ms = leader.gen.timings.prefill_ms
+        req.pending, req.admitted_at = [], self.steps
+        self.running.append(req)
+        self._deliver(req, logits, None)
+        if req in self.running:  # the copy may lack the last prompt token (its leader decoded it in static rows)
+            req.pending = req.gen.prompt_ids[req.cache.offset:] + req.pending
+
+    def _deliver(self, req: BatchRequest, logits: torch.Tensor | None, sample) -> None:
+        """Accept req's next token (from logits, or the batched sample); it leaves the batch when done."""
+        try:
+            event = req.state.accept(logits, sample)
+            if req.on_event is not None:
+                req.on_event(event)
+        except Exception as exc:
+            self.running.remove(req)
+            self._finish(req, "error", exc)
+            return
+        if req.gen.finish_reason:
+            self.running.remove(req)
+            self._finish(req)
+        else:
+            req.pending = [event.token_id]
 
     def _preempt_for(self, new_tokens: int) -> bool:
         """Drop the newest requests' KV until this step's tokens fit the KV budget; whether any was dropped."""
@@ -143,6 +209,12 @@ class BatchScheduler:
     def _finish(self, req: BatchRequest, reason: str | None = None, error: BaseException | None = None) -> None:
         if reason and not req.gen.finish_reason:
             req.gen.finish_reason = reason
+        fork = req.fork
+        if fork is not None and fork.leader is req and fork.cache is None:
+            fork.abandoned = True  # ended before its prefill did
+        elif fork is not None and not any(r.fork is fork and r is not req for r in self.waiting):
+            fork.cache = fork.logits = None  # the last sibling left without using the copy
+        req.fork = None
         try:
             self._release(req)
         finally:
@@ -178,22 +250,15 @@ class BatchScheduler:
                 continue  # still prefilling
             if req.gen.timings.prefill_ms == 0.0:
                 req.gen.timings.prefill_ms = req.state.ms()
-            try:
-                sample = samples.get(j)
-                if sample is None and out is None:
-                    out = rows[req.slot : req.slot + 1]
-                event = req.state.accept(out, sample)
-                if req.on_event is not None:
-                    req.on_event(event)
-            except Exception as exc:
-                self.running.remove(req)
-                self._finish(req, "error", exc)
-                continue
-            if req.gen.finish_reason:
-                self.running.remove(req)
-                self._finish(req)
-            else:
-                req.pending = [event.token_id]
+            sample = samples.get(j)
+            if sample is None and out is None:
+                out = rows[req.slot : req.slot + 1]
+            if req.fork is not None:  # a fork's leader, its prompt now prefilled: keep it for the siblings
+                fork, req.fork = req.fork, None
+                if any(r.fork is fork for r in self.waiting):
+                    last = out if out is not None else rows[req.slot : req.slot + 1]
+                    fork.cache, fork.logits = req.cache.clone(), last.detach().clone()
+            self._deliver(req, out, sample)
         self.host_s += (t_plan - t_start) + (time.perf_counter() - t_read)
         return sum(len(c) for _, c in plan)
 

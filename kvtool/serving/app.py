@@ -23,6 +23,7 @@ from kvtool.config import EngineConfig
 from kvtool.engine import Engine
 from kvtool.errors import KvtoolError
 from kvtool.serving.chat import prepare_chat
+from kvtool.serving.choices import merged_chunks, merged_response
 from kvtool.serving.config import ServerConfig
 from kvtool.serving.errors import AuthError, ServingError, error_body, error_from_exception
 from kvtool.serving.metrics import ServerMetrics
@@ -205,20 +206,22 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        handle, session = await start_chat(body, request, body.raw_tokens)
+        handles, sessions = await start_chat(body, request, body.raw_tokens)
         if body.stream:
-            return StreamingResponse(sse(session.chunks(), handle, body.include_usage), media_type="text/event-stream",
+            return StreamingResponse(sse(merged_chunks(sessions, body.n), handles, body.include_usage),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(await until_done(request, handle, session.response()))
+        return JSONResponse(await until_done(request, handles, merged_response(sessions, body.n)))
 
     @api.post("/v1/chat/completions/raw")
     async def chat_raw_tokens(body: ChatCompletionRequest, request: Request):
-        """Every generated token as an SSE event {id, piece, channel, t_ms}, then a summary, then [DONE]."""
-        handle, session = await start_chat(body, request, True)
+        """Every generated token as an SSE event {id, piece, channel, t_ms} (+ index for n > 1), then a summary
+        (per choice for n > 1), then [DONE]."""
+        handles, sessions = await start_chat(body, request, True)
 
         async def events():
-            summary = {"done": True}
-            async for chunk in session.chunks():
+            summary, ends = {"done": True}, []
+            async for chunk in merged_chunks(sessions, body.n):
                 if "error" in chunk:
                     yield chunk
                     return
@@ -226,35 +229,45 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
                     yield token
                 for choice in chunk["choices"]:
                     if choice["finish_reason"]:
-                        summary.update(finish_reason=choice["finish_reason"], timings=chunk.get("timings"))
+                        ends.append({"index": choice["index"], "finish_reason": choice["finish_reason"],
+                                     "timings": chunk.get("timings")})
                 if "usage" in chunk:
                     summary["usage"] = chunk["usage"]
+            if body.n == 1:
+                summary.update({k: v for k, v in ends[0].items() if k != "index"} if ends else {})
+            else:
+                summary["choices"] = sorted(ends, key=lambda e: e["index"])
             yield summary
 
-        return StreamingResponse(sse(events(), handle, True), media_type="text/event-stream")
+        return StreamingResponse(sse(events(), handles, True), media_type="text/event-stream")
 
     async def start_chat(body: ChatCompletionRequest, request: Request, raw_tokens: bool):
         served.check_name(body.model)
         params = body.chat_sampling(cfg.default_max_tokens)
         prepared = prepare_chat(served, body, await request.json(), fmt)
-        handle = worker.submit(prepared.prompt_ids, params)
-        return handle, ChatSession(served, prepared, handle, fmt, raw_tokens, body.parallel_tool_calls)
+        handles = worker.submit_choices([prepared.prompt_ids], body.n, params)
+        sessions: list[ChatSession] = []
+        for i, handle in enumerate(handles):
+            sessions.append(ChatSession(served, prepared, handle, fmt, raw_tokens, body.parallel_tool_calls, i,
+                                        sessions[0] if sessions else None))
+            sessions[-1].tag_raw = len(handles) > 1
+        return handles, sessions
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         served.check_name(body.model)
         params = body.completion_sampling(cfg.default_max_tokens)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ServingError(f"prompt holds {len(prompt)} prompts; send one prompt per request", "prompt")
-            prompt = prompt[0]
-        ids = served.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
-        handle = worker.submit(ids, params)
-        session = CompletionSession(served, handle)
+        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and isinstance(
+            body.prompt[0], (str, list)) else [body.prompt]  # several prompts: choice p * n + i is choice i of p
+        ids = [served.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompts]
+        handles = worker.submit_choices(ids, body.n, params)
+        sessions: list[CompletionSession] = []
+        for i, handle in enumerate(handles):
+            sessions.append(CompletionSession(served, handle, i, sessions[0] if sessions else None))
         if body.stream:
-            return StreamingResponse(sse(session.chunks(), handle, body.include_usage), media_type="text/event-stream")
-        return JSONResponse(await until_done(request, handle, session.response()))
+            return StreamingResponse(sse(merged_chunks(sessions, body.n), handles, body.include_usage),
+                                     media_type="text/event-stream")
+        return JSONResponse(await until_done(request, handles, merged_response(sessions, body.n)))
 
     @api.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):

@@ -99,9 +99,8 @@ class GenerationRequest(Strict):
 
     def sampling(self, default_max_tokens: int | None, max_tokens: int | None = None,
                  logprobs: int | None = None) -> SamplingParams:
-        if self.n != 1:
-            raise ServingError(f"n={self.n} is not supported: kvtool serve returns one choice; send n=1 "
-                               "(or several requests)", param="n")
+        if self.n < 1:
+            raise ServingError(f"n must be >= 1, got {self.n}", param="n")
         defaults = SamplingParams()  # the one place sampling defaults live
 
         def pick(name: str):

@@ -56,18 +56,22 @@ def stream_error(exc: Exception) -> dict:
 
 class ChatSession:
     def __init__(self, served: ServedModel, prepared: PreparedChat, handle: Handle, fmt: ToolFormat,
-                 raw_tokens: bool = False, parallel_tool_calls: bool = True):
-        self.served, self.prepared, self.handle = served, prepared, handle
+                 raw_tokens: bool = False, parallel_tool_calls: bool = True, index: int = 0,
+                 first: "ChatSession | None" = None):
+        """index: this choice's; first: choice 0's session, whose id and time the other choices share."""
+        self.served, self.prepared, self.handle, self.index = served, prepared, handle, index
         self.parser = OutputParser(prepared.tools, fmt, in_reasoning=prepared.in_reasoning)
         self.raw_tokens, self.parallel = raw_tokens, parallel_tool_calls
-        self.id = "chatcmpl-" + secrets.token_hex(12)
-        self.created = int(time.time())
+        self.id = first.id if first else "chatcmpl-" + secrets.token_hex(12)
+        self.created = first.created if first else int(time.time())
+        self.tag_raw = False  # raw tokens carry their choice's index (set when a response has several)
         self.calls = 0
         self.reasoning_tokens = 0
         self.sealed = False  # parallel_tool_calls=false: generation ends at the first call
 
     def _chunk(self, delta: dict | None, finish: str | None = None, **extra) -> dict:
-        choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        choices = [] if delta is None else [{"index": self.index, "delta": delta, "logprobs": None,
+                                              "finish_reason": finish}]
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.served.name, "choices": choices, **extra}
 
@@ -108,6 +112,8 @@ class ChatSession:
                     channel = "special" if special else self.parser.last
                     self.reasoning_tokens += channel == "reasoning"
                     raw = {"id": ev.token_id, "piece": ev.piece, "channel": channel, "t_ms": round(ev.t_ms, 2)}
+                    if self.tag_raw:
+                        raw["index"] = self.index
                 if ev.logprob is not None:
                     lps.append(self._logprob(ev))
                 if not deltas and not (self.raw_tokens and raw):
@@ -162,7 +168,7 @@ class ChatSession:
         if calls:
             message["tool_calls"] = [calls[i] for i in sorted(calls)]
         out = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.served.name,
-               "choices": [{"index": 0, "message": message, "logprobs": {"content": lps} if lps else None,
+               "choices": [{"index": self.index, "message": message, "logprobs": {"content": lps} if lps else None,
                             "finish_reason": finish}],
                "usage": usage, "timings": timings}
         if self.raw_tokens:
@@ -173,13 +179,14 @@ class ChatSession:
 class CompletionSession:
     """Raw /v1/completions: text deltas, legacy logprobs (tokens, token_logprobs, top_logprobs)."""
 
-    def __init__(self, served: ServedModel, handle: Handle):
-        self.served, self.handle = served, handle
-        self.id = "cmpl-" + secrets.token_hex(12)
-        self.created = int(time.time())
+    def __init__(self, served: ServedModel, handle: Handle, index: int = 0, first: "CompletionSession | None" = None):
+        self.served, self.handle, self.index = served, handle, index
+        self.id = first.id if first else "cmpl-" + secrets.token_hex(12)
+        self.created = first.created if first else int(time.time())
 
     def _chunk(self, text: str | None, finish: str | None = None, logprobs=None, **extra) -> dict:
-        choices = [] if text is None else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]
+        choices = [] if text is None else [{"index": self.index, "text": text, "logprobs": logprobs,
+                                            "finish_reason": finish}]
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.served.name,
                 "choices": choices, **extra}
 
@@ -217,6 +224,6 @@ class CompletionSession:
             events.append(ev)
         gen = self.handle.gen
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.served.name,
-                "choices": [{"index": 0, "text": "".join(text), "logprobs": self._logprobs(events, 0),
+                "choices": [{"index": self.index, "text": "".join(text), "logprobs": self._logprobs(events, 0),
                              "finish_reason": finish_reason(gen, False)}],
                 "usage": usage_dict(gen), "timings": timings_dict(gen)}

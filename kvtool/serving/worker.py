@@ -7,6 +7,9 @@ share decode steps and a long prompt does not stall the streams already running.
 are admitted first come, first served, up to `max_active` running at once; more than
 `max_active + max_queue` requests in flight get QueueFull (HTTP 429) at once.
 
+The n choices of a request (and the prompts of a batched completion) are submitted together, all or
+none; the choices of one prompt share a Fork, so the prompt is prefilled once for all of them.
+
 A cancelled handle (client gone) leaves the batch before the next step, which frees its KV.
 A fault in one request's sampling ends that request alone; a fault in the batched forward
 ends the requests in that batch, with a 500-style error each; the worker keeps serving.
@@ -15,6 +18,7 @@ ends the requests in that batch, with a 500-style error each; the worker keeps s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -23,9 +27,9 @@ from typing import AsyncIterator
 
 from kvtool.config import SamplingParams
 from kvtool.engine import Engine, Generation, TokenEvent
-from kvtool.engine.batch import BatchScheduler
+from kvtool.engine.batch import BatchScheduler, Fork
 from kvtool.models.host import release_openmp_threads
-from kvtool.serving.errors import QueueFull, Unavailable
+from kvtool.serving.errors import QueueFull, ServingError, Unavailable
 
 log = logging.getLogger("kvtool.serving")
 _DONE = object()
@@ -39,8 +43,8 @@ class Handle:
     """One request in the worker: iterate it (async) for TokenEvents; .gen holds the results."""
 
     def __init__(self, worker: "Worker", gen: Generation, max_tokens: int, skip_special_tokens: bool,
-                 loop: asyncio.AbstractEventLoop):
-        self.worker, self.gen, self.loop = worker, gen, loop
+                 loop: asyncio.AbstractEventLoop, fork: Fork | None = None):
+        self.worker, self.gen, self.loop, self.fork = worker, gen, loop, fork
         self.max_tokens, self.skip_special_tokens = max_tokens, skip_special_tokens
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -69,6 +73,19 @@ class Handle:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is gone (server shut down): nobody is listening
             self.cancelled.set()
+
+
+class Handles(list):
+    """The handles of one HTTP request, choice by choice: cancel() cancels them all."""
+
+    def cancel(self) -> None:
+        for handle in self:
+            handle.cancel()
+
+
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """Choice i of a seeded request draws with seed + i (wrapped into torch's seed range)."""
+    return None if seed is None else (seed + i if seed + i < 2**64 else seed + i - 2**64)
 
 
 class Worker:
@@ -101,19 +118,36 @@ class Worker:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, skip_special_tokens: bool = True) -> Handle:
         """Queue a request. Raises KvtoolError (400) for a bad prompt, QueueFull (429), Unavailable (503)."""
+        return self.submit_choices([prompt_ids], 1, params, skip_special_tokens)[0]
+
+    def submit_choices(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                       skip_special_tokens: bool = True) -> Handles:
+        """Queue n choices of each prompt, all or none: handle p * n + i is choice i of prompt p. A seed s
+        becomes s + i for choice i; the choices of one prompt prefill it once (a shared Fork)."""
         if not self.alive:
             raise Unavailable("the model worker is not running; restart kvtool serve", code="worker_stopped")
-        gen, max_tokens = self.engine.new_generation(prompt_ids, params)  # validates; computes nothing yet
-        handle = Handle(self, gen, max_tokens, skip_special_tokens, asyncio.get_running_loop())
+        total, capacity = len(prompts) * n, self.max_active + self.max_queue
+        if n < 1:
+            raise ServingError(f"n must be >= 1, got {n}", param="n")
+        if total > capacity:
+            raise ServingError(f"{len(prompts)} prompt(s) x n={n} = {total} sequences; this server takes at most "
+                               f"{capacity} at once (--max-active + --max-queue)", param="n")
+        loop, handles = asyncio.get_running_loop(), Handles()
+        for ids in prompts:
+            fork = Fork() if n > 1 else None
+            for i in range(n):
+                choice = dataclasses.replace(params, seed=choice_seed(params.seed, i)) if i else params
+                gen, max_tokens = self.engine.new_generation(ids, choice)  # validates; computes nothing yet
+                handles.append(Handle(self, gen, max_tokens, skip_special_tokens, loop, fork))
         with self._cv:
-            if len(self._pending) + len(self._handles) >= self.max_active + self.max_queue:
+            if len(self._pending) + len(self._handles) + total > capacity:
                 if self.metrics:
                     self.metrics.rejected()
                 raise QueueFull(f"server busy: {self.running} requests running and {self.waiting} "
                                 f"waiting (max_queue={self.max_queue}); retry shortly", code="queue_full")
-            self._pending.append(handle)
+            self._pending.extend(handles)
             self._cv.notify()
-        return handle
+        return handles
 
     def run_exclusive(self, fn):
         """Run fn() between two batched steps (e.g. an attention pass of the inspector)."""
@@ -150,7 +184,7 @@ class Worker:
                     handle.gen.timings.queue_ms = (now - handle.submitted) * 1000.0
                     self.scheduler.add(handle.gen, handle.max_tokens, handle.skip_special_tokens,
                                        on_event=lambda event, h=handle: self._emit(h, event),
-                                       on_finish=self._on_finish)
+                                       on_finish=self._on_finish, fork=handle.fork)
                 for req in self.scheduler.requests:
                     if self._handles[id(req.gen)].cancelled.is_set():
                         self.scheduler.cancel(req.gen)

@@ -1,0 +1,101 @@
+"""Sibling requests (the n choices of one prompt) prefill their prompt once and sample as if alone."""
+
+import pytest
+
+from kvtool import SamplingParams
+from kvtool.config import EngineConfig
+from kvtool.engine import Engine
+from kvtool.engine.batch import BatchScheduler, Fork
+
+QUESTION = "Write a haiku about rain."
+
+
+@pytest.fixture(scope="module")
+def engine_prompt(smollm2):
+    return Engine(smollm2), smollm2.encode(smollm2.render([{"role": "user", "content": QUESTION}]))
+
+
+def run_counting(sched) -> int:
+    """Run to the end; the tokens that went through the model."""
+    forwarded = 0
+    while not sched.idle:
+        forwarded += sched.step()
+    return forwarded
+
+
+@pytest.mark.real_model
+def test_seeded_siblings_prefill_once_and_each_equals_its_solo_run(engine_prompt):
+    engine, prompt = engine_prompt
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=s, max_tokens=12) for s in (7, 8, 9)]
+    solo = [engine.generate(prompt, p).run().token_ids for p in params]
+    assert len({tuple(t) for t in solo}) > 1  # the seeds differ, so would the choices
+
+    sched = BatchScheduler(engine, max_running=4, prefill_budget=16)
+    fork = Fork()
+    events = {i: [] for i in range(3)}
+    gens = [sched.submit(prompt, p, on_event=lambda e, i=i: events[i].append(e.token_id), fork=fork)
+            for i, p in enumerate(params)]
+    forwarded = run_counting(sched)
+    for i, g in enumerate(gens):
+        assert g.token_ids == solo[i], f"choice {i} differs from its solo run"
+        assert events[i] == g.token_ids
+    # the prompt once, then every sampled token but each choice's last
+    assert forwarded == len(prompt) + sum(len(g.token_ids) - 1 for g in gens)
+    assert [g.timings.cached_tokens for g in gens] == [0, len(prompt), len(prompt)]
+    assert all(g.timings.ttft_ms > 0 and g.timings.prefill_ms > 0 for g in gens)
+    assert fork.cache is None and fork.logits is None  # the copy went to the last sibling
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("fast", ["off", "on"])
+def test_greedy_siblings_equal_the_single_answer_beside_other_requests(smollm2, engine_prompt, fast):
+    """A one-token prompt puts the leader straight into the static rows when they are on: its KV copy then
+    lacks that token, which the siblings run again."""
+    engine, prompt = engine_prompt
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    engine = Engine(smollm2, EngineConfig(fast_decode=fast, static_max_tokens=128))
+    for ids in (prompt, prompt[:1]):
+        want = engine.generate(ids, greedy).run().token_ids
+        other = engine.generate(prompt[:7], greedy).run().token_ids
+        sched = BatchScheduler(engine, max_running=3, prefill_budget=16)
+        first = sched.submit(prompt[:7], greedy)
+        fork = Fork()
+        gens = [sched.submit(ids, greedy, fork=fork) for _ in range(3)]  # one waits for a free row
+        sched.run()
+        assert first.token_ids == other
+        assert [g.token_ids for g in gens] == [want] * 3, f"prompt of {len(ids)} tokens"
+
+
+@pytest.mark.real_model
+def test_siblings_prefill_alone_when_the_leader_ends_first_and_cancelled_ones_free_the_copy(engine_prompt):
+    engine, prompt = engine_prompt
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    want = engine.generate(prompt, greedy).run().token_ids
+
+    sched = BatchScheduler(engine, max_running=4, prefill_budget=8)
+    fork = Fork()
+    gens = [sched.submit(prompt, greedy, fork=fork) for _ in range(3)]
+    sched.step()  # the leader has prefilled 8 prompt tokens; its siblings wait
+    assert len(sched.running) == 1 and len(sched.waiting) == 2
+    sched.cancel(gens[0])
+    assert fork.abandoned
+    sched.run()
+    assert gens[0].finish_reason == "abort" and [g.token_ids for g in gens[1:]] == [want] * 2
+
+    sched = BatchScheduler(engine, max_running=1, prefill_budget=512)
+    fork = Fork()
+    gens = [sched.submit(prompt, greedy, fork=fork) for _ in range(3)]
+    sched.step()  # the leader's prefill ends; one row: its siblings wait on its KV copy
+    assert fork.cache is not None and fork.cache.offset == len(prompt)
+    sched.cancel(gens[1])
+    assert fork.cache is not None  # gens[2] still waits for it
+    sched.cancel(gens[2])
+    assert fork.cache is None and fork.logits is None
+    sched.run()
+    assert gens[0].token_ids == want
+
+    fork = Fork()
+    sched.submit(prompt, greedy, fork=fork)
+    with pytest.raises(ValueError, match="same prompt"):
+        sched.submit(prompt[:-1], greedy, fork=fork)
+    sched.run()
