@@ -8,6 +8,10 @@ It is the Engine's ``prefix_cache`` hook:
 - ``commit(handle, token_ids, cache)`` inserts the full blocks of what the request computed
   (prompt and decoded tokens), stores the KV of the new blocks and drops the hold. It never
   raises because of caching, and tolerates aborted requests and a reset() in between.
+- ``publish(handle, token_ids, cache)`` inserts the same way but keeps the hold: the batch
+  scheduler calls it when a prompt's prefill ends, so requests that arrive while that one
+  still decodes reuse its prompt (vLLM shares a block once it is full, too); commit() later
+  adds only the blocks that are new by then.
 
 Memory: the store holds at most ``budget_bytes // bytes_per_block`` blocks; eviction is the
 index's (LRU by default). A request whose KV does not fit runs (partly) uncached, with a
@@ -133,17 +137,29 @@ class PrefixCache:
         handle.done = True
         with self._lock:
             try:
-                if handle.epoch == self._epoch:
-                    self._insert(list(token_ids), cache, what="request")
-            except Exception as exc:  # caching must never fail a request; drop what may be inconsistent
-                warnings.warn(PrefixCacheWarning(f"prefix cache: storing a request's KV failed "
-                                                 f"({type(exc).__name__}: {exc}); the cache was reset"))
-                self._reset_locked()
+                self._insert_safely(handle, token_ids, cache, final=True)
             finally:
                 self.store.free(self.index.release(handle.block_ids))
 
-    def _insert(self, tokens: list[int], cache: KVCache, what: str) -> int:
-        """Insert the full blocks of ``tokens`` whose KV ``cache`` holds; returns cached tokens."""
+    def publish(self, handle: PrefixHandle | None, token_ids: Sequence[int], cache: KVCache) -> None:
+        """Cache the KV a running request has computed so far (e.g. its prompt); it keeps its hold."""
+        if handle is None or handle.done:
+            return
+        with self._lock:
+            self._insert_safely(handle, token_ids, cache, final=False)
+
+    def _insert_safely(self, handle: PrefixHandle, token_ids: Sequence[int], cache: KVCache, final: bool) -> None:
+        try:
+            if handle.epoch == self._epoch:
+                self._insert(list(token_ids), cache, what="request", count=final)
+        except Exception as exc:  # caching must never fail a request; drop what may be inconsistent
+            warnings.warn(PrefixCacheWarning(f"prefix cache: storing a request's KV failed "
+                                             f"({type(exc).__name__}: {exc}); the cache was reset"))
+            self._reset_locked()
+
+    def _insert(self, tokens: list[int], cache: KVCache, what: str, count: bool = True) -> int:
+        """Insert the full blocks of ``tokens`` whose KV ``cache`` holds; returns cached tokens. count: whether
+        a shortfall counts as one over-budget request (a request that publishes first counts at commit)."""
         bs = self.block_size
         n = min((layer.offset for layer in cache.layers), default=0)  # an aborted prefill may leave layers uneven
         tokens = tokens[:n]
@@ -157,7 +173,7 @@ class PrefixCache:
                 s = (i - first) * bs
                 self.store.put(block_id, keys[:, :, s : s + bs], values[:, :, s : s + bs])
         cached = len(result.block_ids) * bs
-        if cached < len(tokens) // bs * bs:
+        if cached < len(tokens) // bs * bs and count:
             self._over_budget += 1
             if not self._warned:
                 self._warned = True

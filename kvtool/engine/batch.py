@@ -19,6 +19,9 @@ steps spend outside the forward and that read (scheduling, detokenizing, callbac
 A fault while sampling one request (on_event or the sampler raising) ends that request alone,
 with finish_reason "error" and the exception passed to its on_finish callback.
 
+With a prefix cache, a request's prompt KV goes into it as soon as its prefill ends (publish), so
+requests that arrive while it still decodes reuse that prompt; the rest is cached when it finishes.
+
 Requests added with one Fork (the n choices of one prompt) prefill their prompt once: the first
 prefills it; the others wait, and when its prefill ends they start from a copy of its prompt KV,
 each drawing its first token from the same last-prompt-token logits with its own sampler. If the
@@ -253,6 +256,9 @@ class BatchScheduler:
             sample = samples.get(j)
             if sample is None and out is None:
                 out = rows[req.slot : req.slot + 1]
+            publish = getattr(self.engine.prefix_cache, "publish", None)  # an optional part of the hook
+            if not req.gen.token_ids and publish is not None:  # its prompt is in: share it now
+                publish(req.handle, req.gen.prompt_ids[: req.cache.offset], req.cache)
             if req.fork is not None:  # a fork's leader, its prompt now prefilled: keep it for the siblings
                 fork, req.fork = req.fork, None
                 if any(r.fork is fork for r in self.waiting):

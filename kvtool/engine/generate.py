@@ -106,6 +106,7 @@ class Engine:
         self.runner = model.runner
         self.config = config or EngineConfig()
         self.prefix_cache = prefix_cache  # optional: prepare(prompt, runner) / commit(handle, ids, cache)
+        # [/ publish(handle, ids, cache): cache a running request's prompt once prefilled (BatchScheduler)]
         self.end_of_turn = frozenset(model.end_of_turn_ids())
         self._static = None  # StaticDecoder, built on first use when config.fast_decode allows
         self._batched: dict[int, object] = {}  # slots -> BatchedStaticDecoder, shared by this engine's schedulers

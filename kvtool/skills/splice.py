@@ -5,7 +5,7 @@ n_ready prompt tokens: the inner hook's prefix hit (if any), then for every bloc
 the gap before it (prefilled) and the block (placed by the repair strategy); n_ready ends at the
 last block, and the engine prefills the rest. A query-guided repair (recompute_attended) repairs the
 blocks by what the rest of the prompt attends to, so prepare() prefills that too, all but the last
-token, which the engine prefills. commit() passes through to the inner hook, so a
+token, which the engine prefills. commit() and publish() pass through to the inner hook, so a
 conversation's next turn reuses the composed KV as an ordinary prefix hit (composition is causal:
 the KV of a token prefix does not depend on what follows it).
 """
@@ -95,3 +95,7 @@ class SkillSplicer:
     def commit(self, handle: SpliceHandle, token_ids: list[int], cache) -> None:
         if self.inner is not None:
             self.inner.commit(handle.inner, token_ids, cache)
+
+    def publish(self, handle: SpliceHandle, token_ids: list[int], cache) -> None:
+        if self.inner is not None:
+            self.inner.publish(handle.inner, token_ids, cache)

@@ -291,6 +291,9 @@ def run_workload(ops, budget_blocks, seed):
             cut = rng.randrange(len(tokens) // 2, len(tokens) + 1)  # aborted requests commit less
             kv.truncate(cut)
             cache.commit(handle, tokens[:cut], kv)
+        elif op == "publish":  # a running request shares what it has computed so far, keeping its hold
+            handle, tokens, kv = rng.choice(running)
+            cache.publish(handle, tokens[: kv.offset], kv)
         elif op == "reset":
             cache.reset()
         elif op == "pin":
@@ -310,7 +313,8 @@ def run_workload(ops, budget_blocks, seed):
 
 @pytest.mark.filterwarnings("ignore::kvtool.cache.manager.PrefixCacheWarning")
 def test_thousands_of_random_requests_stay_under_budget():
-    ops = random.Random(0).choices(["start", "finish", "reset", "pin", "unpin"], weights=[45, 45, 1, 2, 2], k=4000)
+    ops = random.Random(0).choices(["start", "finish", "publish", "reset", "pin", "unpin"],
+                                   weights=[45, 45, 10, 1, 2, 2], k=4000)
     cache = run_workload(ops, budget_blocks=10, seed=0)
     s = cache.stats()
     assert s["queries"] > 1500 and s["hit_tokens"] > 0 and s["evictions"] > 100
@@ -318,7 +322,7 @@ def test_thousands_of_random_requests_stay_under_budget():
 
 @pytest.mark.filterwarnings("ignore::kvtool.cache.manager.PrefixCacheWarning")
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(st.sampled_from(["start", "start", "finish", "finish", "reset", "pin", "unpin"]),
+@given(ops=st.lists(st.sampled_from(["start", "start", "finish", "finish", "publish", "reset", "pin", "unpin"]),
                     min_size=1, max_size=80),
        budget_blocks=st.integers(0, 8), seed=st.integers(0, 10_000))
 def test_random_workloads_keep_integrity(ops, budget_blocks, seed):

@@ -130,3 +130,22 @@ def test_pin_system_prompt_over_http_then_hit(smollm2, engines):
     assert r.status_code == 200 and r.json()["cache"]["pinned_blocks"] == 0
     r = client.post("/v1/cache/pin", json={"messages": [{"content": "no role"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_a_prompt_is_shared_while_its_request_still_decodes(smollm2, engines):
+    from kvtool.engine.batch import BatchScheduler
+
+    plain, engine = engines
+    a, b = chat_ids(smollm2, QUESTION), chat_ids(smollm2, "Can I order a birthday cake for Friday?")
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    sched = BatchScheduler(engine, max_running=2, prefill_budget=512)
+    ga = sched.submit(a, GREEDY)
+    sched.step()  # a's prompt is prefilled; it decodes from here on
+    assert ga.token_ids and ga.finish_reason is None
+    gb = sched.submit(b, GREEDY)
+    sched.run()
+    assert gb.timings.cached_tokens == shared // 16 * 16 >= 48  # the system prompt, from a request still running
+    assert ga.token_ids == plain.generate(a).token_ids and gb.token_ids == plain.generate(b).token_ids
+    stats = engine.prefix_cache.stats()
+    assert stats["over_budget"] == 0 and stats["queries"] == 2
+    engine.prefix_cache.check_integrity()
