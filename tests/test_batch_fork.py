@@ -99,3 +99,24 @@ def test_siblings_prefill_alone_when_the_leader_ends_first_and_cancelled_ones_fr
     with pytest.raises(ValueError, match="same prompt"):
         sched.submit(prompt[:-1], greedy, fork=fork)
     sched.run()
+
+
+@pytest.mark.real_model
+def test_generate_batch_equals_single_runs_choice_by_choice(smollm2, engine_prompt):
+    from kvtool.errors import InvalidParameterError
+
+    engine, prompt = engine_prompt
+    other = smollm2.encode(smollm2.render([{"role": "user", "content": "Name three colours."}]))
+    sampled = SamplingParams(temperature=0.8, seed=21, max_tokens=8)
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    gens = engine.generate_batch([prompt, other], [sampled, greedy], n=2)
+    want = [engine.generate(prompt, sampled).run().token_ids,
+            engine.generate(prompt, SamplingParams(temperature=0.8, seed=22, max_tokens=8)).run().token_ids,
+            *[engine.generate(other, greedy).run().token_ids] * 2]
+    assert [g.token_ids for g in gens] == want
+    assert all(g.finish_reason in ("stop", "length") for g in gens)
+    assert [g.token_ids for g in engine.generate_batch([other], greedy)] == [want[2]]
+    with pytest.raises(InvalidParameterError, match="2 SamplingParams for 1 prompts"):
+        engine.generate_batch([other], [greedy, greedy])
+    with pytest.raises(InvalidParameterError, match="n must be"):
+        engine.generate_batch([other], greedy, n=0)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -42,6 +42,12 @@ from kvtool.cache.kv import KVCache
 from kvtool.config import SamplingParams
 from kvtool.engine.batch_sampling import batchable, sample_rows
 from kvtool.engine.generate import Engine, Generation, OutputState, TokenEvent
+from kvtool.errors import InvalidParameterError
+
+
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """Choice i of a seeded request draws with seed + i (wrapped into torch's seed range)."""
+    return None if seed is None else (seed + i if seed + i < 2**64 else seed + i - 2**64)
 
 
 @dataclass(eq=False)
@@ -309,3 +315,26 @@ class BatchScheduler:
     def run(self) -> None:
         while not self.idle:
             self.step()
+
+
+def generate_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                   n: int = 1, max_running: int = 16, skip_special_tokens: bool = True) -> list[Generation]:
+    """Every prompt (token ids) n times through one BatchScheduler, as vLLM's LLM.generate: the finished
+    Generations, choice i of prompt p at p * n + i. A list of params gives each prompt its own; a seed s gives
+    choice i the seed s + i (it then equals a single run seeded s + i); a prompt's choices prefill it once."""
+    per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+    if len(per_prompt) != len(prompts):
+        raise InvalidParameterError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts; give one, or "
+                                    "one per prompt")
+    if not isinstance(n, int) or n < 1:
+        raise InvalidParameterError(f"n must be an integer >= 1, got {n!r}")
+    sched = BatchScheduler(engine, max_running=max_running, prefill_budget=engine.config.prefill_chunk)
+    gens = []
+    for ids, p in zip(prompts, per_prompt):
+        fork = Fork() if n > 1 else None
+        for i in range(n):
+            choice = replace(p, seed=choice_seed(p.seed, i)) if i else p
+            gens.append(sched.submit(ids, choice, skip_special_tokens, fork=fork))
+    sched.run()
+    return gens
+

@@ -177,6 +177,13 @@ class Engine:
         gen._events = self._run(gen, max_tokens, skip_special_tokens)
         return gen
 
+    def generate_batch(self, prompts: list[list[int]], params=None, n: int = 1, max_running: int = 16,
+                       skip_special_tokens: bool = True) -> list[Generation]:
+        """Many prompts (and n choices each) batched together; see kvtool.engine.batch.generate_batch."""
+        from kvtool.engine.batch import generate_batch
+
+        return generate_batch(self, prompts, params, n, max_running, skip_special_tokens)
+
     def start_cache(self, prompt_ids: list[int]):
         """(cache, tokens already in it, hook handle) for a new request: the prefix hook's hit, or empty."""
         if self.prefix_cache is not None:

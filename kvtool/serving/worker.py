@@ -27,7 +27,7 @@ from typing import AsyncIterator
 
 from kvtool.config import SamplingParams
 from kvtool.engine import Engine, Generation, TokenEvent
-from kvtool.engine.batch import BatchScheduler, Fork
+from kvtool.engine.batch import BatchScheduler, Fork, choice_seed
 from kvtool.models.host import release_openmp_threads
 from kvtool.serving.errors import QueueFull, ServingError, Unavailable
 
@@ -81,11 +81,6 @@ class Handles(list):
     def cancel(self) -> None:
         for handle in self:
             handle.cancel()
-
-
-def choice_seed(seed: int | None, i: int) -> int | None:
-    """Choice i of a seeded request draws with seed + i (wrapped into torch's seed range)."""
-    return None if seed is None else (seed + i if seed + i < 2**64 else seed + i - 2**64)
 
 
 class Worker:
