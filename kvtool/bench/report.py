@@ -8,6 +8,7 @@ that fails is recorded as an error and the rest still run. --quick shrinks every
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 from kvtool.bench.batching import BatchingBenchConfig
 from kvtool.bench.decode import DecodeBenchConfig, paired_text, variant_of
 from kvtool.bench.prefix import PrefixBenchConfig
-from kvtool.bench.protocol import device_name, emit, versions
+from kvtool.bench.protocol import device_name, emit, portable, versions
 from kvtool.bench.scenarios import ScenarioConfig
 from kvtool.bench.skills import SkillsBenchConfig
 from kvtool.bench.ttft import TTFTBenchConfig
@@ -137,6 +138,8 @@ def run_report(rc: ReportConfig, bm=None, log=lambda s: print(s, file=sys.stderr
         dev = bm.device
         cfgs = sub_configs(rc.quick, dev.type)
         records, errors, seconds = {}, {}, {}
+        slug = _slug(device_name(dev)) if dev.type == "cuda" else dev.type
+        out_dir = Path(rc.out_dir or f"benchmarks/results/report-{slug}{'-quick' if rc.quick else ''}")
         jobs = [job for name in rc.only for job in JOBS[name] if rc.endpoint or not job[2]]
         for i, (key, run, _) in enumerate(jobs, start=1):
             log(f"\n[{i}/{len(jobs)}] {key}")
@@ -148,6 +151,7 @@ def run_report(rc: ReportConfig, bm=None, log=lambda s: print(s, file=sys.stderr
                 errors[key] = f"{type(exc).__name__}: {exc}"
                 log(f"[{i}/{len(jobs)}] {key} failed: {errors[key]}\n{traceback.format_exc(limit=3)}")
             seconds[key] = round(time.perf_counter() - t0, 1)
+            write_partial(out_dir, records, errors, seconds)
         config = {k: v for k, v in asdict(rc).items() if k != "api_key"}
         record = {"benchmark": "all", "model": bm.name, "device": device_name(dev), "device_type": dev.type,
                   "dtype": bm.dtype, "random_weights": bm.random_weights,
@@ -156,9 +160,8 @@ def run_report(rc: ReportConfig, bm=None, log=lambda s: print(s, file=sys.stderr
                   "versions": versions(), "seconds": seconds, "errors": errors, "records": records}
         record["targets"] = [{"benchmark": key, **row} for key, rec in records.items()
                              for row in rec.get("target_checks", [])]
-        slug = _slug(device_name(dev)) if dev.type == "cuda" else dev.type
-        out_dir = Path(rc.out_dir or f"benchmarks/results/report-{slug}{'-quick' if rc.quick else ''}")
         write_report(record, out_dir, log)
+        (out_dir / PARTIAL).unlink(missing_ok=True)
         return record
     finally:
         if own:
@@ -373,6 +376,16 @@ def markdown(record: dict, plots: dict[str, str]) -> str:
         spent = sum(t for key, t in record["seconds"].items() if key.split("_")[0] == name)
         lines.append(f"\n_{spent:.0f} s_")
     return "\n".join(lines) + "\n"
+
+
+PARTIAL = "partial.json"  # the records so far, rewritten after each benchmark; removed once the report is written
+
+
+def write_partial(out_dir: Path, records: dict, errors: dict, seconds: dict) -> None:
+    """Keep what finished if the run is stopped before the report (a time-limited lease, say)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / PARTIAL).write_text(json.dumps(portable({"records": records, "errors": errors,
+                                                         "seconds": seconds}), indent=1) + "\n")
 
 
 def write_report(record: dict, out_dir: Path, log=print) -> None:

@@ -113,6 +113,22 @@ def test_bench_all_writes_tables_plots_json_and_records_a_failing_benchmark(tiny
     for png in ("decode.png", "skills.png", "batching.png"):
         assert (out / png).read_bytes()[:8] == PNG and f"]({png})" in md
     assert not (out / "prefix.png").exists()
+    assert not (out / "partial.json").exists()  # the finished report replaces it
+
+
+def test_a_run_stopped_midway_keeps_what_finished(tiny_bench, tmp_path, monkeypatch):
+    def stop(bm, cfgs, rc, log):
+        raise KeyboardInterrupt  # what `timeout -s INT` does to a run that outlasts its lease
+
+    monkeypatch.setitem(report_mod.JOBS, "decode", [("decode", lambda bm, cfgs, rc, log: {"tok_s": 1.0}, False)])
+    monkeypatch.setitem(report_mod.JOBS, "ttft", [("ttft", stop, False)])
+    out = tmp_path / "report"
+    with pytest.raises(KeyboardInterrupt):
+        run_report(ReportConfig(quick=True, out_dir=str(out), only=["decode", "ttft"]), bm=tiny_bench,
+                   log=lambda s: None)
+    partial = json.loads((out / "partial.json").read_text())
+    assert partial["records"] == {"decode": {"tok_s": 1.0}} and set(partial["seconds"]) == {"decode"}
+    assert not (out / "report.json").exists()
 
 
 def test_cli_parses_bench_all_and_refuses_bad_input_before_loading(capsys, monkeypatch):
