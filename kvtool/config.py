@@ -46,6 +46,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: chosen token + top k
+    prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob + top k (full prefill)
 
     @property
     def greedy(self) -> bool:
@@ -84,6 +85,8 @@ class SamplingParams:
             bad("stop", "must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of token ids >= 0")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad("logprobs", "must be an integer in [0, 20]")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 20):
+                bad(name, "must be an integer in [0, 20]")
         return self

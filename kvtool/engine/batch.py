@@ -41,7 +41,8 @@ import torch
 from kvtool.cache.kv import KVCache
 from kvtool.config import SamplingParams
 from kvtool.engine.batch_sampling import batchable, sample_rows
-from kvtool.engine.generate import Engine, Generation, OutputState, TokenEvent
+from kvtool.engine.generate import Engine, Generation, OutputState, TokenEvent, scores_prompt
+from kvtool.engine.scoring import score_prompt
 from kvtool.errors import InvalidParameterError
 
 
@@ -156,6 +157,13 @@ class BatchScheduler:
                 continue
             req.cache, req.pending, req.admitted_at = cache, known[cached:], self.steps
             self.running.append(req)
+            if scores_prompt(req.gen, first):  # prefilled here, in one go: its rows' logits become prompt logprobs
+                logits, req.gen.prompt_logprobs = score_prompt(self.engine.runner, cache, known,
+                                                               req.gen.params.prompt_logprobs,
+                                                               self.engine.config.prefill_chunk)
+                req.gen.timings.prefill_ms, req.pending = req.state.ms(), []
+                self._prefilled(req, logits)
+                self._deliver(req, logits, None)
 
     def _admit_sibling(self, req: BatchRequest, fork: Fork) -> None:
         """Start req from its fork's prompt KV (a copy, or the last one itself) and draw its first token."""
@@ -170,11 +178,23 @@ class BatchScheduler:
         prompt = len(req.gen.prompt_ids)
         req.gen.timings.account(prompt, prompt, None)
         req.gen.timings.prefill_ms = leader.gen.timings.prefill_ms
+        req.gen.prompt_logprobs = leader.gen.prompt_logprobs
         req.pending, req.admitted_at = [], self.steps
         self.running.append(req)
         self._deliver(req, logits, None)
         if req in self.running:  # the copy may lack the last prompt token (its leader decoded it in static rows)
             req.pending = req.gen.prompt_ids[req.cache.offset:] + req.pending
+
+    def _prefilled(self, req: BatchRequest, logits: torch.Tensor) -> None:
+        """req's prompt is in its cache (logits: of its last token): share it with the prefix cache and, for a
+        fork's leader, keep a copy for the siblings."""
+        publish = getattr(self.engine.prefix_cache, "publish", None)  # an optional part of the hook
+        if publish is not None:
+            publish(req.handle, req.gen.prompt_ids[: req.cache.offset], req.cache)
+        if req.fork is not None:
+            fork, req.fork = req.fork, None
+            if any(r.fork is fork for r in self.waiting):
+                fork.cache, fork.logits = req.cache.clone(), logits.detach().clone()
 
     def _deliver(self, req: BatchRequest, logits: torch.Tensor | None, sample) -> None:
         """Accept req's next token (from logits, or the batched sample); it leaves the batch when done."""
@@ -262,14 +282,8 @@ class BatchScheduler:
             sample = samples.get(j)
             if sample is None and out is None:
                 out = rows[req.slot : req.slot + 1]
-            publish = getattr(self.engine.prefix_cache, "publish", None)  # an optional part of the hook
-            if not req.gen.token_ids and publish is not None:  # its prompt is in: share it now
-                publish(req.handle, req.gen.prompt_ids[: req.cache.offset], req.cache)
-            if req.fork is not None:  # a fork's leader, its prompt now prefilled: keep it for the siblings
-                fork, req.fork = req.fork, None
-                if any(r.fork is fork for r in self.waiting):
-                    last = out if out is not None else rows[req.slot : req.slot + 1]
-                    fork.cache, fork.logits = req.cache.clone(), last.detach().clone()
+            if not req.gen.token_ids:
+                self._prefilled(req, out if out is not None else rows[req.slot : req.slot + 1])
             self._deliver(req, out, sample)
         self.host_s += (t_plan - t_start) + (time.perf_counter() - t_read)
         return sum(len(c) for _, c in plan)

@@ -15,6 +15,7 @@ import torch
 from kvtool.config import EngineConfig, SamplingParams
 from kvtool.engine.detok import IncrementalDetokenizer, StopStringMatcher, decode_piece
 from kvtool.engine.sampling import Sample, Sampler
+from kvtool.engine.scoring import score_prompt
 from kvtool.engine.static import BatchedStaticDecoder, StaticDecoder, fast_decode_enabled, prefill_logits
 from kvtool.errors import ContextWindowError, InvalidParameterError
 
@@ -80,6 +81,7 @@ class Generation:
     text: str = ""
     finish_reason: str | None = None  # stop | length | abort
     timings: Timings = field(default_factory=Timings)
+    prompt_logprobs: list | None = None  # [PromptLogprob] per prompt token, when params.prompt_logprobs is set
     _events: Iterator[TokenEvent] | None = None
 
     def __iter__(self) -> Iterator[TokenEvent]:
@@ -194,10 +196,11 @@ class Engine:
         """start_cache() for a request about to run `known_ids` (its prompt, plus its output after a preemption).
 
         Keeps at least the last known token to run (its logits pick the next token); on the first
-        start, records the cached / block / prefilled split in gen.timings.
+        start, records the cached / block / prefilled split in gen.timings. A first start that scores its
+        prompt (prompt_logprobs) keeps nothing: every prompt token's logits are needed.
         """
         cache, ready, handle = self.start_cache(known_ids)
-        ready = min(ready, len(known_ids) - 1)
+        ready = 0 if scores_prompt(gen, first) else min(ready, len(known_ids) - 1)
         cache.truncate(ready)
         if first:
             gen.timings.account(len(gen.prompt_ids), ready, getattr(handle, "stats", None))
@@ -213,7 +216,13 @@ class Engine:
             # The static rows take the prompt when it fits; a generation that outgrows them moves on to the
             # reference path (its KV handed back to the cache), so no max_tokens keeps a request off the fast path.
             static = self.static_decoder(len(gen.prompt_ids) + 1)
-            logits = prefill_logits(runner, cache, gen.prompt_ids[cached:], self.config.prefill_chunk, static)
+            if scores_prompt(gen):
+                logits, gen.prompt_logprobs = score_prompt(runner, cache, gen.prompt_ids, gen.params.prompt_logprobs,
+                                                           self.config.prefill_chunk)
+                if static is not None:
+                    static.load(cache)
+            else:
+                logits = prefill_logits(runner, cache, gen.prompt_ids[cached:], self.config.prefill_chunk, static)
             tm.prefill_ms = state.ms()
             while True:
                 event = state.accept(logits)
@@ -235,6 +244,11 @@ class Engine:
             if self.prefix_cache is not None:
                 # The last sampled token has no KV yet; the cache holds prompt + all but the last.
                 self.prefix_cache.commit(handle, (gen.prompt_ids + gen.token_ids)[: cache.offset], cache)
+
+
+def scores_prompt(gen: Generation, first: bool = True) -> bool:
+    """Whether starting gen computes its prompt logprobs (once, on its first start)."""
+    return first and gen.params.prompt_logprobs is not None and gen.prompt_logprobs is None
 
 
 class OutputState:

@@ -98,7 +98,7 @@ class GenerationRequest(Strict):
     user: str | None = None
 
     def sampling(self, default_max_tokens: int | None, max_tokens: int | None = None,
-                 logprobs: int | None = None) -> SamplingParams:
+                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         if self.n < 1:
             raise ServingError(f"n must be >= 1, got {self.n}", param="n")
         defaults = SamplingParams()  # the one place sampling defaults live
@@ -115,7 +115,8 @@ class GenerationRequest(Strict):
             temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"), min_p=pick("min_p"),
             repetition_penalty=pick("repetition_penalty"), presence_penalty=pick("presence_penalty"),
             frequency_penalty=pick("frequency_penalty"), seed=self.seed, stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs)
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs)
         return params.validate()
 
     @property
@@ -137,6 +138,7 @@ class ChatCompletionRequest(GenerationRequest):
     continue_final_message: bool = False  # the last (assistant) message is a prefix to continue
     raw_tokens: bool = False  # kvtool: every generated token as {id, piece, channel, t_ms}
     skills: list[str] | None = None  # kvtool: load these skills (GET /v1/skills) into the context
+    prompt_logprobs: int | None = None  # vLLM: each prompt token's logprob (+ top k); the prompt is prefilled whole
 
     def chat_sampling(self, default_max_tokens: int | None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -145,21 +147,21 @@ class ChatCompletionRequest(GenerationRequest):
             raise ServingError(f"response_format type {self.response_format.type!r} is not supported; "
                                "only 'text' (structured output is not implemented)", param="response_format")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling(default_max_tokens, self.max_completion_tokens, logprobs)
+        return self.sampling(default_max_tokens, self.max_completion_tokens, logprobs, self.prompt_logprobs)
 
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the text starts with the prompt; with logprobs, the prompt tokens' come first
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM: each prompt token's logprob (+ top k); the prompt is prefilled whole
 
     def completion_sampling(self, default_max_tokens: int | None) -> SamplingParams:
-        if self.echo:
-            raise ServingError("echo=true is not supported; the prompt is in /tokenize", param="echo")
         if self.suffix:
             raise ServingError("suffix (fill-in-the-middle) is not supported", param="suffix")
-        return self.sampling(default_max_tokens, logprobs=self.logprobs)
+        scored = self.prompt_logprobs if self.prompt_logprobs is not None or not self.echo else self.logprobs
+        return self.sampling(default_max_tokens, logprobs=self.logprobs, prompt_logprobs=scored)
 
 
 class TokenizeRequest(Strict):

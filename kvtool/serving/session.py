@@ -43,6 +43,23 @@ def usage_dict(gen, reasoning_tokens: int | None = None) -> dict:
     return usage
 
 
+def prompt_logprobs_json(served: ServedModel, rows) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
+    for the token itself and its top alternatives."""
+    if rows is None:
+        return None
+    out: list = []
+    for r in rows:
+        if r.logprob is None:
+            out.append(None)
+            continue
+        entry = {str(r.token_id): {"logprob": finite(r.logprob), "rank": r.rank, "decoded_token": served.piece(r.token_id)}}
+        for rank, (t, lp) in enumerate(r.top, start=1):
+            entry.setdefault(str(t), {"logprob": finite(lp), "rank": rank, "decoded_token": served.piece(t)})
+        out.append(entry)
+    return out
+
+
 def finish_reason(gen, called: bool) -> str:
     if called:
         return "tool_calls"
@@ -137,13 +154,15 @@ class ChatSession:
         last = self._chunk({}, finish_reason(gen, self.calls > 0), timings=timings_dict(gen))
         if lps:
             last["choices"][0]["logprobs"] = {"content": lps}
+        if gen.prompt_logprobs is not None:
+            last["choices"][0]["prompt_logprobs"] = prompt_logprobs_json(self.served, gen.prompt_logprobs)
         yield last
         yield self._chunk(None, usage=usage_dict(gen, self.reasoning_tokens))
 
     async def response(self) -> dict:
         """The non-streaming chat.completion: the fold of chunks()."""
         content, reasoning, calls, lps, raw = [], [], {}, [], []
-        finish, timings, usage = "stop", {}, None
+        finish, timings, usage, scored = "stop", {}, None, None
         async for chunk in self.chunks():
             if "error" in chunk:
                 raise WorkerCrash(chunk["error"]["message"])
@@ -160,6 +179,7 @@ class ChatSession:
                     call["function"]["arguments"] += tc.get("function", {}).get("arguments", "")
                 lps += (choice.get("logprobs") or {}).get("content", [])
                 finish = choice["finish_reason"] or finish
+                scored = choice.get("prompt_logprobs", scored)
             timings = chunk.get("timings", timings)
         text = "".join(content)
         message = {"role": "assistant", "content": None if calls and not text.strip() else text}
@@ -169,7 +189,7 @@ class ChatSession:
             message["tool_calls"] = [calls[i] for i in sorted(calls)]
         out = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.served.name,
                "choices": [{"index": self.index, "message": message, "logprobs": {"content": lps} if lps else None,
-                            "finish_reason": finish}],
+                            "finish_reason": finish, **({"prompt_logprobs": scored} if scored is not None else {})}],
                "usage": usage, "timings": timings}
         if self.raw_tokens:
             out["raw_tokens"] = raw
@@ -177,10 +197,13 @@ class ChatSession:
 
 
 class CompletionSession:
-    """Raw /v1/completions: text deltas, legacy logprobs (tokens, token_logprobs, top_logprobs)."""
+    """Raw /v1/completions: text deltas, legacy logprobs (tokens, token_logprobs, top_logprobs, text_offset).
+    With echo the text starts with the prompt (its tokens' logprobs first, the first token's None)."""
 
-    def __init__(self, served: ServedModel, handle: Handle, index: int = 0, first: "CompletionSession | None" = None):
+    def __init__(self, served: ServedModel, handle: Handle, index: int = 0, first: "CompletionSession | None" = None,
+                 echo: str | None = None, show_prompt_logprobs: bool = False):
         self.served, self.handle, self.index = served, handle, index
+        self.echo, self.show_prompt_logprobs = echo, show_prompt_logprobs
         self.id = first.id if first else "cmpl-" + secrets.token_hex(12)
         self.created = first.created if first else int(time.time())
 
@@ -202,10 +225,29 @@ class CompletionSession:
             offset += len(ev.text)
         return out
 
-    async def chunks(self) -> AsyncIterator[dict]:
+    def _echo_logprobs(self, rows) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset = 0
+        for r in rows:
+            piece = self.served.piece(r.token_id)
+            out["tokens"].append(piece)
+            out["token_logprobs"].append(None if r.logprob is None else finite(r.logprob))
+            out["top_logprobs"].append(None if r.logprob is None else
+                                       {self.served.piece(t): finite(v) for t, v in r.top} or None)
+            out["text_offset"].append(offset)
+            offset += len(piece)
+        return out
+
+    async def chunks(self) -> AsyncIterator[dict]:
+        offset, started = 0, False
         try:
             async for ev in self.handle:
+                if not started and self.echo is not None:  # the prompt first; its logprobs are in by the first token
+                    rows = self.handle.gen.prompt_logprobs
+                    scored = rows is not None and ev.logprob is not None
+                    yield self._chunk(self.echo, logprobs=self._echo_logprobs(rows) if scored else None)
+                    offset = len(self.echo)
+                started = True
                 logprobs = self._logprobs([ev], offset)
                 if ev.text or logprobs:
                     yield self._chunk(ev.text, logprobs=logprobs)
@@ -214,16 +256,28 @@ class CompletionSession:
             yield {"error": stream_error(exc)["error"]}
             return
         gen = self.handle.gen
-        yield self._chunk("", finish_reason(gen, False), timings=timings_dict(gen))
+        last = self._chunk("", finish_reason(gen, False), timings=timings_dict(gen))
+        if self.show_prompt_logprobs:
+            last["choices"][0]["prompt_logprobs"] = prompt_logprobs_json(self.served, gen.prompt_logprobs)
+        yield last
         yield self._chunk(None, usage=usage_dict(gen))
 
     async def response(self) -> dict:
-        text, events = [], []
-        async for ev in self.handle:
-            text.append(ev.text)
-            events.append(ev)
-        gen = self.handle.gen
+        """The non-streaming text_completion: the fold of chunks()."""
+        text, logprobs, finish, timings, usage, scored = [], None, "stop", {}, None, None
+        async for chunk in self.chunks():
+            if "error" in chunk:
+                raise WorkerCrash(chunk["error"]["message"])
+            usage, timings = chunk.get("usage", usage), chunk.get("timings", timings)
+            for choice in chunk["choices"]:
+                text.append(choice["text"])
+                part = choice["logprobs"]
+                if part:
+                    logprobs = part if logprobs is None else {k: logprobs[k] + part[k] for k in logprobs}
+                finish = choice["finish_reason"] or finish
+                scored = choice.get("prompt_logprobs", scored)
+        choice = {"index": self.index, "text": "".join(text), "logprobs": logprobs, "finish_reason": finish}
+        if self.show_prompt_logprobs:
+            choice["prompt_logprobs"] = scored
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.served.name,
-                "choices": [{"index": self.index, "text": "".join(text), "logprobs": self._logprobs(events, 0),
-                             "finish_reason": finish_reason(gen, False)}],
-                "usage": usage_dict(gen), "timings": timings_dict(gen)}
+                "choices": [choice], "usage": usage, "timings": timings}

@@ -1,0 +1,49 @@
+"""Prompt logprobs: how likely the model finds each prompt token, given the tokens before it.
+
+A request with SamplingParams.prompt_logprobs = k is prefilled in full (no prefix-cache hit: a cached
+token has no logits) in chunks of at most SCORE_CHUNK tokens whose logits are reduced right away, so
+memory stays at chunk x vocabulary. Each row is a PromptLogprob; the first token has none (nothing
+precedes it). The last chunk's last row is what the first generated token is sampled from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+SCORE_CHUNK = 512  # prompt tokens per forward while scoring: [chunk, vocab] fp32 logits at a time
+
+
+@dataclass
+class PromptLogprob:
+    token_id: int
+    logprob: float | None  # None for the first prompt token
+    rank: int | None = None  # 1 = the model's most likely token at that position
+    top: list[tuple[int, float]] = field(default_factory=list)  # the k most likely (id, logprob)
+
+
+@torch.inference_mode()
+def score_prompt(runner, cache, ids: list[int], top: int, chunk: int = SCORE_CHUNK):
+    """Prefill ids into the empty `cache`; returns (logits [1, V] of the last token, [PromptLogprob] of every
+    token, the first without a logprob)."""
+    if cache.offset:
+        raise ValueError(f"scoring a prompt needs an empty cache (its first token has no logits); it holds {cache.offset}")
+    rows = [PromptLogprob(ids[0], None)]
+    step = max(1, min(chunk, SCORE_CHUNK))
+    last = None
+    for start in range(0, len(ids), step):
+        part = ids[start : start + step]
+        logits = runner.forward(part, cache, logits="all")  # [t, V]: row r predicts ids[start + r + 1]
+        targets = ids[start + 1 : start + len(part) + 1]
+        if targets:
+            logp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
+            want = torch.tensor(targets, device=logp.device)[:, None]
+            chosen = logp.gather(1, want)
+            ranks = (logp > chosen).sum(1) + 1
+            best = logp.topk(top, dim=-1) if top else None
+            for r, (tok, lp, rank) in enumerate(zip(targets, chosen[:, 0].tolist(), ranks.tolist())):
+                alts = list(zip(best.indices[r].tolist(), best.values[r].tolist())) if best is not None else []
+                rows.append(PromptLogprob(tok, lp, rank, alts))
+        last = logits[-1:]
+    return last, rows
