@@ -47,6 +47,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: chosen token + top k
     prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob + top k (full prefill)
+    response_format: str = "text"  # text | json_object: the output is one JSON object (kvtool.engine.json_mode)
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +86,11 @@ class SamplingParams:
             bad("stop", "must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of token ids >= 0")
+        if self.response_format not in ("text", "json_object"):
+            bad("response_format", "must be 'text' or 'json_object'")
+        if self.response_format == "json_object" and self.ignore_eos and not self.stop_token_ids:
+            bad("response_format", "json_object ends the output with an end-of-turn token: drop ignore_eos or "
+                                   "give stop_token_ids")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 20):

@@ -27,7 +27,7 @@ OFF = float("inf")  # a top_p no cumulative sum reaches: that row keeps every to
 
 def batchable(sampler: Sampler) -> bool:
     """Whether sample_rows may draw for this request (it has no generator of its own to replay)."""
-    return sampler.generator is None
+    return sampler.generator is None and sampler.constraint is None
 
 
 def processed_logits(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:

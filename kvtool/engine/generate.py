@@ -112,6 +112,7 @@ class Engine:
         self.end_of_turn = frozenset(model.end_of_turn_ids())
         self._static = None  # StaticDecoder, built on first use when config.fast_decode allows
         self._batched: dict[int, object] = {}  # slots -> BatchedStaticDecoder, shared by this engine's schedulers
+        self._vocab: tuple[list[str], set[int]] | None = None  # every token's text piece, special ids (JSON mode)
 
     def static_decoder(self, total_tokens: int):
         """The fast bs=1 decode path for a request of total_tokens, or None (reference path)."""
@@ -147,6 +148,17 @@ class Engine:
             return None  # too little memory for a useful length: decode through forward_batch
         return BatchedStaticDecoder(self.runner, slots, min(self.config.static_max_tokens, self.model.context_window,
                                                             fit), bucket)
+
+    def json_constraint(self, stop_ids):
+        """A JsonConstraint for one request; the vocabulary's pieces are decoded once per engine."""
+        from kvtool.engine.json_mode import JsonConstraint
+
+        if self._vocab is None:
+            tok = self.model.tokenizer
+            n = min(len(tok), self.runner.spec.vocab_size)
+            special = set(tok.all_special_ids) | {i for i, a in tok.added_tokens_decoder.items() if a.special}
+            self._vocab = tok.batch_decode([[i] for i in range(n)]), special
+        return JsonConstraint(*self._vocab, stop_ids)
 
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Validate sizes; return the effective max_tokens."""
@@ -260,6 +272,8 @@ class OutputState:
         self.tokenizer = engine.model.tokenizer
         self.stops = set(params.stop_token_ids) | (set() if params.ignore_eos else engine.end_of_turn)
         self.sampler = Sampler(params, engine.runner.spec.vocab_size, gen.prompt_ids, engine.runner.device)
+        if params.response_format == "json_object":
+            self.sampler.constraint = engine.json_constraint(self.stops)
         self.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
         self.matcher = StopStringMatcher(params.stop)
         self.t_first: float | None = None

@@ -34,6 +34,7 @@ class Sampler:
         # seen (prompt + output, for repetition_penalty) and counts (output, presence/frequency), kept only when used
         self.track = params.repetition_penalty != 1.0 or bool(params.presence_penalty or params.frequency_penalty)
         self.seen_any = False  # known on the host, so the penalty never syncs to ask
+        self.constraint = None  # a JsonConstraint in JSON mode (set by the engine): which tokens may come next
         self.seen = self.counts = None
         if self.track:
             self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
@@ -53,7 +54,9 @@ class Sampler:
         """logits [V] (or [1, V]) fp32 -> Sample, computed on the sampler's device."""
         logits = logits.reshape(-1)[: self.vocab_size].float().to(self.device)
         x = self._penalise(logits)
-        if self.p.greedy:
+        if self.constraint is not None:
+            token = torch.tensor(self._constrained(x), device=self.device)
+        elif self.p.greedy:
             token = torch.argmax(x)
         else:
             x = self._truncate(x / self.p.temperature)
@@ -69,6 +72,41 @@ class Sampler:
         k = self.p.logprobs
         top = [(int(i), v) for i, v in zip(out[2 + k :], out[2 : 2 + k])] if k > 0 else None
         return Sample(int(out[0]), out[1], top)
+
+    CANDIDATES = 64  # most likely tokens tried first in JSON mode, before a scan of the whole vocabulary
+
+    def _constrained(self, x: torch.Tensor) -> int:
+        """The token to emit in JSON mode, as this sampler would draw it among the tokens the constraint allows:
+        greedy takes the most likely allowed one; sampling draws, and redraws without a refused token."""
+        c = self.constraint
+        if c.state.done:  # the object is closed: the most likely end of the turn
+            stops = sorted(t for t in c.stops if t < self.vocab_size)
+            token = stops[int(torch.argmax(x[torch.tensor(stops, device=self.device)]))]
+        else:
+            token = self._first_allowed(x if self.p.greedy else self._truncate(x / self.p.temperature), x)
+        c.accept(token)
+        return token
+
+    def _first_allowed(self, x: torch.Tensor, untruncated: torch.Tensor) -> int:
+        c = self.constraint
+        if not self.p.greedy:
+            probs = torch.softmax(x, dim=-1)
+            for _ in range(8):
+                token = int(torch.multinomial(probs, 1, generator=self.generator)[0])
+                if c.next_state(token) is not None:
+                    return token
+                probs[token] = 0.0
+                if not bool(probs.sum() > 0):
+                    break
+            x = torch.where(probs > 0, x, float("-inf"))
+        for scores in (x, untruncated):  # what truncation left, most likely first; then anything allowed
+            live = int(torch.isfinite(scores).sum())
+            top = torch.topk(scores, min(self.CANDIDATES, live)).indices.tolist()
+            for ids in (top, torch.argsort(scores, descending=True)[:live].tolist()):
+                for token in ids:
+                    if c.next_state(token) is not None:
+                        return token
+        raise ValueError("JSON mode: no token of the vocabulary continues the output")
 
     def _penalise(self, x: torch.Tensor) -> torch.Tensor:
         p = self.p

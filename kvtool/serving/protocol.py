@@ -143,11 +143,15 @@ class ChatCompletionRequest(GenerationRequest):
     def chat_sampling(self, default_max_tokens: int | None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ServingError("top_logprobs needs logprobs=true", param="top_logprobs")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ServingError(f"response_format type {self.response_format.type!r} is not supported; "
-                               "only 'text' (structured output is not implemented)", param="response_format")
+        kind = self.response_format.type if self.response_format is not None else "text"
+        if kind not in ("text", "json_object"):
+            raise ServingError(f"response_format type {kind!r} is not supported; 'json_object' constrains the output "
+                               "to one JSON object (a schema is not enforced), 'text' leaves it free",
+                               param="response_format")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling(default_max_tokens, self.max_completion_tokens, logprobs, self.prompt_logprobs)
+        params = self.sampling(default_max_tokens, self.max_completion_tokens, logprobs, self.prompt_logprobs)
+        params.response_format = kind
+        return params.validate()
 
 
 class CompletionRequest(GenerationRequest):

@@ -89,3 +89,20 @@ def test_openai_client_gets_n_choices(smol_server):
                                          **SAMPLED)
     assert len(out.choices) == 2 and all(c.message.content for c in out.choices)
     assert out.usage.completion_tokens == sum(c.model_extra["timings"]["decode_tokens"] for c in out.choices)
+
+
+def test_json_object_response_format_streams_one_json_object_per_choice(smol, sse_events):
+    import json
+
+    body = {"messages": [{"role": "user", "content": "Give a book as JSON with title and year."}], "max_tokens": 64,
+            "temperature": 0, "response_format": {"type": "json_object"}}
+    out = smol.post("/v1/chat/completions", json=body).json()
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert isinstance(json.loads(out["choices"][0]["message"]["content"]), dict)
+    with smol.stream("POST", "/v1/chat/completions", json={**body, "stream": True, "n": 2}) as r:
+        chunks = [e for e in sse_events(r) if e != "[DONE]"]
+    text = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c["choices"]:
+            text[choice["index"]] += choice["delta"].get("content") or ""
+    assert text[0] == text[1] == out["choices"][0]["message"]["content"]
