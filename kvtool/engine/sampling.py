@@ -101,11 +101,12 @@ class Sampler:
             x = torch.where(probs > 0, x, float("-inf"))
         for scores in (x, untruncated):  # what truncation left, most likely first; then anything allowed
             live = int(torch.isfinite(scores).sum())
-            top = torch.topk(scores, min(self.CANDIDATES, live)).indices.tolist()
-            for ids in (top, torch.argsort(scores, descending=True)[:live].tolist()):
-                for token in ids:
-                    if c.next_state(token) is not None:
-                        return token
+            for token in torch.topk(scores, min(self.CANDIDATES, live)).indices.tolist():
+                if c.next_state(token) is not None:
+                    return token
+            for token in torch.argsort(scores, descending=True)[:live].tolist():  # the rest, only when needed
+                if c.next_state(token) is not None:
+                    return token
         raise ValueError("JSON mode: no token of the vocabulary continues the output")
 
     def _penalise(self, x: torch.Tensor) -> torch.Tensor:
