@@ -47,7 +47,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: chosen token + top k
     prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob + top k (full prefill)
-    response_format: str = "text"  # text | json_object: the output is one JSON object (kvtool.engine.json_mode)
+    response_format: str = "text"  # text | json_object | json_schema: one JSON object (kvtool.engine.json_mode)
+    json_schema: dict | None = None  # for json_schema: the schema it follows (kvtool.engine.json_schema)
 
     @property
     def greedy(self) -> bool:
@@ -86,9 +87,15 @@ class SamplingParams:
             bad("stop", "must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of token ids >= 0")
-        if self.response_format not in ("text", "json_object"):
-            bad("response_format", "must be 'text' or 'json_object'")
-        if self.response_format == "json_object" and self.ignore_eos and not self.stop_token_ids:
+        if self.response_format not in ("text", "json_object", "json_schema"):
+            bad("response_format", "must be 'text', 'json_object' or 'json_schema'")
+        if (self.response_format == "json_schema") != (self.json_schema is not None):
+            bad("json_schema", "give a schema exactly when response_format is 'json_schema'")
+        if self.json_schema is not None:
+            from kvtool.engine.json_schema import check_schema
+
+            check_schema(self.json_schema)
+        if self.response_format != "text" and self.ignore_eos and not self.stop_token_ids:
             bad("response_format", "json_object ends the output with an end-of-turn token: drop ignore_eos or "
                                    "give stop_token_ids")
         for name in ("logprobs", "prompt_logprobs"):

@@ -1,4 +1,5 @@
-"""JSON mode (response_format json_object): every sampled token keeps the output a prefix of one JSON object.
+"""JSON mode (response_format json_object, json_schema): every sampled token keeps the output a prefix of one
+JSON object (of the schema's shape, with kvtool.engine.json_schema).
 
 JsonState is an incremental JSON syntax check over characters, an immutable tuple so trying a token
 costs one small copy: (mode, stack of open containers, pending literal or number part, whitespace
@@ -123,9 +124,15 @@ def advance(state: JsonState, text: str) -> JsonState | None:
 class JsonConstraint:
     """Per request: which token may come next so the output stays a prefix of one JSON object."""
 
-    def __init__(self, pieces: list[str], special_ids: Iterable[int], stop_ids: Iterable[int]):
+    def __init__(self, pieces: list[str], special_ids: Iterable[int], stop_ids: Iterable[int], schema: dict | None = None):
+        """schema: a JSON schema the object must also follow (kvtool.engine.json_schema); None: any object."""
         self.pieces, self.special, self.stops = pieces, set(special_ids), set(stop_ids)
-        self.state = JsonState()
+        if schema is None:
+            self.state, self._advance = JsonState(), advance
+        else:
+            from kvtool.engine.json_schema import schema_advance, start
+
+            self.state, self._advance = start(schema), schema_advance
 
     def next_state(self, token: int) -> JsonState | None:
         """The state after token, or None when it is not allowed now."""
@@ -134,7 +141,7 @@ class JsonConstraint:
         if token in self.special or token >= len(self.pieces) or self.state.done:
             return None
         piece = self.pieces[token]
-        return advance(self.state, piece) if piece else None
+        return self._advance(self.state, piece) if piece else None
 
     def accept(self, token: int) -> None:
         state = self.next_state(token)

@@ -74,6 +74,7 @@ class StreamOptions(Strict):
 
 class ResponseFormat(Strict):
     type: str = "text"
+    json_schema: dict[str, Any] | None = None  # OpenAI: {"name", "schema", "strict"}
 
 
 class GenerationRequest(Strict):
@@ -143,14 +144,17 @@ class ChatCompletionRequest(GenerationRequest):
     def chat_sampling(self, default_max_tokens: int | None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ServingError("top_logprobs needs logprobs=true", param="top_logprobs")
-        kind = self.response_format.type if self.response_format is not None else "text"
-        if kind not in ("text", "json_object"):
-            raise ServingError(f"response_format type {kind!r} is not supported; 'json_object' constrains the output "
-                               "to one JSON object (a schema is not enforced), 'text' leaves it free",
+        fmt = self.response_format or ResponseFormat()
+        if fmt.type not in ("text", "json_object", "json_schema"):
+            raise ServingError(f"response_format type {fmt.type!r} is not supported; use 'text', 'json_object' or "
+                               "'json_schema'", param="response_format")
+        schema = (fmt.json_schema or {}).get("schema") if fmt.type == "json_schema" else None
+        if fmt.type == "json_schema" and not isinstance(schema, dict):
+            raise ServingError("response_format json_schema needs json_schema.schema, a JSON schema object",
                                param="response_format")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         params = self.sampling(default_max_tokens, self.max_completion_tokens, logprobs, self.prompt_logprobs)
-        params.response_format = kind
+        params.response_format, params.json_schema = fmt.type, schema
         return params.validate()
 
 

@@ -106,3 +106,20 @@ def test_json_object_response_format_streams_one_json_object_per_choice(smol, ss
         for choice in c["choices"]:
             text[choice["index"]] += choice["delta"].get("content") or ""
     assert text[0] == text[1] == out["choices"][0]["message"]["content"]
+
+
+def test_json_schema_response_format_follows_the_schema(smol_server):
+    import json
+
+    import jsonschema
+    from openai import OpenAI
+
+    schema = {"type": "object", "properties": {"title": {"type": "string"}, "year": {"type": "integer"}},
+              "required": ["title", "year"], "additionalProperties": False}
+    client = OpenAI(base_url=smol_server.base_url + "/v1", api_key="unused", max_retries=0)
+    out = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=[{"role": "user", "content": "Name a famous novel."}],
+        max_tokens=60, temperature=0, response_format={"type": "json_schema", "json_schema": {
+            "name": "book", "schema": schema, "strict": True}})
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)

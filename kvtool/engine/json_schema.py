@@ -1,0 +1,180 @@
+"""JSON schema mode (response_format json_schema): the JSON check of json_mode, narrowed by a schema.
+
+What a schema constrains, character by character: each value's type (`type`, a name or a list of
+names; `enum` and `const` of strings), an object's keys (`properties`; with `additionalProperties`
+absent or false no other key, a key at most once, `required` ones before the `}`), an array's items
+(`items`), integers (no fraction or exponent). Ignored, as documentation: title, description, format,
+default, examples, and the bounds (minimum, maxLength, pattern, minItems, ...). Refused with an error
+naming them: combinators and references (anyOf, oneOf, allOf, not, $ref, if/then/else, ...), and
+enums that are not strings. Keys and enum strings take no escapes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kvtool.engine.json_mode import (AFTER, ARRAY_FIRST, COLON, ESCAPE, KEY, KEY_OR_END, NUMBER, NUMBER_PREFIX,
+                                     START, STRING, UNICODE, VALUE, WS, JsonState, feed)
+from kvtool.errors import InvalidParameterError
+
+TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+FIRST = {"object": "{", "array": "[", "string": '"', "number": "-0123456789", "integer": "-0123456789",
+         "boolean": "tf", "null": "n"}
+UNSUPPORTED = ("anyOf", "oneOf", "allOf", "not", "$ref", "$defs", "definitions", "if", "then", "else",
+               "patternProperties", "prefixItems", "dependentSchemas", "unevaluatedProperties")
+
+
+def check_schema(node, where: str = "schema") -> None:
+    """InvalidParameterError naming the first part of the schema this mode cannot enforce."""
+    if not isinstance(node, dict):
+        raise InvalidParameterError(f"json_schema: {where} must be an object, got {type(node).__name__}")
+    bad = [k for k in UNSUPPORTED if k in node]
+    if bad:
+        raise InvalidParameterError(f"json_schema: {where} uses {', '.join(bad)}, which JSON schema mode does not "
+                                    "support (type, properties, required, additionalProperties, items, enum, const)")
+    types = node.get("type", [])
+    for t in [types] if isinstance(types, str) else types:
+        if t not in TYPES:
+            raise InvalidParameterError(f"json_schema: {where} has unknown type {t!r}; use one of {', '.join(TYPES)}")
+    values = node["enum"] if "enum" in node else [node["const"]] if "const" in node else []
+    if any(not isinstance(v, str) or "\\" in v or '"' in v for v in values):
+        raise InvalidParameterError(f"json_schema: {where} has an enum or const that is not plain strings; "
+                                    "JSON schema mode enforces string enums only")
+    for key, sub in (node.get("properties") or {}).items():
+        check_schema(sub, f"{where}.properties.{key}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            check_schema(node[key], f"{where}.{key}")
+    if types and "object" not in ([types] if isinstance(types, str) else types) and where == "schema":
+        raise InvalidParameterError("json_schema: the schema's root must be an object (type: object)")
+
+
+def _types(node: dict | None) -> set[str]:
+    if not node:
+        return set(TYPES)
+    if "enum" in node or "const" in node:
+        return {"string"}
+    types = node.get("type")
+    if types is None:
+        return {"object"} if "properties" in node else {"array"} if "items" in node else set(TYPES)
+    return {types} if isinstance(types, str) else set(types)
+
+
+def _strings(node: dict | None) -> list[str] | None:
+    """The values a string may take, or None for any."""
+    if not node:
+        return None
+    return node["enum"] if "enum" in node else [node["const"]] if "const" in node else None
+
+
+def _keys(node: dict) -> tuple[set[str] | None, dict | None]:
+    """(keys an object may have, or None for any; the schema of keys beyond `properties`)."""
+    props, extra = node.get("properties"), node.get("additionalProperties")
+    if isinstance(extra, dict):
+        return None, extra
+    if props is None or extra is True:
+        return None, None
+    return set(props), None
+
+
+class Frame(NamedTuple):
+    node: dict | None  # the open object's or array's schema
+    seen: frozenset = frozenset()  # an object's keys so far
+    key: str = ""  # the key whose value is being read
+
+
+class SchemaState(NamedTuple):
+    json: JsonState
+    frames: tuple = ()
+    expect: dict | None = None  # schema of the value being started or read (None: anything)
+    text: str = ""  # a key's or an enum string's characters so far
+
+    @property
+    def done(self) -> bool:
+        return self.json.done
+
+
+def start(schema: dict) -> SchemaState:
+    return SchemaState(JsonState(), (), schema)
+
+
+def _allowed_keys(frame: Frame) -> set[str] | None:
+    keys, _ = _keys(frame.node or {})
+    return None if keys is None else keys - frame.seen
+
+
+def _may_close(frame: Frame) -> bool:
+    return set((frame.node or {}).get("required", [])) <= frame.seen
+
+
+def _value_schema(frame: Frame, container: str) -> dict | None:
+    node = frame.node or {}
+    if container == "a":
+        return node.get("items")
+    return (node.get("properties") or {}).get(frame.key, _keys(node)[1])
+
+
+def _tracked(js: JsonState, frames: tuple, expect) -> bool:
+    """Whether the string being read must match a list (a restricted key, an enum value)."""
+    if js.part == "k":
+        return _allowed_keys(frames[-1]) is not None
+    return _strings(expect) is not None
+
+
+def schema_feed(state: SchemaState, ch: str) -> SchemaState | None:
+    js, frames, expect, text = state
+    mode = js.mode
+    if mode == NUMBER and not NUMBER_PREFIX.fullmatch(js.part + ch):
+        mode = AFTER  # ch ends the number and is read as what follows it
+    elif mode == NUMBER and ch in ".eE" and _types(expect) == {"integer"}:
+        return None
+    if mode in (START, VALUE) or (mode == ARRAY_FIRST and ch != "]"):
+        if ch not in WS and not any(ch in FIRST[t] for t in _types(expect)):
+            return None
+    elif mode == STRING and _tracked(js, frames, expect):
+        values = _allowed_keys(frames[-1]) if js.part == "k" else _strings(expect)
+        if ch == "\\" or (ch == '"' and text not in values):
+            return None
+        if ch != '"' and not any(v.startswith(text + ch) for v in values):
+            return None
+    elif mode in (KEY_OR_END, AFTER) and js.stack[-1:] == "o":
+        if ch == "}" and not _may_close(frames[-1]):
+            return None
+        allowed = _allowed_keys(frames[-1])
+        if ch in ',"' and allowed is not None and not allowed:
+            return None  # no key is left to write
+    nxt = feed(js, ch)
+    return None if nxt is None else _follow(js, nxt, frames, expect, text, ch)
+
+
+def _follow(js: JsonState, nxt: JsonState, frames: tuple, expect, text: str, ch: str) -> SchemaState:
+    """The schema side of the JSON transition js -> nxt on ch."""
+    if len(nxt.stack) > len(js.stack):  # a container opened: it is the value `expect` describes
+        frames = frames + (Frame(expect),)
+        return SchemaState(nxt, frames, _value_schema(frames[-1], "a") if nxt.stack[-1] == "a" else None)
+    if len(nxt.stack) < len(js.stack):  # a container closed (the root too: DONE has an empty stack)
+        return SchemaState(nxt, frames[:-1])
+    if js.mode == STRING and nxt.mode == COLON:  # a key ended
+        f = frames[-1]
+        return SchemaState(nxt, frames[:-1] + (Frame(f.node, f.seen | {text}, text),))
+    if nxt.mode == VALUE:  # after a key's colon, or an array's comma
+        return SchemaState(nxt, frames, _value_schema(frames[-1], nxt.stack[-1]))
+    if nxt.mode == STRING:
+        if js.mode not in (STRING, ESCAPE, UNICODE):
+            return SchemaState(nxt, frames, expect, "")  # a string starts
+        grow = js.mode == STRING and (nxt.part == "k" or _strings(expect) is not None)
+        return SchemaState(nxt, frames, expect, text + ch if grow else text)
+    if nxt.mode in (AFTER, KEY, COLON):
+        return SchemaState(nxt, frames)
+    return SchemaState(nxt, frames, expect, text)  # inside a number, a literal or an escape
+
+
+def schema_advance(state: SchemaState, text: str) -> SchemaState | None:
+    for ch in text:
+        js = state.json
+        if ch == "\ufffd" and js.mode in (STRING, ESCAPE, UNICODE) and not _tracked(js, state.frames, state.expect):
+            continue  # part of a multi-byte character in a free string
+        state = schema_feed(state, ch)
+        if state is None:
+            return None
+    return state

@@ -1,0 +1,110 @@
+"""JSON schema mode: what it accepts is what jsonschema validates, every valid instance gets through, SmolLM2
+fills a schema, and what it cannot enforce is refused by name."""
+
+import json
+import random
+
+import jsonschema
+import pytest
+
+from kvtool import SamplingParams
+from kvtool.engine.json_schema import schema_advance, start
+from kvtool.errors import InvalidParameterError
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"},
+    "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "bb", "ab"]}},
+    "pet": {"type": "object", "properties": {"kind": {"const": "cat"}, "w": {"type": "number"}}, "required": ["kind"]},
+    "ok": {"type": ["boolean", "null"]}, "any": {}, "extra": {"type": "object", "additionalProperties": {"type": "integer"}}},
+    "required": ["name", "age"], "additionalProperties": False}
+PIECES = list('{}[]",: 0123456789.-+eE\n') + list("abcdefghijklmnopqrstuvwxyz") + [
+    '"name"', '"age"', '"tags"', '"pet"', '"ok"', '"kind"', '"cat"', '"w"', '"bb"', '"any"', '"extra"', "true", "null",
+    "false", "\\n", "\\u00e9", "na", "me", "é"]
+
+
+def test_random_walks_end_only_in_objects_the_schema_validates_and_never_get_stuck():
+    rng = random.Random(0)
+    for _ in range(400):
+        state, text = start(SCHEMA), ""
+        for step in range(400):
+            options = [(p, n) for p in PIECES if (n := schema_advance(state, p)) is not None]
+            assert options, f"stuck after {text!r}"
+            closing = [o for o in options if o[0] in '}]"' or o[1].done]
+            piece, state = rng.choice(closing if closing and step > 40 and rng.random() < 0.7 else options)
+            text += piece
+            if state.done:
+                break
+        assert state.done, text
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def random_instance(rng: random.Random) -> dict:
+    out = {"name": rng.choice(["", "Bo", "é ü", 'q"uote']), "age": rng.choice([0, -7, 31])}
+    if rng.random() < 0.5:
+        out["tags"] = rng.sample(["a", "bb", "ab"], rng.randrange(4))
+    if rng.random() < 0.5:
+        out["pet"] = {"kind": "cat", **({"w": rng.choice([1.5, -2e-3, 4])} if rng.random() < 0.5 else {})}
+    if rng.random() < 0.5:
+        out["ok"] = rng.choice([True, False, None])
+    if rng.random() < 0.5:
+        out["any"] = rng.choice([[1, {"x": None}], "s", 2.5, {}])
+    if rng.random() < 0.5:
+        out["extra"] = {"k1": 3, "k2": -1}
+    keys = list(out)
+    rng.shuffle(keys)
+    return {k: out[k] for k in keys}
+
+
+def test_every_valid_instance_passes_character_by_character():
+    rng = random.Random(1)
+    for i in range(300):
+        text = json.dumps(random_instance(rng), indent=[None, 2][i % 2], ensure_ascii=bool(i % 3))
+        state = start(SCHEMA)
+        for j, ch in enumerate(text):
+            state = schema_advance(state, ch)
+            assert state is not None, (text, j)
+        assert state.done
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "x"}', '{"name": "x", "age": 3.5}', '{"name": 1', '{"nam": "x"}', '{"name": "x", "age": 3, "zz": 1}',
+    '{"name": "x", "age": 3, "tags": ["c"]}', '{"name": "x", "age": 3, "pet": {}}', '{"name": "x", "name": "y"',
+    '{"name": "x", "age": 3, "ok": 1}', '{"name": "x", "age": 1, "extra": {"k": "v"}}', '{"na\\u006de": 1'])
+def test_what_the_schema_forbids_is_refused(text):
+    state = schema_advance(start(SCHEMA), text)
+    assert state is None or not state.done
+
+
+@pytest.mark.parametrize("schema,words", [
+    ({"type": "object", "properties": {"a": {"oneOf": [{"type": "string"}]}}}, "schema.properties.a uses oneOf"),
+    ({"$ref": "#/$defs/x", "$defs": {}}, "uses $ref, $defs"),
+    ({"type": "object", "properties": {"n": {"enum": [1, 2]}}}, "not plain strings"),
+    ({"type": "string"}, "root must be an object"),
+    ({"type": "object", "properties": {"a": {"type": "float"}}}, "unknown type 'float'")])
+def test_schemas_it_cannot_enforce_are_refused_by_name(schema, words):
+    with pytest.raises(InvalidParameterError, match="json_schema"):
+        SamplingParams(response_format="json_schema", json_schema=schema).validate()
+    try:
+        SamplingParams(response_format="json_schema", json_schema=schema).validate()
+    except InvalidParameterError as exc:
+        assert words in str(exc)
+    with pytest.raises(InvalidParameterError, match="exactly when"):
+        SamplingParams(response_format="json_object", json_schema={"type": "object"}).validate()
+
+
+@pytest.mark.real_model
+def test_smollm2_fills_the_schema(smollm2):
+    from kvtool.engine import Engine
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},
+                                               "population": {"type": "integer"},
+                                               "size": {"enum": ["small", "medium", "large"]}},
+              "required": ["city", "country", "population", "size"], "additionalProperties": False}
+    engine = Engine(smollm2)
+    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "Describe Paris as JSON."}]))
+    params = [SamplingParams(temperature=0, max_tokens=80, response_format="json_schema", json_schema=schema)] + [
+        SamplingParams(temperature=0.8, seed=s, max_tokens=80, response_format="json_schema", json_schema=schema)
+        for s in range(3)]
+    for gen in engine.generate_batch([prompt] * 4, params):
+        assert gen.finish_reason == "stop", gen.text
+        jsonschema.validate(json.loads(gen.text), schema)
