@@ -127,6 +127,9 @@ class JsonConstraint:
     def __init__(self, pieces: list[str], special_ids: Iterable[int], stop_ids: Iterable[int], schema: dict | None = None):
         """schema: a JSON schema the object must also follow (kvtool.engine.json_schema); None: any object."""
         self.pieces, self.special, self.stops = pieces, set(special_ids), set(stop_ids)
+        if not self.stops:
+            raise ValueError("JSON mode needs an end-of-turn token to end the object after it closes; this model "
+                             "and request have none (give stop_token_ids)")
         if schema is None:
             self.state, self._advance = JsonState(), advance
         else:

@@ -35,8 +35,10 @@ log = logging.getLogger("kvtool.serving")
 _DONE = object()
 
 
-class WorkerCrash(Exception):
+class WorkerCrash(ServingError):
     """The engine failed on a request: a server fault, reported as a 500 / stream error."""
+
+    status_code = 500
 
 
 class Handle:
@@ -177,9 +179,13 @@ class Worker:
                 now = time.perf_counter()
                 for handle in new:
                     handle.gen.timings.queue_ms = (now - handle.submitted) * 1000.0
-                    self.scheduler.add(handle.gen, handle.max_tokens, handle.skip_special_tokens,
-                                       on_event=lambda event, h=handle: self._emit(h, event),
-                                       on_finish=self._on_finish, fork=handle.fork)
+                    try:
+                        self.scheduler.add(handle.gen, handle.max_tokens, handle.skip_special_tokens,
+                                           on_event=lambda event, h=handle: self._emit(h, event),
+                                           on_finish=self._on_finish, fork=handle.fork)
+                    except Exception as exc:  # setting up its sampling failed: this request alone ends
+                        log.exception("request setup failed")
+                        self._on_finish(handle.gen, exc)
                 for req in self.scheduler.requests:
                     if self._handles[id(req.gen)].cancelled.is_set():
                         self.scheduler.cancel(req.gen)

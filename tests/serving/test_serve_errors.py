@@ -175,3 +175,17 @@ def test_full_queue_is_a_429_not_a_hang(smollm2):
         while app.state.worker.running and time.monotonic() < deadline:
             time.sleep(0.05)
         assert client.post("/v1/chat/completions", json=chat()).status_code == 200
+
+
+def test_a_request_whose_sampling_cannot_be_set_up_fails_alone(smol, monkeypatch):
+    from kvtool.engine import Engine
+
+    def boom(self, stop_ids, schema=None):
+        raise RuntimeError("no vocabulary today")
+
+    monkeypatch.setattr(Engine, "json_constraint", boom)
+    r = smol.post("/v1/chat/completions", json=chat(response_format={"type": "json_object"}))
+    assert r.status_code == 500 and "no vocabulary today" in r.json()["error"]["message"]
+    monkeypatch.undo()
+    ok = smol.post("/v1/chat/completions", json=chat(temperature=0))
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
