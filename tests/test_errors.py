@@ -69,3 +69,30 @@ def test_prompt_longer_than_window(smollm2):
         engine.generate([], SamplingParams())
     with pytest.raises(InvalidParameterError, match="token ids"):
         engine.generate([10**9], SamplingParams())
+
+
+@pytest.mark.parametrize("value,words", [("no/such/schema.json", "neither a file nor a JSON object"),
+                                         ('{"type": "object",', "not valid JSON"),
+                                         ('{"type": "string"}', "root must be an object")])
+def test_bad_json_schema_on_cli(capsys, value, words):
+    code, text = run_cli(capsys, "generate", "hi", "--json-schema", value, "--model", "/unused")
+    assert code == 2 and words in text and "Traceback" not in text
+
+
+@pytest.mark.real_model
+def test_cli_answers_in_a_json_schema(capsys, tmp_path):
+    import json
+
+    import jsonschema
+
+    from kvtool.testing.models import smollm2_gguf
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "legs": {"type": "integer"}},
+              "required": ["name", "legs"], "additionalProperties": False}
+    path = tmp_path / "animal.json"
+    path.write_text(json.dumps(schema))
+    assert main(["generate", "Describe a spider.", "--chat", "--json-schema", str(path), "--temperature", "0",
+                 "--max-tokens", "48", "--model", str(smollm2_gguf())]) == 0
+    out = capsys.readouterr()
+    assert "[stop]" in out.err
+    jsonschema.validate(json.loads(out.out), schema)

@@ -34,13 +34,37 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=float, default=SAMPLING.frequency_penalty)
     p.add_argument("--seed", type=int, default=SAMPLING.seed)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="answer with one JSON object (JSON mode)")
+    p.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="answer with one JSON object that follows this JSON schema (a file, or the schema inline)")
+
+
+def json_schema_arg(value: str) -> dict:
+    """--json-schema: a path to a JSON file, or the JSON text itself."""
+    import json
+    from pathlib import Path
+
+    from kvtool.errors import InvalidParameterError
+
+    text, where = value, "the --json-schema text"
+    if not value.lstrip().startswith("{"):
+        if not Path(value).is_file():
+            raise InvalidParameterError(f"--json-schema {value!r} is neither a file nor a JSON object")
+        text, where = Path(value).read_text(), value
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidParameterError(f"{where} is not valid JSON: {exc}") from None
 
 
 def sampling_from_args(args) -> SamplingParams:
+    schema = json_schema_arg(args.json_schema) if getattr(args, "json_schema", None) else None
+    fmt = "json_schema" if schema is not None else "json_object" if getattr(args, "json", False) else "text"
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, seed=args.seed, stop=list(args.stop),
+        frequency_penalty=args.frequency_penalty, seed=args.seed, stop=list(args.stop), response_format=fmt,
+        json_schema=schema,
     ).validate()
 
 
