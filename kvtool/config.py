@@ -49,6 +49,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob + top k (full prefill)
     response_format: str = "text"  # text | json_object | json_schema: one JSON object (kvtool.engine.json_mode)
     json_schema: dict | None = None  # for json_schema: the schema it follows (kvtool.engine.json_schema)
+    json_suffix: str = ""  # JSON modes: text that must follow the object before the turn ends (a closing tag)
 
     @property
     def greedy(self) -> bool:
@@ -91,6 +92,8 @@ class SamplingParams:
             bad("response_format", "must be 'text', 'json_object' or 'json_schema'")
         if (self.response_format == "json_schema") != (self.json_schema is not None):
             bad("json_schema", "give a schema exactly when response_format is 'json_schema'")
+        if self.json_suffix and self.response_format == "text":
+            bad("json_suffix", "follows the JSON object of a JSON mode; response_format is 'text'")
         if self.json_schema is not None:
             from kvtool.engine.json_schema import check_schema
 

@@ -77,6 +77,20 @@ def test_constraint_allows_stops_only_at_the_end_and_never_other_special_tokens(
         c.accept(9)
 
 
+def test_a_suffix_is_spelled_after_the_object_before_the_turn_ends():
+    pieces = ['{', '}', '\n', '</tool_call>', '</', 'tool_call>', '<|im_end|>', 'x']
+    c = JsonConstraint(pieces, special_ids={6}, stop_ids={6}, suffix="\n</tool_call>")
+    c.accept(0)
+    c.accept(1)
+    assert c.state.done and not c.finished
+    assert [t for t in range(8) if c.next_state(t) is not None] == [2]  # only the suffix's start
+    c.accept(2)
+    assert [t for t in range(8) if c.next_state(t) is not None] == [3, 4]
+    c.accept(4)
+    c.accept(5)
+    assert c.finished and [t for t in range(8) if c.next_state(t) is not None] == [6]
+
+
 @pytest.mark.real_model
 def test_smollm2_answers_with_one_json_object(smollm2):
     from kvtool.engine import Engine

@@ -149,7 +149,7 @@ class Engine:
         return BatchedStaticDecoder(self.runner, slots, min(self.config.static_max_tokens, self.model.context_window,
                                                             fit), bucket)
 
-    def json_constraint(self, stop_ids, schema: dict | None = None):
+    def json_constraint(self, stop_ids, schema: dict | None = None, suffix: str = ""):
         """A JsonConstraint for one request; the vocabulary's pieces are decoded once per engine."""
         from kvtool.engine.json_mode import JsonConstraint
 
@@ -158,7 +158,7 @@ class Engine:
             n = min(len(tok), self.runner.spec.vocab_size)
             special = set(tok.all_special_ids) | {i for i, a in tok.added_tokens_decoder.items() if a.special}
             self._vocab = tok.batch_decode([[i] for i in range(n)]), special
-        return JsonConstraint(*self._vocab, stop_ids, schema)
+        return JsonConstraint(*self._vocab, stop_ids, schema, suffix)
 
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Validate sizes; return the effective max_tokens."""
@@ -273,7 +273,7 @@ class OutputState:
         self.stops = set(params.stop_token_ids) | (set() if params.ignore_eos else engine.end_of_turn)
         self.sampler = Sampler(params, engine.runner.spec.vocab_size, gen.prompt_ids, engine.runner.device)
         if params.response_format != "text":
-            self.sampler.constraint = engine.json_constraint(self.stops, params.json_schema)
+            self.sampler.constraint = engine.json_constraint(self.stops, params.json_schema, params.json_suffix)
         self.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
         self.matcher = StopStringMatcher(params.stop)
         self.t_first: float | None = None

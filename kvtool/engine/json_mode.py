@@ -124,9 +124,12 @@ def advance(state: JsonState, text: str) -> JsonState | None:
 class JsonConstraint:
     """Per request: which token may come next so the output stays a prefix of one JSON object."""
 
-    def __init__(self, pieces: list[str], special_ids: Iterable[int], stop_ids: Iterable[int], schema: dict | None = None):
-        """schema: a JSON schema the object must also follow (kvtool.engine.json_schema); None: any object."""
+    def __init__(self, pieces: list[str], special_ids: Iterable[int], stop_ids: Iterable[int], schema: dict | None = None,
+                 suffix: str = ""):
+        """schema: a JSON schema the object must also follow (kvtool.engine.json_schema); None: any object.
+        suffix: text that must follow the object before the turn ends (a tool call's closing tag)."""
         self.pieces, self.special, self.stops = pieces, set(special_ids), set(stop_ids)
+        self.suffix = suffix  # what of it is still to come, once the object is closed
         if not self.stops:
             raise ValueError("JSON mode needs an end-of-turn token to end the object after it closes; this model "
                              "and request have none (give stop_token_ids)")
@@ -137,17 +140,28 @@ class JsonConstraint:
 
             self.state, self._advance = start(schema), schema_advance
 
+    @property
+    def finished(self) -> bool:
+        """The object and its suffix are out: only the end of the turn may follow."""
+        return self.state.done and not self.suffix
+
     def next_state(self, token: int) -> JsonState | None:
         """The state after token, or None when it is not allowed now."""
         if token in self.stops:
-            return self.state if self.state.done else None
-        if token in self.special or token >= len(self.pieces) or self.state.done:
+            return self.state if self.finished else None
+        if token >= len(self.pieces) or self.finished:
             return None
         piece = self.pieces[token]
+        if self.state.done:  # spelling the suffix: any piece that is a start of what is left
+            return self.state if piece and self.suffix.startswith(piece) else None
+        if token in self.special:
+            return None
         return self._advance(self.state, piece) if piece else None
 
     def accept(self, token: int) -> None:
         state = self.next_state(token)
         if state is None:
             raise ValueError(f"token {token} ({self.pieces[token]!r}) does not continue the JSON output")
+        if self.state.done and token not in self.stops:
+            self.suffix = self.suffix[len(self.pieces[token]):]
         self.state = state

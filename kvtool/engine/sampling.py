@@ -79,7 +79,7 @@ class Sampler:
         """The token to emit in JSON mode, as this sampler would draw it among the tokens the constraint allows:
         greedy takes the most likely allowed one; sampling draws, and redraws without a refused token."""
         c = self.constraint
-        if c.state.done:  # the object is closed: the most likely end of the turn
+        if c.finished:  # the object (and its suffix) is out: the most likely end of the turn
             stops = sorted(t for t in c.stops if t < self.vocab_size)
             token = stops[int(torch.argmax(x[torch.tensor(stops, device=self.device)]))]
         else:

@@ -7,6 +7,7 @@ unexpected fault is a 500 in the same shape, and the server keeps serving either
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -245,6 +246,12 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
         served.check_name(body.model)
         params = body.chat_sampling(cfg.default_max_tokens)
         prepared = prepare_chat(served, body, await request.json(), fmt)
+        if prepared.call_schema is not None:  # a forced call: its JSON follows the tool's schema
+            if params.response_format != "text":
+                raise ServingError("response_format cannot be combined with tool_choice 'required' or a named "
+                                   "function: the call's JSON already follows the tool's schema", "response_format")
+            params = dataclasses.replace(params, response_format="json_schema", json_schema=prepared.call_schema,
+                                         json_suffix=prepared.call_suffix).validate()
         handles = worker.submit_choices([prepared.prompt_ids], body.n, params)
         sessions: list[ChatSession] = []
         for i, handle in enumerate(handles):
@@ -302,6 +309,7 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
         served.check_name(body.model)
         prepared = prepare_chat(served, body, await request.json(), fmt, answers_required=False)
         return {"model": served.name, "prompt": prepared.prompt, "prefill": prepared.prefill,
+                "call_schema": prepared.call_schema,
                 "count": len(prepared.prompt_ids), "token_ids": prepared.prompt_ids,
                 "tokens": token_table(served, prepared.prompt, prepared.prompt_ids)}
 

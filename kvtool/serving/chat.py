@@ -11,9 +11,13 @@ calls: small models (Qwen2.5-Coder-0.5B) keep emitting calls while tools are in 
 so this is what makes "answer in text now" work. The price: with tools in the system turn
 (Qwen), that turn changes, so the prefix cache misses from there on; send `auto` and take
 text answers as they come if the cache matters more. `required` and a named
-function prefill the assistant turn with the start of a call (`<tool_call>\\n{"name": "`,
-or up to `"arguments": ` for a named one) and the model completes it. If it still does
-not produce a valid call, the text comes back as content with finish_reason "stop".
+function prefill the assistant turn with `<tool_call>\\n` and the call is written in JSON
+schema mode: `{"name": one of the allowed tools, "arguments": that tool's parameters}`
+(any object when several tools are allowed), then `\\n</tool_call>`, so it is a valid call.
+Where a tool's parameters use what that mode cannot enforce (anyOf, $ref, ...), the
+prefill goes on to `{"name": "` (or up to `"arguments": ` for a named one) and the model
+completes it; if that is not a valid call, the text comes back as content with
+finish_reason "stop".
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from dataclasses import dataclass, field
 
 from jsonschema import Draft202012Validator, SchemaError
 
+from kvtool.engine.json_schema import check_schema
+from kvtool.errors import InvalidParameterError
 from kvtool.serving.errors import ServingError
 from kvtool.serving.protocol import ChatMessage, NamedToolChoice, ToolDef
 from kvtool.serving.served import ServedModel, check_text
@@ -47,6 +53,8 @@ class PreparedChat:
     tools: list[str] = field(default_factory=list)  # names a call may use (empty: parse no calls)
     prefill: str = ""  # assistant-turn text the server appended to force a call
     in_reasoning: bool = False  # the prompt ends inside an open <think> block
+    call_schema: dict | None = None  # a forced call's JSON schema ({"name", "arguments"}), for JSON schema mode
+    call_suffix: str = ""  # what follows that call's JSON before the turn ends
 
 
 def check_tools(validated: list[ToolDef] | None, raw: list | None) -> list[dict] | None:
@@ -232,6 +240,21 @@ def skill_messages(served: ServedModel, names: list[str], continue_final_message
     return out
 
 
+def call_schema(tools: list[dict], name: str | None) -> dict | None:
+    """The JSON schema of one call {"name", "arguments"}: of the named tool, or of any declared tool (whose
+    arguments follow its parameters when there is only one, else any object). None when the parameters use
+    what JSON schema mode cannot enforce: the prefill alone then starts the call."""
+    chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    args = (chosen[0].get("parameters") or {"type": "object"}) if len(chosen) == 1 else {"type": "object"}
+    schema = {"type": "object", "properties": {"name": {"enum": [f["name"] for f in chosen]}, "arguments": args},
+              "required": ["name", "arguments"], "additionalProperties": False}
+    try:
+        check_schema(schema)
+    except InvalidParameterError:
+        return None
+    return schema
+
+
 def prepare_chat(served: ServedModel, req, raw: dict, fmt: ToolFormat, answers_required: bool = True) -> PreparedChat:
     """Validate and render a chat request (completions, template and tokenize share it)."""
     tools = check_tools(req.tools, raw.get("tools"))
@@ -244,15 +267,17 @@ def prepare_chat(served: ServedModel, req, raw: dict, fmt: ToolFormat, answers_r
                   "tool-calling model (Qwen2.5/Qwen3) or describe the tools in the system message", "tools")
     prompt = render(served, messages, tools if mode != "none" else None, req.add_generation_prompt,
                     req.continue_final_message, template_kwargs(req.chat_template_kwargs))
-    prefill = ""
+    prefill, schema = "", None
     if mode in ("required", "named"):
         if not req.add_generation_prompt or req.continue_final_message:
             raise bad(f"tool_choice {mode!r} prefills a new assistant turn; it needs add_generation_prompt=true "
                       "and continue_final_message=false", "tool_choice")
-        prefill = fmt.prefill(name)
+        schema = call_schema(tools, name)  # the call is then written in JSON schema mode
+        prefill = f"{fmt.open}\n" if schema is not None else fmt.prefill(name)
     call_names = [t["function"]["name"] for t in tools or []] if mode != "none" else []
     if name:
         call_names = [name]
     text = prompt + prefill
     return PreparedChat(prompt=text, prompt_ids=served.encode(text), tools=call_names, prefill=prefill,
-                        in_reasoning=ends_in_reasoning(text))
+                        in_reasoning=ends_in_reasoning(text), call_schema=schema,
+                        call_suffix=f"\n{fmt.close}" if schema is not None else "")

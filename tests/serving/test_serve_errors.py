@@ -180,7 +180,7 @@ def test_full_queue_is_a_429_not_a_hang(smollm2):
 def test_a_request_whose_sampling_cannot_be_set_up_fails_alone(smol, monkeypatch):
     from kvtool.engine import Engine
 
-    def boom(self, stop_ids, schema=None):
+    def boom(self, *args):
         raise RuntimeError("no vocabulary today")
 
     monkeypatch.setattr(Engine, "json_constraint", boom)

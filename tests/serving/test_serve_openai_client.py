@@ -103,6 +103,35 @@ def test_named_tool_choice_forces_the_call(qwen_client):
     assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
 
 
+BOOK = {"type": "function", "function": {
+    "name": "book_table", "description": "Book a restaurant table",
+    "parameters": {"type": "object", "properties": {
+        "restaurant": {"type": "string"}, "people": {"type": "integer"},
+        "time": {"type": "string", "enum": ["lunch", "dinner"]}}, "required": ["restaurant", "people", "time"]}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "book_table"}}])
+def test_forced_calls_follow_the_tools_schema(qwen_client, choice):
+    import jsonschema
+
+    out = qwen_client.chat.completions.create(
+        model=model_id(qwen_client), tools=[WEATHER, BOOK], tool_choice=choice, temperature=0, max_tokens=60,
+        messages=[{"role": "user", "content": "Get me a table for four at Chez Anna tonight."}])
+    assert out.choices[0].finish_reason == "tool_calls"
+    call = out.choices[0].message.tool_calls[0]
+    schema = {"get_weather": WEATHER, "book_table": BOOK}[call.function.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    if choice != "required":  # named: its own parameters, so the enum and the integer hold
+        assert call.function.name == "book_table"
+
+
+def test_a_forced_call_cannot_also_take_a_response_format(qwen):
+    r = qwen.post("/v1/chat/completions", json={
+        "messages": ASK_WEATHER, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 8,
+        "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and "tool_choice" in r.json()["error"]["message"]
+
+
 def test_tool_choice_none_answers_in_text(qwen_client):
     out = qwen_client.chat.completions.create(model=model_id(qwen_client), messages=ASK_WEATHER, tools=[WEATHER],
                                               tool_choice="none", temperature=0, max_tokens=8)

@@ -77,12 +77,19 @@ def test_think_flags_and_template_kwargs(qwen):
     assert think == "<think>\nhmm"
 
 
-def test_forced_tool_choice_prefill_is_shown(qwen):
+def test_forced_tool_choice_prefill_and_call_schema_are_shown(qwen):
+    named = {"type": "function", "function": {"name": "get_weather"}}
     body = qwen.post("/v1/chat/template", json={
-        "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [WEATHER],
-        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}).json()
-    assert body["prefill"] == '<tool_call>\n{"name": "get_weather", "arguments": '
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [WEATHER], "tool_choice": named}).json()
+    assert body["prefill"] == "<tool_call>\n"  # the call's JSON is then written in JSON schema mode
     assert body["prompt"].endswith("<|im_start|>assistant\n" + body["prefill"])
+    assert body["call_schema"]["properties"] == {"name": {"enum": ["get_weather"]},
+                                                 "arguments": WEATHER["function"]["parameters"]}
+    loose = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}}}
+    body = qwen.post("/v1/chat/template", json={
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [loose], "tool_choice": named}).json()
+    assert body["prefill"] == '<tool_call>\n{"name": "get_weather", "arguments": ' and body["call_schema"] is None
 
 
 def test_get_raw_template(qwen, qwen25):
