@@ -97,6 +97,7 @@ class GenerationRequest(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None  # text | json_object | json_schema (kvtool.engine.json_mode)
 
     def sampling(self, default_max_tokens: int | None, max_tokens: int | None = None,
                  logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
@@ -108,6 +109,14 @@ class GenerationRequest(Strict):
             value = getattr(self, name)
             return getattr(defaults, name) if value is None else value
 
+        fmt = self.response_format or ResponseFormat()
+        if fmt.type not in ("text", "json_object", "json_schema"):
+            raise ServingError(f"response_format type {fmt.type!r} is not supported; use 'text', 'json_object' or "
+                               "'json_schema'", param="response_format")
+        schema = (fmt.json_schema or {}).get("schema") if fmt.type == "json_schema" else None
+        if fmt.type == "json_schema" and not isinstance(schema, dict):
+            raise ServingError("response_format json_schema needs json_schema.schema, a JSON schema object",
+                               param="response_format")
         if max_tokens is None:  # max_completion_tokens wins over max_tokens, then the server default
             max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -117,7 +126,7 @@ class GenerationRequest(Strict):
             repetition_penalty=pick("repetition_penalty"), presence_penalty=pick("presence_penalty"),
             frequency_penalty=pick("frequency_penalty"), seed=self.seed, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, response_format=fmt.type, json_schema=schema)
         return params.validate()
 
     @property
@@ -133,7 +142,6 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message is a prefix to continue
@@ -144,18 +152,8 @@ class ChatCompletionRequest(GenerationRequest):
     def chat_sampling(self, default_max_tokens: int | None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ServingError("top_logprobs needs logprobs=true", param="top_logprobs")
-        fmt = self.response_format or ResponseFormat()
-        if fmt.type not in ("text", "json_object", "json_schema"):
-            raise ServingError(f"response_format type {fmt.type!r} is not supported; use 'text', 'json_object' or "
-                               "'json_schema'", param="response_format")
-        schema = (fmt.json_schema or {}).get("schema") if fmt.type == "json_schema" else None
-        if fmt.type == "json_schema" and not isinstance(schema, dict):
-            raise ServingError("response_format json_schema needs json_schema.schema, a JSON schema object",
-                               param="response_format")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        params = self.sampling(default_max_tokens, self.max_completion_tokens, logprobs, self.prompt_logprobs)
-        params.response_format, params.json_schema = fmt.type, schema
-        return params.validate()
+        return self.sampling(default_max_tokens, self.max_completion_tokens, logprobs, self.prompt_logprobs)
 
 
 class CompletionRequest(GenerationRequest):

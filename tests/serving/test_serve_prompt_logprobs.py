@@ -65,3 +65,16 @@ def test_chat_prompt_logprobs_cover_the_rendered_template(smol):
 def test_bad_prompt_logprobs_is_a_400(smol):
     r = smol.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 50})
     assert r.status_code == 400 and "prompt_logprobs" in r.json()["error"]["message"]
+
+
+def test_completions_take_a_response_format(smol):
+    import json
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = smol.post("/v1/completions", json={"prompt": "A JSON object describing a dog:", "max_tokens": 40,
+                                           "temperature": 0, "response_format": {
+                                               "type": "json_schema", "json_schema": {"name": "dog", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and set(json.loads(choice["text"])) == {"name", "age"}
