@@ -66,6 +66,12 @@ def test_every_valid_instance_passes_character_by_character():
         assert state.done
 
 
+def test_an_object_without_properties_or_more_keys_is_empty():
+    closed = {"type": "object", "additionalProperties": False}
+    assert schema_advance(start(closed), "{}").done and schema_advance(start(closed), '{"') is None
+    assert schema_advance(start({"type": "object"}), '{"any": [1]}').done
+
+
 @pytest.mark.parametrize("text", [
     '{"name": "x"}', '{"name": "x", "age": 3.5}', '{"name": 1', '{"nam": "x"}', '{"name": "x", "age": 3, "zz": 1}',
     '{"name": "x", "age": 3, "tags": ["c"]}', '{"name": "x", "age": 3, "pet": {}}', '{"name": "x", "name": "y"',
@@ -80,7 +86,8 @@ def test_what_the_schema_forbids_is_refused(text):
     ({"$ref": "#/$defs/x", "$defs": {}}, "uses $ref, $defs"),
     ({"type": "object", "properties": {"n": {"enum": [1, 2]}}}, "not plain strings"),
     ({"type": "string"}, "root must be an object"),
-    ({"type": "object", "properties": {"a": {"type": "float"}}}, "unknown type 'float'")])
+    ({"type": "object", "properties": {"a": {"type": "float"}}}, "unknown type 'float'"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "requires ['b']")])
 def test_schemas_it_cannot_enforce_are_refused_by_name(schema, words):
     with pytest.raises(InvalidParameterError, match="json_schema"):
         SamplingParams(response_format="json_schema", json_schema=schema).validate()

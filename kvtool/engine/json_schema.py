@@ -40,6 +40,11 @@ def check_schema(node, where: str = "schema") -> None:
     if any(not isinstance(v, str) or "\\" in v or '"' in v for v in values):
         raise InvalidParameterError(f"json_schema: {where} has an enum or const that is not plain strings; "
                                     "JSON schema mode enforces string enums only")
+    keys, _ = _keys(node)
+    missing = [k for k in node.get("required", []) if keys is not None and k not in keys]
+    if missing:
+        raise InvalidParameterError(f"json_schema: {where} requires {missing}, which its properties do not allow "
+                                    "(no object could have them)")
     for key, sub in (node.get("properties") or {}).items():
         check_schema(sub, f"{where}.properties.{key}")
     for key in ("items", "additionalProperties"):
@@ -72,9 +77,9 @@ def _keys(node: dict) -> tuple[set[str] | None, dict | None]:
     props, extra = node.get("properties"), node.get("additionalProperties")
     if isinstance(extra, dict):
         return None, extra
-    if props is None or extra is True:
+    if extra is True or (props is None and extra is None):
         return None, None
-    return set(props), None
+    return set(props or ()), None
 
 
 class Frame(NamedTuple):
