@@ -51,6 +51,15 @@ def choice_seed(seed: int | None, i: int) -> int | None:
     return None if seed is None else (seed + i if seed + i < 2**64 else seed + i - 2**64)
 
 
+def choices(prompts: list[list[int]], params: list[SamplingParams], n: int):
+    """(ids, params, fork) of choice i of prompt p, in the order p * n + i: choice i seeded seed + i, the
+    choices of one prompt sharing a Fork (none for a single choice)."""
+    for ids, p in zip(prompts, params):
+        fork = Fork() if n > 1 else None
+        for i in range(n):
+            yield ids, (replace(p, seed=choice_seed(p.seed, i)) if i else p), fork
+
+
 @dataclass(eq=False)
 class Fork:
     """A prompt shared by sibling requests: its KV and last-token logits once the first has prefilled it."""
@@ -279,12 +288,10 @@ class BatchScheduler:
                 continue  # still prefilling
             if req.gen.timings.prefill_ms == 0.0:
                 req.gen.timings.prefill_ms = req.state.ms()
-            sample = samples.get(j)
-            if sample is None and out is None:
-                out = rows[req.slot : req.slot + 1]
+            last = out if out is not None else rows[req.slot : req.slot + 1]  # its last token's logits
             if not req.gen.token_ids:
-                self._prefilled(req, out if out is not None else rows[req.slot : req.slot + 1])
-            self._deliver(req, out, sample)
+                self._prefilled(req, last)
+            self._deliver(req, last, samples.get(j))
         self.host_s += (t_plan - t_start) + (time.perf_counter() - t_read)
         return sum(len(c) for _, c in plan)
 
@@ -343,12 +350,7 @@ def generate_batch(engine: Engine, prompts: list[list[int]], params: SamplingPar
     if not isinstance(n, int) or n < 1:
         raise InvalidParameterError(f"n must be an integer >= 1, got {n!r}")
     sched = BatchScheduler(engine, max_running=max_running, prefill_budget=engine.config.prefill_chunk)
-    gens = []
-    for ids, p in zip(prompts, per_prompt):
-        fork = Fork() if n > 1 else None
-        for i in range(n):
-            choice = replace(p, seed=choice_seed(p.seed, i)) if i else p
-            gens.append(sched.submit(ids, choice, skip_special_tokens, fork=fork))
+    gens = [sched.submit(ids, p, skip_special_tokens, fork=fork) for ids, p, fork in choices(prompts, per_prompt, n)]
     sched.run()
     return gens
 

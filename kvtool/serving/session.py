@@ -213,30 +213,26 @@ class CompletionSession:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.served.name,
                 "choices": choices, **extra}
 
+    def _legacy(self, entries, offset: int) -> dict:
+        """Legacy logprobs of (piece, logprob or None, [(id, logprob)] alternatives, text length) entries."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for piece, logprob, top, length in entries:
+            out["tokens"].append(piece)
+            out["token_logprobs"].append(finite(logprob))
+            out["top_logprobs"].append(None if logprob is None else
+                                       {self.served.piece(t): finite(v) for t, v in top or []} or None)
+            out["text_offset"].append(offset)
+            offset += length
+        return out
+
     def _logprobs(self, events: list[TokenEvent], offset: int) -> dict | None:
         if not events or events[0].logprob is None:
             return None
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for ev in events:
-            out["tokens"].append(ev.piece)
-            out["token_logprobs"].append(finite(ev.logprob))
-            out["top_logprobs"].append({self.served.piece(t): finite(v) for t, v in ev.top_logprobs or []} or None)
-            out["text_offset"].append(offset)
-            offset += len(ev.text)
-        return out
+        return self._legacy([(ev.piece, ev.logprob, ev.top_logprobs, len(ev.text)) for ev in events], offset)
 
     def _echo_logprobs(self, rows) -> dict:
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = 0
-        for r in rows:
-            piece = self.served.piece(r.token_id)
-            out["tokens"].append(piece)
-            out["token_logprobs"].append(None if r.logprob is None else finite(r.logprob))
-            out["top_logprobs"].append(None if r.logprob is None else
-                                       {self.served.piece(t): finite(v) for t, v in r.top} or None)
-            out["text_offset"].append(offset)
-            offset += len(piece)
-        return out
+        pieces = [self.served.piece(r.token_id) for r in rows]
+        return self._legacy([(p, r.logprob, r.top, len(p)) for p, r in zip(pieces, rows)], 0)
 
     async def chunks(self) -> AsyncIterator[dict]:
         offset, started = 0, False

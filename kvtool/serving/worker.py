@@ -18,7 +18,6 @@ ends the requests in that batch, with a 500-style error each; the worker keeps s
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -27,7 +26,7 @@ from typing import AsyncIterator
 
 from kvtool.config import SamplingParams
 from kvtool.engine import Engine, Generation, TokenEvent
-from kvtool.engine.batch import BatchScheduler, Fork, choice_seed
+from kvtool.engine.batch import BatchScheduler, Fork, choices
 from kvtool.models.host import release_openmp_threads
 from kvtool.serving.errors import QueueFull, ServingError, Unavailable
 
@@ -130,12 +129,9 @@ class Worker:
             raise ServingError(f"{len(prompts)} prompt(s) x n={n} = {total} sequences; this server takes at most "
                                f"{capacity} at once (--max-active + --max-queue)", param="n")
         loop, handles = asyncio.get_running_loop(), Handles()
-        for ids in prompts:
-            fork = Fork() if n > 1 else None
-            for i in range(n):
-                choice = dataclasses.replace(params, seed=choice_seed(params.seed, i)) if i else params
-                gen, max_tokens = self.engine.new_generation(ids, choice)  # validates; computes nothing yet
-                handles.append(Handle(self, gen, max_tokens, skip_special_tokens, loop, fork))
+        for ids, choice, fork in choices(prompts, [params] * len(prompts), n):
+            gen, max_tokens = self.engine.new_generation(ids, choice)  # validates; computes nothing yet
+            handles.append(Handle(self, gen, max_tokens, skip_special_tokens, loop, fork))
         with self._cv:
             if len(self._pending) + len(self._handles) + total > capacity:
                 if self.metrics:
