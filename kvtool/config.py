@@ -45,6 +45,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # end of turn, stop_token_ids and stop strings count only after this many tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
     logprobs: int | None = None  # None: off; k >= 0: chosen token + top k
     prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob + top k (full prefill)
     response_format: str = "text"  # text | json_object | json_schema: one JSON object (kvtool.engine.json_mode)
@@ -80,6 +82,17 @@ class SamplingParams:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", "must be in [-2, 2]")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
+        if not isinstance(self.logit_bias, dict):
+            bad("logit_bias", "must map token ids to biases")
+        for token, value in self.logit_bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                bad("logit_bias", f"key {token!r} is not a token id (an integer >= 0)")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100.0 <= value <= 100.0:
+                bad("logit_bias", f"the bias of token {token} is {value!r}; it must be a number in [-100, 100]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "must be an integer")
         if isinstance(self.stop, str):
@@ -98,6 +111,8 @@ class SamplingParams:
             from kvtool.engine.json_schema import check_schema
 
             check_schema(self.json_schema)
+        if self.response_format != "text" and self.min_tokens:
+            bad("min_tokens", "a JSON mode ends the output when its object closes; min_tokens does not apply")
         if self.response_format != "text" and self.ignore_eos and not self.stop_token_ids:
             bad("response_format", "json_object ends the output with an end-of-turn token: drop ignore_eos or "
                                    "give stop_token_ids")

@@ -12,13 +12,16 @@ MIX = [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=1.3, top_k
        dict(temperature=1.0, top_p=0.8), dict(temperature=0.9, min_p=0.05),
        dict(temperature=1.1, top_k=12, min_p=0.02, top_p=0.9),
        dict(temperature=0.8, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2),
-       dict(temperature=0.0, repetition_penalty=1.5), dict(temperature=1.0, top_k=V + 10)]
+       dict(temperature=0.0, repetition_penalty=1.5), dict(temperature=1.0, top_k=V + 10),
+       dict(temperature=0.9, logit_bias={4: 5.0, 9: -100.0}), dict(temperature=0.0, logit_bias={5: 30.0}),
+       dict(temperature=1.0, min_tokens=10), dict(temperature=0.0, min_tokens=3)]
 
 
 def samplers_for(mix, seen=(3, 7, 7, 11)):
     out = []
     for kw in mix:
         s = Sampler(SamplingParams(**kw).validate(), V, prompt_ids=[1, 2, 3], device=torch.device("cpu"))
+        s.hold([0, 1])  # the stop tokens min_tokens holds back
         for t in seen:
             s.observe(t)
         out.append(s)
@@ -27,7 +30,7 @@ def samplers_for(mix, seen=(3, 7, 7, 11)):
 
 def reference_logits(s: Sampler, row: torch.Tensor) -> torch.Tensor:
     """What Sampler.__call__ draws from (greedy rows: the penalised logits it takes the argmax of)."""
-    x = s._penalise(row.float())
+    x = s._adjust(row.float())
     return x if s.p.greedy else s._truncate(x / s.p.temperature)
 
 
@@ -42,7 +45,10 @@ def test_processed_logits_equal_each_samplers_own():
         assert torch.equal(torch.isinf(got[i]), torch.isinf(want)), f"row {i} ({MIX[i]}) truncates differently"
         finite = torch.isfinite(want)
         assert torch.allclose(got[i][finite], want[finite], atol=1e-5), f"row {i} ({MIX[i]})"
-    assert torch.isinf(got[2]).sum() == V - 5 and not torch.isinf(got[-1]).any()
+    assert torch.isinf(got[2]).sum() == V - 5 and not torch.isinf(got[8]).any()
+    assert got[10].argmax() == 5  # a bias of +30 takes greedy
+    assert torch.isinf(got[11][:2]).all() and torch.isfinite(got[11][2:]).all()  # 4 observed < min_tokens 10
+    assert torch.isfinite(got[12]).all()  # min_tokens 3 is reached: stop tokens are back
 
 
 def test_draws_follow_the_truncated_distribution():

@@ -57,6 +57,13 @@ def test_invalid_sampling_on_cli(capsys):
     assert code == 2 and "top_p" in text and "Traceback" not in text
 
 
+@pytest.mark.parametrize("args,words", [(["--logit-bias", "7"], "TOKEN_ID=BIAS"), (["--logit-bias", "x=1"], "TOKEN_ID"),
+                                        (["--logit-bias", "7=500"], "logit_bias"), (["--min-tokens", "-1"], "min_tokens")])
+def test_bad_logit_bias_and_min_tokens_on_cli(capsys, args, words):
+    code, text = run_cli(capsys, "generate", "hi", *args, "--model", "/unused")
+    assert code == 2 and words in text and "Traceback" not in text
+
+
 @pytest.mark.real_model
 def test_prompt_longer_than_window(smollm2):
     engine = Engine(smollm2)
@@ -69,6 +76,10 @@ def test_prompt_longer_than_window(smollm2):
         engine.generate([], SamplingParams())
     with pytest.raises(InvalidParameterError, match="token ids"):
         engine.generate([10**9], SamplingParams())
+    with pytest.raises(InvalidParameterError, match="logit_bias token ids"):
+        engine.generate([1, 2], SamplingParams(logit_bias={10**6: 1.0}))
+    with pytest.raises(ContextWindowError, match="min_tokens"):
+        engine.generate([1] * 100, SamplingParams(min_tokens=window))
 
 
 @pytest.mark.parametrize("value,words", [("no/such/schema.json", "neither a file nor a JSON object"),

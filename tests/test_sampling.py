@@ -58,6 +58,27 @@ def test_penalties_push_away_seen_tokens():
     assert r(LOGITS).token == 6  # 3.0 / 1.5 = 2.0 < 2.9
 
 
+def test_logit_bias_moves_tokens_and_logprobs_stay_raw():
+    s = sampler(temperature=0, logit_bias={4: 5.0}, logprobs=1)
+    out = s(LOGITS)
+    assert out.token == 4  # -1 + 5 beats 3.0
+    assert out.logprob == pytest.approx(float(torch.log_softmax(LOGITS, -1)[4]))
+    assert draws(sampler(temperature=1.0, seed=0, logit_bias={1: -100, 6: -100, 2: -100}, top_k=2)) == {3, 5}
+
+
+def test_min_tokens_holds_stop_tokens_back_until_reached():
+    s = sampler(temperature=0, min_tokens=2)
+    s.hold([1, 6, 99])  # ids past the vocabulary are ignored
+    assert s(LOGITS).token == 2
+    s.observe(2)
+    assert s(LOGITS).token == 2
+    s.observe(2)
+    assert s(LOGITS).token == 1  # two tokens out: the stop token may come
+    free = sampler(temperature=0)
+    free.hold([1])  # min_tokens 0 holds nothing
+    assert free(LOGITS).token == 1
+
+
 def test_logprobs_come_from_the_raw_distribution():
     s = sampler(temperature=0, logprobs=3)
     out = s(LOGITS)
@@ -71,6 +92,10 @@ def test_logprobs_come_from_the_raw_distribution():
     (dict(top_k=-3), "top_k"), (dict(min_p=2), "min_p"), (dict(max_tokens=0), "max_tokens"),
     (dict(presence_penalty=3), "presence_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(temperature=float("nan")), "temperature"), (dict(stop=[""]), "stop"), (dict(logprobs=50), "logprobs"),
+    (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=9, max_tokens=8), "min_tokens"),
+    (dict(min_tokens=2, response_format="json_object"), "min_tokens"), (dict(logit_bias={"7": 1.0}), "logit_bias"),
+    (dict(logit_bias={7: 101}), "logit_bias"), (dict(logit_bias={7: float("nan")}), "logit_bias"),
+    (dict(logit_bias=[7]), "logit_bias"),
 ])
 def test_invalid_values_name_the_parameter(kw, name):
     with pytest.raises(InvalidParameterError, match=name):
@@ -83,6 +108,14 @@ def test_stop_string_is_held_back_then_cut():
     assert shown == "Hello " and not m.stopped
     shown += m.feed("d> trailing")
     assert m.stopped and shown == "Hello " and m.text == "Hello "
+
+
+def test_unarmed_matcher_lets_a_stop_string_through_but_holds_its_start():
+    m = StopStringMatcher(["STOP", "\n"])
+    out = m.feed("a\nb STOP", armed=False) + m.feed(" ST", armed=False)
+    assert out == "a\nb STOP " and not m.stopped  # "ST" could still become a stop string
+    out += m.feed("OP tail")  # armed: the match that ends in the new text counts
+    assert m.stopped and out == "a\nb STOP " and m.text == "a\nb STOP "
 
 
 def test_false_start_of_stop_string_is_released():

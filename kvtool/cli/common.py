@@ -34,6 +34,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=float, default=SAMPLING.frequency_penalty)
     p.add_argument("--seed", type=int, default=SAMPLING.seed)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--min-tokens", type=int, default=SAMPLING.min_tokens,
+                   help="no end of turn or stop string before this many tokens")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)")
     p.add_argument("--json", action="store_true", help="answer with one JSON object (JSON mode)")
     p.add_argument("--json-schema", default=None, metavar="SCHEMA",
                    help="answer with one JSON object that follows this JSON schema (a file, or the schema inline)")
@@ -57,6 +61,20 @@ def json_schema_arg(value: str) -> dict:
         raise InvalidParameterError(f"{where} is not valid JSON: {exc}") from None
 
 
+def logit_bias_arg(items: list[str]) -> dict[int, float]:
+    """--logit-bias ID=BIAS, repeated -> {id: bias}."""
+    from kvtool.errors import InvalidParameterError
+
+    bias = {}
+    for item in items:
+        token, _, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise InvalidParameterError(f"--logit-bias {item!r}: write it as TOKEN_ID=BIAS, e.g. 2=-100") from None
+    return bias
+
+
 def sampling_from_args(args) -> SamplingParams:
     schema = json_schema_arg(args.json_schema) if getattr(args, "json_schema", None) else None
     fmt = "json_schema" if schema is not None else "json_object" if getattr(args, "json", False) else "text"
@@ -64,7 +82,8 @@ def sampling_from_args(args) -> SamplingParams:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, stop=list(args.stop), response_format=fmt,
-        json_schema=schema,
+        json_schema=schema, min_tokens=getattr(args, "min_tokens", 0),
+        logit_bias=logit_bias_arg(getattr(args, "logit_bias", [])),
     ).validate()
 
 

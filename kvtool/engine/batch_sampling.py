@@ -3,7 +3,7 @@
 Continuous batching runs many requests per step. Each request's own Sampler costs a handful of kernels
 and one host sync, so 64 sampling streams cost 64 syncs a step. sample_rows() does Sampler's math for
 every row together, with each row's parameters as a column of a tensor:
-- penalties, row by row, and only on the rows that ask for them;
+- penalties, logit bias and the min_tokens hold, row by row, and only on the rows that ask for them;
 - then temperature, top-k, min-p and top-p, in Sampler's order (vLLM's);
 - then one draw per row.
 The chosen tokens, their logprobs and the top logprobs come back in a single transfer.
@@ -31,14 +31,14 @@ def batchable(sampler: Sampler) -> bool:
 
 
 def processed_logits(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
-    """[n, V] -> each row's logits as its Sampler would draw from them: penalties, then for sampled rows
-    temperature and the truncations (-inf where truncated). Greedy rows get their penalties only."""
+    """[n, V] -> each row's logits as its Sampler would draw from them: penalties (and bias, held stop tokens),
+    then for sampled rows temperature and the truncations (-inf where truncated). Greedy rows get the first only."""
     x = logits[:, : samplers[0].vocab_size].float()
-    penalised = [i for i, s in enumerate(samplers) if s.track]
-    if penalised:
+    adjusted = [i for i, s in enumerate(samplers) if s.adjusts]
+    if adjusted:
         x = x.clone()
-        for i in penalised:
-            x[i] = samplers[i]._penalise(x[i])
+        for i in adjusted:
+            x[i] = samplers[i]._adjust(x[i])
     sampled = [not s.p.greedy for s in samplers]
     if not any(sampled):
         return x

@@ -168,15 +168,16 @@ class StopStringMatcher:
         self.emitted = 0
         self.stopped = False
 
-    def feed(self, delta: str) -> str:
-        """Add text; return what is now safe to show. Sets .stopped on a match."""
+    def feed(self, delta: str, armed: bool = True) -> str:
+        """Add text; return what is now safe to show. Sets .stopped on a match that ends in the new text.
+        Unarmed (before min_tokens), nothing matches, but possible starts of a stop string are still held back."""
         if self.stopped:
             return ""
         if not self.stops:  # nothing to hold back or match: the text passes straight through
             return delta
-        start = max(0, len(self.text) - max(len(s) for s in self.stops))
+        old = len(self.text)
         self.text += delta
-        hits = [i for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        hits = [i for s in self.stops if armed and (i := self.text.find(s, max(0, old - len(s) + 1))) >= 0]
         if hits:
             self.text = self.text[: min(hits)]
             self.stopped = True

@@ -169,10 +169,16 @@ class Engine:
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidParameterError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        bad = sorted(t for t in params.logit_bias if t >= vocab)
+        if bad:
+            raise InvalidParameterError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]}")
         if len(prompt_ids) >= window:
             raise ContextWindowError(f"the prompt has {len(prompt_ids)} tokens; the model's context window is "
                                      f"{window} tokens and must leave room for at least 1 new token")
         max_tokens = params.max_tokens if params.max_tokens is not None else window - len(prompt_ids)
+        if params.min_tokens > max_tokens:
+            raise ContextWindowError(f"min_tokens ({params.min_tokens}) does not fit: the context window of {window} "
+                                     f"tokens leaves {max_tokens} after the prompt")
         if len(prompt_ids) + max_tokens > window:
             raise ContextWindowError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) = "
                                      f"{len(prompt_ids) + max_tokens} exceeds the context window of {window} tokens")
@@ -272,6 +278,7 @@ class OutputState:
         self.tokenizer = engine.model.tokenizer
         self.stops = set(params.stop_token_ids) | (set() if params.ignore_eos else engine.end_of_turn)
         self.sampler = Sampler(params, engine.runner.spec.vocab_size, gen.prompt_ids, engine.runner.device)
+        self.sampler.hold(self.stops)
         if params.response_format != "text":
             self.sampler.constraint = engine.json_constraint(self.stops, params.json_schema, params.json_suffix)
         self.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
@@ -294,7 +301,7 @@ class OutputState:
             self.t_first = tm.ttft_ms = now
         tm.decode_tokens, tm.decode_ms = i + 1, now - self.t_first
         is_stop = tok in self.stops
-        text = "" if is_stop else matcher.feed(self.detok.add(tok))
+        text = "" if is_stop else matcher.feed(self.detok.add(tok), armed=i + 1 >= gen.params.min_tokens)
         if is_stop or matcher.stopped:
             text += matcher.finish() if not matcher.stopped else ""
             gen.finish_reason = "stop"

@@ -1,6 +1,7 @@
-"""Logits -> next token: penalties, temperature, top-k/top-p/min-p, seeded sampling.
+"""Logits -> next token: penalties, logit bias, min_tokens, temperature, top-k/top-p/min-p, seeded sampling.
 
-Order as in vLLM: penalties, temperature, then the truncations, then sampling.
+Order as in vLLM: penalties, logit_bias, the min_tokens hold on stop tokens, temperature, then the
+truncations, then sampling.
 Logprobs are reported from the raw model distribution (before any processing).
 """
 
@@ -36,6 +37,13 @@ class Sampler:
         self.seen_any = False  # known on the host, so the penalty never syncs to ask
         self.constraint = None  # a JsonConstraint in JSON mode (set by the engine): which tokens may come next
         self.seen = self.counts = None
+        self.produced = 0  # tokens observed so far: min_tokens holds the stop tokens back until it is reached
+        self.held: torch.Tensor | None = None  # the stop tokens min_tokens holds back (set by hold())
+        self.bias = None  # (token ids, biases) of logit_bias
+        if params.logit_bias:
+            ids = list(params.logit_bias)
+            self.bias = (torch.tensor(ids, dtype=torch.long, device=self.device),
+                         torch.tensor([float(params.logit_bias[t]) for t in ids], device=self.device))
         if self.track:
             self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
             self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=self.device)
@@ -44,7 +52,23 @@ class Sampler:
                 self.seen[torch.tensor(ids, dtype=torch.long, device=self.device)] = True
                 self.seen_any = True
 
+    def hold(self, stop_ids) -> None:
+        """Keep these tokens from being drawn until params.min_tokens tokens have been observed."""
+        ids = sorted(t for t in stop_ids if t < self.vocab_size)
+        if self.p.min_tokens and ids:
+            self.held = torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether _adjust changes the logits this step (penalties, a logit bias, held stop tokens)."""
+        return self.track or self.bias is not None or self._holding
+
+    @property
+    def _holding(self) -> bool:
+        return self.held is not None and self.produced < self.p.min_tokens
+
     def observe(self, token: int) -> None:
+        self.produced += 1
         if self.track and token < self.vocab_size:
             self.seen[token] = True
             self.counts[token] += 1
@@ -53,7 +77,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> Sample:
         """logits [V] (or [1, V]) fp32 -> Sample, computed on the sampler's device."""
         logits = logits.reshape(-1)[: self.vocab_size].float().to(self.device)
-        x = self._penalise(logits)
+        x = self._adjust(logits)
         if self.constraint is not None:
             token = torch.tensor(self._constrained(x), device=self.device)
         elif self.p.greedy:
@@ -109,12 +133,17 @@ class Sampler:
                     return token
         raise ValueError("JSON mode: no token of the vocabulary continues the output")
 
-    def _penalise(self, x: torch.Tensor) -> torch.Tensor:
+    def _adjust(self, x: torch.Tensor) -> torch.Tensor:
+        """Penalties, then logit_bias, then the min_tokens hold: what every mode draws from."""
         p = self.p
         if p.repetition_penalty != 1.0 and self.seen_any:
             x = torch.where(self.seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
         if p.presence_penalty or p.frequency_penalty:
             x = x - p.frequency_penalty * self.counts - p.presence_penalty * (self.counts > 0).float()
+        if self.bias is not None:
+            x = x.index_add(0, self.bias[0], self.bias[1])
+        if self._holding:
+            x = x.index_fill(0, self.held, float("-inf"))
         return x
 
     def _truncate(self, x: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,8 @@ class GenerationRequest(Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0  # vLLM's extension: no end of turn, stop token or stop string before this many tokens
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias added to its logit, in [-100, 100]
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -120,12 +122,18 @@ class GenerationRequest(Strict):
         if max_tokens is None:  # max_completion_tokens wins over max_tokens, then the server default
             max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise ServingError(f"logit_bias keys are token ids; {key!r} is not one", param="logit_bias")
+            bias[int(key)] = value
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"), min_p=pick("min_p"),
             repetition_penalty=pick("repetition_penalty"), presence_penalty=pick("presence_penalty"),
             frequency_penalty=pick("frequency_penalty"), seed=self.seed, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            min_tokens=self.min_tokens, logit_bias=bias,
             prompt_logprobs=prompt_logprobs, response_format=fmt.type, json_schema=schema)
         return params.validate()
 

@@ -1,0 +1,79 @@
+"""logit_bias (OpenAI) and min_tokens (vLLM) on a live server with the real SmolLM2, alone and batched."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytestmark = pytest.mark.real_model
+
+PROMPT = "The capital of France is"
+HI = [{"role": "user", "content": "Say hi."}]
+
+
+def complete(client, **body):
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def token_ids(client, text: str) -> list[int]:
+    return client.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+
+def test_a_banned_token_never_comes_and_a_boosted_one_always_does(smol):
+    free = complete(smol, logprobs=1)
+    first = free["choices"][0]["logprobs"]["tokens"][0]
+    (paris,) = token_ids(smol, first)
+    banned = complete(smol, logit_bias={str(paris): -100}, logprobs=0)["choices"][0]
+    assert banned["logprobs"]["tokens"][0] != first and paris not in token_ids(smol, banned["text"])
+    (dot,) = token_ids(smol, ".")
+    boosted = complete(smol, logit_bias={str(dot): 100}, logprobs=0)["choices"][0]
+    assert boosted["text"] == "." * 6
+    # logprobs stay those of the model: the biased choice keeps its raw, low probability
+    assert boosted["logprobs"]["token_logprobs"][0] < free["choices"][0]["logprobs"]["token_logprobs"][0] - 1
+
+
+def test_batched_requests_each_keep_their_own_bias(smol):
+    (paris,) = token_ids(smol, " Paris")
+    (dot,) = token_ids(smol, ".")
+    (the,) = token_ids(smol, " the")
+    biases = [{}, {str(paris): -100}, {str(dot): 100}, {str(paris): -100, str(the): -100}]
+    alone = [complete(smol, logit_bias=b)["choices"][0]["text"] for b in biases]
+    with ThreadPoolExecutor(len(biases)) as pool:
+        together = list(pool.map(lambda b: complete(smol, logit_bias=b, max_tokens=6)["choices"][0]["text"],
+                                 biases * 2))
+    assert together == alone * 2
+    assert len(set(alone)) == len(alone)
+
+
+def test_min_tokens_holds_the_end_of_turn_and_stop_strings(smol):
+    def chat(**body):
+        r = smol.post("/v1/chat/completions", json={"messages": HI, "temperature": 0, "max_tokens": 60, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    free = chat()
+    short = free["usage"]["completion_tokens"]
+    assert free["choices"][0]["finish_reason"] == "stop" and short < 30
+    held = chat(min_tokens=30)
+    assert held["usage"]["completion_tokens"] >= 30
+    assert held["choices"][0]["message"]["content"].startswith(free["choices"][0]["message"]["content"])
+    cut = chat(stop=["!"])["choices"][0]["message"]["content"]
+    assert "!" not in cut and free["choices"][0]["message"]["content"].startswith(cut + "!")
+    late = chat(stop=["!"], min_tokens=len(token_ids(smol, cut)) + 2)["choices"][0]["message"]["content"]
+    assert late.startswith(cut + "!")  # the "!" came before min_tokens: it did not stop the answer
+
+
+@pytest.mark.parametrize("body,needle", [
+    (dict(logit_bias={"Paris": 3}), "logit_bias"),
+    (dict(logit_bias={"10000000": 3}), "logit_bias"),
+    (dict(logit_bias={"5": 300}), "logit_bias"),
+    (dict(min_tokens=9, max_tokens=4), "min_tokens"),
+    (dict(min_tokens=-2), "min_tokens"),
+])
+def test_bad_values_are_refused_by_name(smol, body, needle):
+    r = smol.post("/v1/completions", json={"prompt": PROMPT, **body})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert complete(smol)["choices"][0]["text"]  # the server goes on
