@@ -102,6 +102,30 @@ def test_siblings_prefill_alone_when_the_leader_ends_first_and_cancelled_ones_fr
 
 
 @pytest.mark.real_model
+@pytest.mark.parametrize("copies,room", [(2, 10), (2, 2), (1, 4)])
+def test_the_copy_for_siblings_counts_against_the_kv_budget(engine_prompt, copies, room):
+    """Budget 2L + 10: the copy fits beside the first's KV and the siblings wait for room. 2L + 2: the first's
+    decode needs the room, and the copy is dropped rather than the first preempted. L + 4: no copy is made.
+    Without the copy, the siblings prefill on their own."""
+    engine, prompt = engine_prompt
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    want = engine.generate(prompt, greedy).run().token_ids
+    budget = copies * len(prompt) + room
+    sched = BatchScheduler(engine, max_running=4, prefill_budget=512, kv_budget_tokens=budget)
+    fork = Fork()
+    gens = [sched.submit(prompt, greedy, fork=fork) for _ in range(3)]
+    sched.step()
+    assert sched._kv_tokens() == copies * len(prompt)  # the first's KV, and the copy where it fits
+    assert (fork.cache is not None) == (copies == 2)
+    while not sched.idle:
+        sched.step()
+        assert sched._kv_tokens() <= budget or (len(sched.running) == 1 and not sched._held_forks())
+        assert not any(r.preemptions for r in sched.requests if r.gen is gens[0])  # not for the copy's sake
+    assert [g.token_ids for g in gens] == [want] * 3
+    assert fork.abandoned == (room < 10)
+
+
+@pytest.mark.real_model
 def test_generate_batch_equals_single_runs_choice_by_choice(smollm2, engine_prompt):
     from kvtool.errors import InvalidParameterError
 

@@ -117,7 +117,7 @@ def test_batched_sampling_with_a_single_candidate_equals_greedy(solo, smollm2, f
 @pytest.mark.real_model
 def test_preemption_under_kv_pressure_keeps_outputs_and_cancel_works(solo):
     engine, prompts, want = solo
-    budget = 100
+    budget = 90  # two ~36-token prompts are admitted together; their decode outgrows it
     sched = BatchScheduler(engine, max_running=4, prefill_budget=64, kv_budget_tokens=budget)
     gens = [sched.submit(p, SamplingParams(**PARAMS)) for p in prompts]
     extra = sched.submit(prompts[0], SamplingParams(**PARAMS))

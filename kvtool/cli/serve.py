@@ -32,6 +32,9 @@ def register(subparsers) -> None:
                    help="tool-call format of the model's output")
     p.add_argument("--cache-bytes", type=int, default=ENGINE.cache_bytes,
                    help="prefix-cache byte budget (default: a quarter of available memory)")
+    p.add_argument("--kv-bytes", type=int, default=SERVER.kv_bytes,
+                   help="KV budget of the running requests; beyond it the newest is preempted and recomputed later "
+                        "(default: a quarter of available memory, at most 16 GiB)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn cross-request KV reuse off")
     p.add_argument("--skills", default=ENGINE.skills_dir, metavar="DIR",
                    help="a skills folder (NAME/SKILL.md, *.md): compile (or load cached) KV blocks at start and "
@@ -46,13 +49,14 @@ def register(subparsers) -> None:
 def config_from_args(args) -> ServerConfig:
     from kvtool.errors import InvalidParameterError
 
-    for name in ("max_active", "max_queue"):
-        if getattr(args, name) < (1 if name == "max_active" else 0):
-            raise InvalidParameterError(f"--{name.replace('_', '-')} must be >= {1 if name == 'max_active' else 0}")
+    for name in ("max_active", "max_queue", "kv_bytes"):
+        least = 0 if name == "max_queue" else 1
+        if getattr(args, name, None) is not None and getattr(args, name) < least:
+            raise InvalidParameterError(f"--{name.replace('_', '-')} must be >= {least}")
     return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None,
                         served_model_name=args.served_model_name, max_active=args.max_active,
                         max_queue=args.max_queue, default_max_tokens=args.default_max_tokens,
-                        tool_parser=args.tool_parser)
+                        tool_parser=args.tool_parser, kv_bytes=getattr(args, "kv_bytes", None))
 
 
 def run(args) -> int:

@@ -25,8 +25,9 @@ requests that arrive while it still decodes reuse that prompt; the rest is cache
 Requests added with one Fork (the n choices of one prompt) prefill their prompt once: the first
 prefills it; the others wait, and when its prefill ends they start from a copy of its prompt KV,
 each drawing its first token from the same last-prompt-token logits with its own sampler. If the
-first ends before its prefill does, the others prefill on their own. The copy waiting for them is
-outside the KV budget.
+first ends before its prefill does, the others prefill on their own. The copy waiting for them counts
+against the KV budget; under KV pressure it is dropped before any running request is preempted, and the
+others prefill on their own (from the prefix cache, where the first published the prompt).
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ class BatchScheduler:
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[BatchRequest] = []
         self.steps = 0
+        self.preemptions = 0  # running requests whose KV was dropped for room (recomputed when readmitted)
+        self.kv_in_use = 0  # _kv_tokens() after the last step, for readers on other threads
         self.host_s = 0.0  # time steps spent outside the forward and the token read (scheduling, detokenizing)
         self.static = engine.batched_static_decoder(max_running)
 
@@ -136,8 +139,18 @@ class BatchScheduler:
                     self._finish(req, reason, error)
 
     def _kv_tokens(self) -> int:
-        return sum(self.static.tokens(r.slot) if r.slot is not None else r.cache.offset
-                   for r in self.running if r.cache is not None)
+        """Tokens of KV the batch holds: the running requests', and the fork copies waiting for siblings."""
+        return (sum(self.static.tokens(r.slot) if r.slot is not None else r.cache.offset
+                    for r in self.running if r.cache is not None)
+                + sum(fork.cache.offset for fork in self._held_forks()))
+
+    def _held_forks(self) -> list[Fork]:
+        """The forks whose prompt KV copy waits for siblings, each once."""
+        forks = {id(r.fork): r.fork for r in self.waiting if r.fork is not None and r.fork.cache is not None}
+        return list(forks.values())
+
+    def _over_budget(self, new_tokens: int) -> bool:
+        return self.kv_budget_tokens is not None and self._kv_tokens() + new_tokens > self.kv_budget_tokens
 
     def _admit(self) -> None:
         for req in list(self.waiting):
@@ -147,8 +160,10 @@ class BatchScheduler:
             if fork is not None and fork.leader is not req and fork.cache is None and not fork.abandoned:
                 continue  # its sibling is still prefilling their prompt
             need = len(req.pending) + 1
-            if self.kv_budget_tokens is not None and self.running and self._kv_tokens() + need > self.kv_budget_tokens:
-                break
+            if fork is not None and fork.cache is not None:  # a copy of the fork's KV; the last sibling takes it
+                need = 1 if not any(r.fork is fork and r is not req for r in self.waiting) else fork.cache.offset + 1
+            if self.running and self._over_budget(need + sum(len(r.pending) for r in self.running)):
+                break  # (what the running requests have still to run takes room too)
             self.waiting.remove(req)
             first = req.preemptions == 0
             if first:  # time from now on (TTFT excludes the wait in the queue, reported as queue_ms)
@@ -202,8 +217,12 @@ class BatchScheduler:
             publish(req.handle, req.gen.prompt_ids[: req.cache.offset], req.cache)
         if req.fork is not None:
             fork, req.fork = req.fork, None
-            if any(r.fork is fork for r in self.waiting):
-                fork.cache, fork.logits = req.cache.clone(), logits.detach().clone()
+            if not any(r.fork is fork for r in self.waiting):
+                pass
+            elif self._over_budget(req.cache.offset):  # no room for a copy: the others prefill on their own
+                fork.abandoned = True
+            else:  # (req leads now, if the first left before its prefill)
+                fork.leader, fork.cache, fork.logits = req, req.cache.clone(), logits.detach().clone()
 
     def _deliver(self, req: BatchRequest, logits: torch.Tensor | None, sample) -> None:
         """Accept req's next token (from logits, or the batched sample); it leaves the batch when done."""
@@ -222,15 +241,21 @@ class BatchScheduler:
             req.pending = [event.token_id]
 
     def _preempt_for(self, new_tokens: int) -> bool:
-        """Drop the newest requests' KV until this step's tokens fit the KV budget; whether any was dropped."""
+        """Drop fork copies, then the newest requests' KV, until this step's tokens fit the KV budget; whether
+        any running request was dropped."""
+        for fork in self._held_forks():  # first the copies siblings wait for: they can prefill on their own
+            if not self._over_budget(new_tokens):
+                break
+            fork.cache = fork.logits = None
+            fork.abandoned = True
         dropped = False
-        while (self.kv_budget_tokens is not None and len(self.running) > 1
-               and self._kv_tokens() + new_tokens > self.kv_budget_tokens):
+        while len(self.running) > 1 and self._over_budget(new_tokens):
             victim = max(self.running, key=lambda r: r.admitted_at)
             self.running.remove(victim)
             self._release(victim)
             victim.pending = victim.gen.prompt_ids + victim.gen.token_ids
             victim.preemptions += 1
+            self.preemptions += 1
             self.waiting.appendleft(victim)
             dropped = True
         return dropped
@@ -264,6 +289,7 @@ class BatchScheduler:
         t_start = time.perf_counter()
         self._admit()
         if not self.running:
+            self.kv_in_use = self._kv_tokens()
             return 0
         budget = self.prefill_budget
         plan: list[tuple[BatchRequest, list[int]]] = []
@@ -292,6 +318,7 @@ class BatchScheduler:
             if not req.gen.token_ids:
                 self._prefilled(req, last)
             self._deliver(req, last, samples.get(j))
+        self.kv_in_use = self._kv_tokens()
         self.host_s += (t_plan - t_start) + (time.perf_counter() - t_read)
         return sum(len(c) for _, c in plan)
 

@@ -142,7 +142,7 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
     splicer = mount_skills(engine, served, prefix_cache, skills)
     extra = [f for f in (cfg.extra_metrics, prefix_cache and prefix_cache.prometheus_lines) if f]
     metrics = ServerMetrics((lambda: [line for f in extra for line in f()]) if extra else None)
-    worker = Worker(engine, cfg.max_active, cfg.max_queue, metrics, cfg.prefill_budget)
+    worker = Worker(engine, cfg.max_active, cfg.max_queue, metrics, cfg.prefill_budget, cfg.kv_bytes)
     started = int(time.time())
 
     @asynccontextmanager
@@ -196,7 +196,7 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
         sched = worker.scheduler
-        return PlainTextResponse(metrics.render(worker.running, worker.waiting, sched.steps, sched.host_s),
+        return PlainTextResponse(metrics.render(worker.running, worker.waiting, sched),
                                  media_type="text/plain; version=0.0.4")
 
     @api.get("/v1/models")

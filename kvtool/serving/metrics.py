@@ -83,8 +83,8 @@ class ServerMetrics:
             self.cached_tokens += gen.timings.cached_tokens
             self.generation_tokens += len(gen.token_ids)
 
-    def render(self, running: int, waiting: int, steps: int = 0, host_s: float = 0.0) -> str:
-        """Exposition text; steps and host_s are the scheduler's counters (BatchScheduler.steps / host_s)."""
+    def render(self, running: int, waiting: int, scheduler=None) -> str:
+        """Exposition text; the scheduler's counters and KV gauges come from a BatchScheduler, when given."""
         with self._lock:
             lines = _counter("kvtool_http_responses_total", "HTTP responses by route and status.", dict(self.http),
                              ("route", "status"))
@@ -104,9 +104,17 @@ class ServerMetrics:
                   "# TYPE kvtool_requests_running gauge", f"kvtool_requests_running {running}",
                   "# HELP kvtool_requests_waiting Requests queued for a slot.",
                   "# TYPE kvtool_requests_waiting gauge", f"kvtool_requests_waiting {waiting}"]
-        lines += _counter("kvtool_scheduler_steps_total", "Batched forward steps.", {(): steps}, ())
-        lines += _counter("kvtool_scheduler_host_seconds_total", "Time steps spent outside the forward and the "
-                          "token read (scheduling, detokenizing, handing tokens out).", {(): host_s}, ())
+        if scheduler is not None:
+            lines += _counter("kvtool_scheduler_steps_total", "Batched forward steps.", {(): scheduler.steps}, ())
+            lines += _counter("kvtool_scheduler_host_seconds_total", "Time steps spent outside the forward and the "
+                              "token read (scheduling, detokenizing, handing tokens out).", {(): scheduler.host_s}, ())
+            lines += _counter("kvtool_scheduler_preemptions_total", "Running requests whose KV was dropped to stay "
+                              "inside the KV budget (recomputed when readmitted).", {(): scheduler.preemptions}, ())
+            lines += ["# HELP kvtool_kv_tokens_in_use Tokens of KV held by running requests (and copies for sibling "
+                      "choices).", "# TYPE kvtool_kv_tokens_in_use gauge", f"kvtool_kv_tokens_in_use {scheduler.kv_in_use}"]
+            if scheduler.kv_budget_tokens is not None:
+                lines += ["# HELP kvtool_kv_budget_tokens The KV budget of running requests, in tokens.",
+                          "# TYPE kvtool_kv_budget_tokens gauge", f"kvtool_kv_budget_tokens {scheduler.kv_budget_tokens}"]
         if self.extra is not None:
             lines += [str(line) for line in self.extra()]
         return "\n".join(lines) + "\n"

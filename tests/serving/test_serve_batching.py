@@ -47,3 +47,36 @@ def test_concurrent_requests_share_decode_steps_and_match_solo(smol, smol_server
     assert steps <= total // 2, f"{steps} steps for {total} tokens: requests were not batched"
     for a, b in zip(solo, batched):
         assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+
+
+@pytest.fixture(scope="module")
+def tight_server(smollm2):
+    """A server whose KV budget admits two of these requests, which then outgrow it."""
+    from tests.serving.conftest import start_server
+
+    srv = start_server(smollm2, kv_bytes=75 * smollm2.kv_bytes_per_token, max_active=4)
+    yield srv
+    srv.stop()
+
+
+def test_a_small_kv_budget_preempts_and_recomputes_without_changing_outputs(smol, tight_server):
+    import httpx
+
+    smol.post("/v1/cache/reset")
+    solo = [ask(smol, q) for q in QUESTIONS]
+    choices = smol.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": QUESTIONS[0]}],
+                                                      "temperature": 0.8, "seed": 5, "n": 3, "max_tokens": 8}).json()
+    scheduler = tight_server.app.state.worker.scheduler
+    assert scheduler.kv_budget_tokens == 75
+    with httpx.Client(base_url=tight_server.base_url, timeout=300) as tight:
+        with ThreadPoolExecutor(2 * len(QUESTIONS)) as pool:
+            batched = list(pool.map(lambda q: ask(tight, q), QUESTIONS * 2))
+        for a, b in zip(solo * 2, batched):
+            assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+        again = tight.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": QUESTIONS[0]}],
+                                                         "temperature": 0.8, "seed": 5, "n": 3, "max_tokens": 8})
+        assert [c["message"]["content"] for c in again.json()["choices"]] == \
+            [c["message"]["content"] for c in choices["choices"]]
+        metrics = tight.get("/metrics").text
+    assert scheduler.preemptions > 0 and f"kvtool_scheduler_preemptions_total {scheduler.preemptions}" in metrics
+    assert "kvtool_kv_budget_tokens 75" in metrics and "kvtool_kv_tokens_in_use 0" in metrics

@@ -30,11 +30,11 @@ def test_flags_reach_serve(monkeypatch, capsys):
         cfg=cfg, engine=engine_config, level=log_level))
     rc = main(["serve", "--port", "9123", "--host", "0.0.0.0", "--api-key", "k", "--max-queue", "3",
                "--max-active", "2", "--tool-parser", "hermes", "--default-max-tokens", "64", "--log-level", "warning",
-               "--cache-bytes", "1000000"])
+               "--cache-bytes", "1000000", "--kv-bytes", "5000000"])
     assert rc == 0
     cfg = seen["cfg"]
     assert (cfg.port, cfg.host, cfg.api_key, cfg.max_queue, cfg.max_active, cfg.tool_parser,
-            cfg.default_max_tokens) == (9123, "0.0.0.0", "k", 3, 2, "hermes", 64)
+            cfg.default_max_tokens, cfg.kv_bytes) == (9123, "0.0.0.0", "k", 3, 2, "hermes", 64, 5_000_000)
     assert seen["level"] == "warning"
     assert seen["engine"].cache_bytes == 1_000_000 and seen["engine"].enable_prefix_cache
     assert "http://0.0.0.0:9123/v1" in capsys.readouterr().err
@@ -50,6 +50,8 @@ def test_api_key_from_environment(monkeypatch):
 def test_bad_sizes_are_clear_errors(capsys):
     assert main(["serve", "--max-active", "0"]) == 2
     assert "--max-active must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--kv-bytes", "0"]) == 2
+    assert "--kv-bytes must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--tool-parser", "nope"])
 
