@@ -45,6 +45,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop_token_ids token's text) that ended it
     min_tokens: int = 0  # end of turn, stop_token_ids and stop strings count only after this many tokens
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
     logprobs: int | None = None  # None: off; k >= 0: chosen token + top k

@@ -118,6 +118,13 @@ def test_unarmed_matcher_lets_a_stop_string_through_but_holds_its_start():
     assert m.stopped and out == "a\nb STOP " and m.text == "a\nb STOP "
 
 
+def test_matcher_names_the_stop_string_and_can_keep_it():
+    for include, want in ((False, "a b"), (True, "a b</x>")):
+        m = StopStringMatcher(["</y>", "</x>"], include=include)
+        out = m.feed("a b</") + m.feed("x> c</y>")
+        assert m.stopped and m.matched == "</x>" and out == want and m.text == want
+
+
 def test_false_start_of_stop_string_is_released():
     m = StopStringMatcher(["STOP"])
     out = m.feed("ST") + m.feed("ART and more")

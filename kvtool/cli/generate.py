@@ -35,7 +35,8 @@ def run(args) -> int:
         sys.stdout.write(event.piece if args.raw else event.text)
         sys.stdout.flush()
     t = gen.timings
-    print(f"\n[{gen.finish_reason}] TTFT {t.ttft_ms:.1f} ms | prefill {t.prefill_tokens} tok at "
+    why = gen.finish_reason + (f" {gen.stop_reason!r}" if gen.stop_reason is not None else "")
+    print(f"\n[{why}] TTFT {t.ttft_ms:.1f} ms | prefill {t.prefill_tokens} tok at "
           f"{t.prefill_tokens_per_s:.1f} tok/s | decode {t.decode_tokens} tok at {t.decode_tokens_per_s:.1f} tok/s",
           file=sys.stderr)
     return 0

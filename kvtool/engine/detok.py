@@ -162,8 +162,11 @@ class IncrementalDetokenizer:
 class StopStringMatcher:
     """Holds back text that could be the start of a stop string; cuts at a full match."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include: bool = False):
+        """include: the text keeps the stop string that matched (vLLM's include_stop_str_in_output)."""
         self.stops = [s for s in stops if s]
+        self.include = include
+        self.matched: str | None = None  # the stop string that ended the text
         self.text = ""  # everything generated so far (visible text)
         self.emitted = 0
         self.stopped = False
@@ -177,9 +180,10 @@ class StopStringMatcher:
             return delta
         old = len(self.text)
         self.text += delta
-        hits = [i for s in self.stops if armed and (i := self.text.find(s, max(0, old - len(s) + 1))) >= 0]
+        hits = [(i, s) for s in self.stops if armed and (i := self.text.find(s, max(0, old - len(s) + 1))) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, self.matched = min(hits)
+            self.text = self.text[: at + (len(self.matched) if self.include else 0)]
             self.stopped = True
             return self._release(len(self.text))
         return self._release(len(self.text) - self._pending())

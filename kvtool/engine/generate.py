@@ -80,6 +80,7 @@ class Generation:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # stop | length | abort
+    stop_reason: int | str | None = None  # what stopped it: a stop string, a stop_token_ids id; None for end of turn
     timings: Timings = field(default_factory=Timings)
     prompt_logprobs: list | None = None  # [PromptLogprob] per prompt token, when params.prompt_logprobs is set
     _events: Iterator[TokenEvent] | None = None
@@ -282,7 +283,7 @@ class OutputState:
         if params.response_format != "text":
             self.sampler.constraint = engine.json_constraint(self.stops, params.json_schema, params.json_suffix)
         self.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
-        self.matcher = StopStringMatcher(params.stop)
+        self.matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.t_first: float | None = None
 
     def ms(self) -> float:
@@ -304,9 +305,13 @@ class OutputState:
         text = "" if is_stop else matcher.feed(self.detok.add(tok), armed=i + 1 >= gen.params.min_tokens)
         if is_stop or matcher.stopped:
             text += matcher.finish() if not matcher.stopped else ""
-            gen.finish_reason = "stop"
+            gen.finish_reason, gen.stop_reason = "stop", matcher.matched
+            if is_stop and tok in gen.params.stop_token_ids:
+                gen.stop_reason = tok
+                if gen.params.include_stop_str_in_output:
+                    text += self.detok.add(tok) + self.detok.flush()
         elif i == self.max_tokens - 1:
             text += matcher.feed(self.detok.flush()) + matcher.finish()
-            gen.finish_reason = "stop" if matcher.stopped else "length"
+            gen.finish_reason, gen.stop_reason = ("stop" if matcher.stopped else "length"), matcher.matched
         gen.text += text
         return TokenEvent(i, tok, decode_piece(self.tokenizer, tok), text, now, sample.logprob, sample.top)

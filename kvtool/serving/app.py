@@ -231,7 +231,7 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
                 for choice in chunk["choices"]:
                     if choice["finish_reason"]:
                         ends.append({"index": choice["index"], "finish_reason": choice["finish_reason"],
-                                     "timings": chunk.get("timings")})
+                                     "stop_reason": choice.get("stop_reason"), "timings": chunk.get("timings")})
                 if "usage" in chunk:
                     summary["usage"] = chunk["usage"]
             if body.n == 1:

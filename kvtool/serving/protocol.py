@@ -93,6 +93,7 @@ class GenerationRequest(Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's extension: the stop string that ended the text stays in it
     min_tokens: int = 0  # vLLM's extension: no end of turn, stop token or stop string before this many tokens
     logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias added to its logit, in [-100, 100]
     n: int = 1
@@ -133,7 +134,7 @@ class GenerationRequest(Strict):
             repetition_penalty=pick("repetition_penalty"), presence_penalty=pick("presence_penalty"),
             frequency_penalty=pick("frequency_penalty"), seed=self.seed, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
-            min_tokens=self.min_tokens, logit_bias=bias,
+            min_tokens=self.min_tokens, logit_bias=bias, include_stop_str_in_output=self.include_stop_str_in_output,
             prompt_logprobs=prompt_logprobs, response_format=fmt.type, json_schema=schema)
         return params.validate()
 

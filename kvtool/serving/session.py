@@ -152,6 +152,7 @@ class ChatSession:
             yield self._chunk(delta)
         gen = self.handle.gen
         last = self._chunk({}, finish_reason(gen, self.calls > 0), timings=timings_dict(gen))
+        last["choices"][0]["stop_reason"] = gen.stop_reason
         if lps:
             last["choices"][0]["logprobs"] = {"content": lps}
         if gen.prompt_logprobs is not None:
@@ -162,7 +163,7 @@ class ChatSession:
     async def response(self) -> dict:
         """The non-streaming chat.completion: the fold of chunks()."""
         content, reasoning, calls, lps, raw = [], [], {}, [], []
-        finish, timings, usage, scored = "stop", {}, None, None
+        finish, timings, usage, scored, stopped_by = "stop", {}, None, None, None
         async for chunk in self.chunks():
             if "error" in chunk:
                 raise WorkerCrash(chunk["error"]["message"])
@@ -180,6 +181,7 @@ class ChatSession:
                 lps += (choice.get("logprobs") or {}).get("content", [])
                 finish = choice["finish_reason"] or finish
                 scored = choice.get("prompt_logprobs", scored)
+                stopped_by = choice.get("stop_reason", stopped_by)
             timings = chunk.get("timings", timings)
         text = "".join(content)
         message = {"role": "assistant", "content": None if calls and not text.strip() else text}
@@ -189,7 +191,8 @@ class ChatSession:
             message["tool_calls"] = [calls[i] for i in sorted(calls)]
         out = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.served.name,
                "choices": [{"index": self.index, "message": message, "logprobs": {"content": lps} if lps else None,
-                            "finish_reason": finish, **({"prompt_logprobs": scored} if scored is not None else {})}],
+                            "finish_reason": finish, "stop_reason": stopped_by,
+                            **({"prompt_logprobs": scored} if scored is not None else {})}],
                "usage": usage, "timings": timings}
         if self.raw_tokens:
             out["raw_tokens"] = raw
@@ -253,6 +256,7 @@ class CompletionSession:
             return
         gen = self.handle.gen
         last = self._chunk("", finish_reason(gen, False), timings=timings_dict(gen))
+        last["choices"][0]["stop_reason"] = gen.stop_reason
         if self.show_prompt_logprobs:
             last["choices"][0]["prompt_logprobs"] = prompt_logprobs_json(self.served, gen.prompt_logprobs)
         yield last
@@ -260,7 +264,7 @@ class CompletionSession:
 
     async def response(self) -> dict:
         """The non-streaming text_completion: the fold of chunks()."""
-        text, logprobs, finish, timings, usage, scored = [], None, "stop", {}, None, None
+        text, logprobs, finish, timings, usage, scored, stopped_by = [], None, "stop", {}, None, None, None
         async for chunk in self.chunks():
             if "error" in chunk:
                 raise WorkerCrash(chunk["error"]["message"])
@@ -272,7 +276,9 @@ class CompletionSession:
                     logprobs = part if logprobs is None else {k: logprobs[k] + part[k] for k in logprobs}
                 finish = choice["finish_reason"] or finish
                 scored = choice.get("prompt_logprobs", scored)
-        choice = {"index": self.index, "text": "".join(text), "logprobs": logprobs, "finish_reason": finish}
+                stopped_by = choice.get("stop_reason", stopped_by)
+        choice = {"index": self.index, "text": "".join(text), "logprobs": logprobs, "finish_reason": finish,
+                  "stop_reason": stopped_by}
         if self.show_prompt_logprobs:
             choice["prompt_logprobs"] = scored
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.served.name,

@@ -1,4 +1,5 @@
-"""logit_bias (OpenAI) and min_tokens (vLLM) on a live server with the real SmolLM2, alone and batched."""
+"""logit_bias (OpenAI), and min_tokens, stop_reason and include_stop_str_in_output (vLLM) on a live server with
+the real SmolLM2, alone and batched."""
 
 from __future__ import annotations
 
@@ -64,6 +65,39 @@ def test_min_tokens_holds_the_end_of_turn_and_stop_strings(smol):
     assert "!" not in cut and free["choices"][0]["message"]["content"].startswith(cut + "!")
     late = chat(stop=["!"], min_tokens=len(token_ids(smol, cut)) + 2)["choices"][0]["message"]["content"]
     assert late.startswith(cut + "!")  # the "!" came before min_tokens: it did not stop the answer
+
+
+def test_stop_reason_names_what_stopped_the_text_and_the_stop_can_stay_in_it(smol, sse_events):
+    def chat(**body):
+        r = smol.post("/v1/chat/completions", json={"messages": HI, "temperature": 0, "max_tokens": 60, **body})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    free = chat()
+    assert free["finish_reason"] == "stop" and free["stop_reason"] is None  # the end of turn
+    answer = free["message"]["content"]
+    cut = chat(stop=["!", "zzz"])
+    assert cut["stop_reason"] == "!" and answer.startswith(cut["message"]["content"] + "!")
+    kept = chat(stop=["!"], include_stop_str_in_output=True)
+    assert kept["stop_reason"] == "!" and kept["message"]["content"] == cut["message"]["content"] + "!"
+    long = chat(max_tokens=3)
+    assert long["finish_reason"] == "length" and long["stop_reason"] is None
+
+    first = complete(smol, max_tokens=8)["choices"][0]["text"]  # " Paris.\n\nThe answer"
+    (dot,) = token_ids(smol, ".")
+    by_id = complete(smol, max_tokens=8, stop_token_ids=[dot])["choices"][0]
+    assert by_id["stop_reason"] == dot and by_id["text"] == first[: first.index(".")]
+    with_id = complete(smol, max_tokens=8, stop_token_ids=[dot], include_stop_str_in_output=True)["choices"][0]
+    assert with_id["stop_reason"] == dot and with_id["text"] == first[: first.index(".") + 1]
+
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stop": ["\n"], "stream": True}
+    with smol.stream("POST", "/v1/completions", json=body) as r:
+        ends = [c["choices"][0] for c in sse_events(r) if c != "[DONE]" and c["choices"]][-1]
+    assert ends["finish_reason"] == "stop" and ends["stop_reason"] == "\n"
+    with smol.stream("POST", "/v1/chat/completions/raw", json={"messages": HI, "temperature": 0, "max_tokens": 60,
+                                                               "stop": ["!"]}) as r:
+        summary = [e for e in sse_events(r) if e != "[DONE]"][-1]
+    assert summary["done"] and summary["stop_reason"] == "!"
 
 
 @pytest.mark.parametrize("body,needle", [
