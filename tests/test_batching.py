@@ -32,6 +32,13 @@ def test_forward_batch_equals_separate_forwards(tmp_path):
     for p, out in zip(prompts, mixed):
         ref = runner.prefill(p, runner.new_cache(), logits="all")
         assert out.shape == ref.shape and (out - ref).abs().max().item() < 1e-4
+    # a mode per sequence: all rows for some, the last row for the others
+    modes = ["all", "last", "last", "all"]
+    caches = [runner.new_cache() for _ in prompts]
+    picked = runner.forward_batch([(p, c) for p, c in zip(prompts, caches)], logits=modes)
+    for out, ref, mode in zip(picked, mixed, modes):
+        want = ref if mode == "all" else ref[-1:]
+        assert out.shape == want.shape and (out - want).abs().max().item() < 1e-4
 
 
 PROMPTS = ["What is the capital of France?", "Name three colours.", "Write a haiku about rain.",

@@ -65,6 +65,32 @@ def test_batched_with_choices_and_other_requests(smollm2, reference):
     assert scored.token_ids == greedy
 
 
+def test_scoring_rides_the_chunked_prefill_beside_a_running_stream(smollm2, reference):
+    """A scored prompt is prefilled in prefill_budget chunks like any other: the stream running beside it gets
+    a token every step. Preempted halfway, it is scored again from its start."""
+    from kvtool.engine.batch import BatchScheduler
+
+    prompt, logp, greedy = reference
+    stream = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for budget in (None, len(prompt) + 7):  # 7: admitted beside the stream, which then outgrows it
+        sched = BatchScheduler(Engine(smollm2), max_running=2, prefill_budget=8, kv_budget_tokens=budget)
+        other = sched.submit(prompt[:5], stream)
+        sched.step()
+        scored = sched.submit(prompt, SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2))
+        steps = []
+        while scored.prompt_logprobs is None and not sched.idle:
+            before = len(other.token_ids)
+            sched.step()
+            steps.append(len(other.token_ids) - before)
+        if budget is None:
+            assert len(steps) == -(-len(prompt) // 8) and set(steps) == {1}, steps
+        else:  # the stream outgrew the budget mid-scoring: the scored prompt (newest) gave way
+            assert sched.preemptions >= 1 and other.finish_reason == "length"
+        sched.run()
+        check_rows(scored.prompt_logprobs, prompt, logp, 2)
+        assert scored.token_ids == greedy
+
+
 def test_bad_values_are_refused(smollm2):
     from kvtool.errors import InvalidParameterError
 

@@ -43,7 +43,7 @@ from kvtool.cache.kv import KVCache
 from kvtool.config import SamplingParams
 from kvtool.engine.batch_sampling import batchable, sample_rows
 from kvtool.engine.generate import Engine, Generation, OutputState, TokenEvent, scores_prompt
-from kvtool.engine.scoring import score_prompt
+from kvtool.engine.scoring import SCORE_CHUNK, PromptScorer
 from kvtool.errors import InvalidParameterError
 
 
@@ -83,6 +83,7 @@ class BatchRequest:
     slot: int | None = None  # its row in the batched static decoder, while decoding there
     preemptions: int = 0
     fork: Fork | None = None  # until admitted: the prompt it shares with sibling requests
+    scorer: PromptScorer | None = None  # while a prompt_logprobs request prefills: its rows so far
 
 
 class BatchScheduler:
@@ -180,14 +181,9 @@ class BatchScheduler:
                 self._finish(req, "error", exc)
                 continue
             req.cache, req.pending, req.admitted_at = cache, known[cached:], self.steps
+            if scores_prompt(req.gen):  # its prefill chunks' logits become prompt logprobs, chunk by chunk
+                req.scorer = PromptScorer(known, req.gen.params.prompt_logprobs)
             self.running.append(req)
-            if scores_prompt(req.gen, first):  # prefilled here, in one go: its rows' logits become prompt logprobs
-                logits, req.gen.prompt_logprobs = score_prompt(self.engine.runner, cache, known,
-                                                               req.gen.params.prompt_logprobs,
-                                                               self.engine.config.prefill_chunk)
-                req.gen.timings.prefill_ms, req.pending = req.state.ms(), []
-                self._prefilled(req, logits)
-                self._deliver(req, logits, None)
 
     def _admit_sibling(self, req: BatchRequest, fork: Fork) -> None:
         """Start req from its fork's prompt KV (a copy, or the last one itself) and draw its first token."""
@@ -255,6 +251,7 @@ class BatchScheduler:
             self._release(victim)
             victim.pending = victim.gen.prompt_ids + victim.gen.token_ids
             victim.preemptions += 1
+            victim.scorer = None  # a prompt being scored is scored again from its start
             self.preemptions += 1
             self.waiting.appendleft(victim)
             dropped = True
@@ -297,7 +294,7 @@ class BatchScheduler:
             if len(req.pending) == 1:  # decoding
                 plan.append((req, req.pending))
             elif budget > 0:
-                chunk = req.pending[:budget]
+                chunk = req.pending[: min(budget, SCORE_CHUNK) if req.scorer is not None else budget]
                 budget -= len(chunk)
                 plan.append((req, chunk))
         new_tokens = sum(len(c) for _, c in plan)
@@ -306,6 +303,10 @@ class BatchScheduler:
         t_plan = time.perf_counter()
         logits, rows = self._forward(plan)
         self.steps += 1
+        for j, (req, _) in enumerate(plan):
+            if req.scorer is not None:  # every row of a scored chunk: reduced now, the last one kept
+                req.scorer.add(logits[j])
+                logits[j] = logits[j][-1:]
         samples = self._sample(plan, logits, rows)  # reads the tokens back: the step's host sync
         t_read = time.perf_counter()
         for j, ((req, chunk), out) in enumerate(zip(plan, logits)):
@@ -314,6 +315,8 @@ class BatchScheduler:
                 continue  # still prefilling
             if req.gen.timings.prefill_ms == 0.0:
                 req.gen.timings.prefill_ms = req.state.ms()
+            if req.scorer is not None:
+                req.gen.prompt_logprobs, req.scorer = req.scorer.rows, None
             last = out if out is not None else rows[req.slot : req.slot + 1]  # its last token's logits
             if not req.gen.token_ids:
                 self._prefilled(req, last)
@@ -355,7 +358,10 @@ class BatchScheduler:
             slow.append((req, chunk))
         out = {}
         if slow:
-            for (req, _), logits in zip(slow, self.engine.runner.forward_batch([(c, r.cache) for r, c in slow])):
+            modes = [("all" if r.scorer is not None else "last") for r, _ in slow]
+            batch = self.engine.runner.forward_batch([(c, r.cache) for r, c in slow],
+                                                     logits=modes if "all" in modes else "last")
+            for (req, _), logits in zip(slow, batch):
                 out[id(req)] = logits
         rows = self.static.step_rows({req.slot: chunk[0] for req, chunk in fast}) if fast else None
         return [out.get(id(req)) for req, _ in plan], rows

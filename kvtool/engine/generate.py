@@ -215,11 +215,11 @@ class Engine:
         """start_cache() for a request about to run `known_ids` (its prompt, plus its output after a preemption).
 
         Keeps at least the last known token to run (its logits pick the next token); on the first
-        start, records the cached / block / prefilled split in gen.timings. A first start that scores its
-        prompt (prompt_logprobs) keeps nothing: every prompt token's logits are needed.
+        start, records the cached / block / prefilled split in gen.timings. A start that scores the
+        prompt (prompt_logprobs not yet complete) keeps nothing: every prompt token's logits are needed.
         """
         cache, ready, handle = self.start_cache(known_ids)
-        ready = 0 if scores_prompt(gen, first) else min(ready, len(known_ids) - 1)
+        ready = 0 if scores_prompt(gen) else min(ready, len(known_ids) - 1)
         cache.truncate(ready)
         if first:
             gen.timings.account(len(gen.prompt_ids), ready, getattr(handle, "stats", None))
@@ -265,9 +265,10 @@ class Engine:
                 self.prefix_cache.commit(handle, (gen.prompt_ids + gen.token_ids)[: cache.offset], cache)
 
 
-def scores_prompt(gen: Generation, first: bool = True) -> bool:
-    """Whether starting gen computes its prompt logprobs (once, on its first start)."""
-    return first and gen.params.prompt_logprobs is not None and gen.prompt_logprobs is None
+def scores_prompt(gen: Generation) -> bool:
+    """Whether starting gen computes its prompt logprobs (until they are complete: a start that is cut short
+    scores again)."""
+    return gen.params.prompt_logprobs is not None and gen.prompt_logprobs is None
 
 
 class OutputState:

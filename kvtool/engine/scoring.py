@@ -2,7 +2,7 @@
 
 A request with SamplingParams.prompt_logprobs = k is prefilled in full (no prefix-cache hit: a cached
 token has no logits) in chunks of at most SCORE_CHUNK tokens whose logits are reduced right away, so
-memory stays at chunk x vocabulary. Each row is a PromptLogprob; the first token has none (nothing
+memory stays at chunk x vocabulary (alone: score_prompt; in the batch: a PromptScorer fed by its chunks). Each row is a PromptLogprob; the first token has none (nothing
 precedes it). The last chunk's last row is what the first generated token is sampled from.
 """
 
@@ -23,27 +23,49 @@ class PromptLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)  # the k most likely (id, logprob)
 
 
+class PromptScorer:
+    """Prompt logprobs chunk by chunk, as the prompt is prefilled: add() each chunk's logits (all rows, in
+    order); `rows` is complete once every prompt token has been added. The batch scheduler scores this way,
+    inside its chunked prefill, so a scored prompt does not stall the streams running beside it."""
+
+    def __init__(self, ids: list[int], top: int):
+        self.ids, self.top = ids, top
+        self.rows = [PromptLogprob(ids[0], None)]
+        self.added = 0  # prompt tokens whose logits came in
+
+    @property
+    def done(self) -> bool:
+        return self.added >= len(self.ids)
+
+    @torch.inference_mode()
+    def add(self, logits: torch.Tensor) -> None:
+        """logits [t, V] of the next t prompt tokens: row r predicts the token after the (added + r)-th."""
+        start, t = self.added, logits.shape[0]
+        targets = self.ids[start + 1 : start + t + 1]
+        self.added += t
+        if not targets:
+            return
+        logp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
+        want = torch.tensor(targets, device=logp.device)[:, None]
+        chosen = logp.gather(1, want)
+        ranks = (logp > chosen).sum(1) + 1
+        best = logp.topk(self.top, dim=-1) if self.top else None
+        for r, (tok, lp, rank) in enumerate(zip(targets, chosen[:, 0].tolist(), ranks.tolist())):
+            alts = list(zip(best.indices[r].tolist(), best.values[r].tolist())) if best is not None else []
+            self.rows.append(PromptLogprob(tok, lp, rank, alts))
+
+
 @torch.inference_mode()
 def score_prompt(runner, cache, ids: list[int], top: int, chunk: int = SCORE_CHUNK):
     """Prefill ids into the empty `cache`; returns (logits [1, V] of the last token, [PromptLogprob] of every
     token, the first without a logprob)."""
     if cache.offset:
         raise ValueError(f"scoring a prompt needs an empty cache (its first token has no logits); it holds {cache.offset}")
-    rows = [PromptLogprob(ids[0], None)]
+    scorer = PromptScorer(ids, top)
     step = max(1, min(chunk, SCORE_CHUNK))
     last = None
     for start in range(0, len(ids), step):
-        part = ids[start : start + step]
-        logits = runner.forward(part, cache, logits="all")  # [t, V]: row r predicts ids[start + r + 1]
-        targets = ids[start + 1 : start + len(part) + 1]
-        if targets:
-            logp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
-            want = torch.tensor(targets, device=logp.device)[:, None]
-            chosen = logp.gather(1, want)
-            ranks = (logp > chosen).sum(1) + 1
-            best = logp.topk(top, dim=-1) if top else None
-            for r, (tok, lp, rank) in enumerate(zip(targets, chosen[:, 0].tolist(), ranks.tolist())):
-                alts = list(zip(best.indices[r].tolist(), best.values[r].tolist())) if best is not None else []
-                rows.append(PromptLogprob(tok, lp, rank, alts))
+        logits = runner.forward(ids[start : start + step], cache, logits="all")  # [t, V]
+        scorer.add(logits)
         last = logits[-1:]
-    return last, rows
+    return last, scorer.rows

@@ -373,12 +373,13 @@ class ModelRunner(nn.Module):
         return self.forward_batch([(ids, cache)], positions, logits, tap)[0]
 
     @torch.inference_mode()
-    def forward_batch(self, seqs: list[tuple[torch.Tensor, KVCache]], positions=None, logits: str = "last",
+    def forward_batch(self, seqs: list[tuple[torch.Tensor, KVCache]], positions=None, logits: str | list = "last",
                       tap: Tap | None = None) -> list[torch.Tensor | None]:
         """One forward for several sequences, each (new token ids [T_i], its own KVCache).
 
         The tokens are packed into one [1, sum T_i] row so every matmul runs once; attention
-        stays per sequence. Returns per-sequence logits as in forward().
+        stays per sequence. Returns per-sequence logits as in forward(); `logits` may also be a
+        list with "last" or "all" for each sequence.
         """
         ids = [torch.as_tensor(i, dtype=torch.long, device=self.device).reshape(-1) for i, _ in seqs]
         caches = [c for _, c in seqs]
@@ -402,8 +403,17 @@ class ModelRunner(nn.Module):
             h = self.model.norm(x[0, ends - 1])
             out = self.head(h)
             return [out[j : j + 1] for j in range(len(seqs))]
-        out = self.head(self.model.norm(x[0]))
-        return list(out.split(lengths))
+        if logits == "all":
+            out = self.head(self.model.norm(x[0]))
+            return list(out.split(lengths))
+        # one mode per sequence: the head runs on its last row, or on all its rows
+        every, end = [m == "all" for m in logits], 0
+        rows = []
+        for t, a in zip(lengths, every):
+            end += t
+            rows += range(end - t, end) if a else [end - 1]
+        out = self.head(self.model.norm(x[0, torch.tensor(rows, device=self.device)]))
+        return list(out.split([t if a else 1 for t, a in zip(lengths, every)]))
 
     def prefill(self, input_ids: Iterable[int] | torch.Tensor, cache: KVCache, chunk: int = 512,
                 logits: str = "last", tap: Tap | None = None):
