@@ -48,6 +48,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the stop string (or stop_token_ids token's text) that ended it
     min_tokens: int = 0  # end of turn, stop_token_ids and stop strings count only after this many tokens
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these tokens may be drawn (vLLM's allowed_token_ids)
+    choice: list[str] | None = None  # the output is exactly one of these strings (kvtool.engine.choice)
     logprobs: int | None = None  # None: off; k >= 0: chosen token + top k
     prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob + top k (full prefill)
     response_format: str = "text"  # text | json_object | json_schema: one JSON object (kvtool.engine.json_mode)
@@ -112,6 +114,16 @@ class SamplingParams:
             from kvtool.engine.json_schema import check_schema
 
             check_schema(self.json_schema)
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be a non-empty list of token ids >= 0")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice or any(
+                    not isinstance(c, str) or not c for c in self.choice):
+                bad("choice", "must be a non-empty list of non-empty strings")
+            if self.response_format != "text" or self.min_tokens:
+                bad("choice", "the output is one of the choices: it cannot be a JSON mode or take min_tokens")
         if self.response_format != "text" and self.min_tokens:
             bad("min_tokens", "a JSON mode ends the output when its object closes; min_tokens does not apply")
         if self.response_format != "text" and self.ignore_eos and not self.stop_token_ids:

@@ -39,6 +39,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)")
     p.add_argument("--json", action="store_true", help="answer with one JSON object (JSON mode)")
+    p.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                   help="answer with exactly one of these strings (repeatable)")
     p.add_argument("--json-schema", default=None, metavar="SCHEMA",
                    help="answer with one JSON object that follows this JSON schema (a file, or the schema inline)")
 
@@ -82,7 +84,7 @@ def sampling_from_args(args) -> SamplingParams:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, stop=list(args.stop), response_format=fmt,
-        json_schema=schema, min_tokens=getattr(args, "min_tokens", 0),
+        json_schema=schema, min_tokens=getattr(args, "min_tokens", 0), choice=getattr(args, "choice", None),
         logit_bias=logit_bias_arg(getattr(args, "logit_bias", [])),
     ).validate()
 

@@ -150,16 +150,23 @@ class Engine:
         return BatchedStaticDecoder(self.runner, slots, min(self.config.static_max_tokens, self.model.context_window,
                                                             fit), bucket)
 
-    def json_constraint(self, stop_ids, schema: dict | None = None, suffix: str = ""):
-        """A JsonConstraint for one request; the vocabulary's pieces are decoded once per engine."""
-        from kvtool.engine.json_mode import JsonConstraint
-
+    def constraint(self, params: SamplingParams, stop_ids):
+        """The JsonConstraint or ChoiceConstraint a request samples under (None for free text); the
+        vocabulary's pieces are decoded once per engine."""
+        if params.response_format == "text" and params.choice is None:
+            return None
         if self._vocab is None:
             tok = self.model.tokenizer
             n = min(len(tok), self.runner.spec.vocab_size)
             special = set(tok.all_special_ids) | {i for i, a in tok.added_tokens_decoder.items() if a.special}
             self._vocab = tok.batch_decode([[i] for i in range(n)]), special
-        return JsonConstraint(*self._vocab, stop_ids, schema, suffix)
+        if params.choice is not None:
+            from kvtool.engine.choice import ChoiceConstraint
+
+            return ChoiceConstraint(*self._vocab, stop_ids, params.choice)
+        from kvtool.engine.json_mode import JsonConstraint
+
+        return JsonConstraint(*self._vocab, stop_ids, params.json_schema, params.json_suffix)
 
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Validate sizes; return the effective max_tokens."""
@@ -170,9 +177,10 @@ class Engine:
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidParameterError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-        bad = sorted(t for t in params.logit_bias if t >= vocab)
-        if bad:
-            raise InvalidParameterError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]}")
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = sorted(t for t in getattr(params, name) or () if t >= vocab)
+            if bad:
+                raise InvalidParameterError(f"{name} token ids must be in [0, {vocab}); got {bad[:5]}")
         if len(prompt_ids) >= window:
             raise ContextWindowError(f"the prompt has {len(prompt_ids)} tokens; the model's context window is "
                                      f"{window} tokens and must leave room for at least 1 new token")
@@ -281,8 +289,7 @@ class OutputState:
         self.stops = set(params.stop_token_ids) | (set() if params.ignore_eos else engine.end_of_turn)
         self.sampler = Sampler(params, engine.runner.spec.vocab_size, gen.prompt_ids, engine.runner.device)
         self.sampler.hold(self.stops)
-        if params.response_format != "text":
-            self.sampler.constraint = engine.json_constraint(self.stops, params.json_schema, params.json_suffix)
+        self.sampler.constraint = engine.constraint(params, self.stops)
         self.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
         self.matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.t_first: float | None = None

@@ -1,7 +1,8 @@
-"""Logits -> next token: penalties, logit bias, min_tokens, temperature, top-k/top-p/min-p, seeded sampling.
+"""Logits -> next token: penalties, logit bias, allowed tokens, min_tokens, temperature, top-k/top-p/min-p,
+seeded sampling.
 
-Order as in vLLM: penalties, logit_bias, the min_tokens hold on stop tokens, temperature, then the
-truncations, then sampling.
+Order as in vLLM: penalties, logit_bias, allowed_token_ids, the min_tokens hold on stop tokens,
+temperature, then the truncations, then sampling.
 Logprobs are reported from the raw model distribution (before any processing).
 """
 
@@ -39,6 +40,10 @@ class Sampler:
         self.seen = self.counts = None
         self.produced = 0  # tokens observed so far: min_tokens holds the stop tokens back until it is reached
         self.held: torch.Tensor | None = None  # the stop tokens min_tokens holds back (set by hold())
+        self.allowed = None  # allowed_token_ids: the only tokens that may be drawn
+        if params.allowed_token_ids is not None:
+            ids = sorted({t for t in params.allowed_token_ids if t < vocab_size})
+            self.allowed = torch.tensor(ids, dtype=torch.long, device=self.device)
         self.bias = None  # (token ids, biases) of logit_bias
         if params.logit_bias:
             ids = list(params.logit_bias)
@@ -61,7 +66,7 @@ class Sampler:
     @property
     def adjusts(self) -> bool:
         """Whether _adjust changes the logits this step (penalties, a logit bias, held stop tokens)."""
-        return self.track or self.bias is not None or self._holding
+        return self.track or self.bias is not None or self.allowed is not None or self._holding
 
     @property
     def _holding(self) -> bool:
@@ -142,6 +147,8 @@ class Sampler:
             x = x - p.frequency_penalty * self.counts - p.presence_penalty * (self.counts > 0).float()
         if self.bias is not None:
             x = x.index_add(0, self.bias[0], self.bias[1])
+        if self.allowed is not None:
+            x = torch.full_like(x, float("-inf")).index_copy(0, self.allowed, x.index_select(0, self.allowed))
         if self._holding:
             x = x.index_fill(0, self.held, float("-inf"))
         return x

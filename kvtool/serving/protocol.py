@@ -93,6 +93,8 @@ class GenerationRequest(Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    allowed_token_ids: list[int] | None = None  # vLLM's extension: only these tokens may be drawn
+    guided_choice: list[str] | None = None  # vLLM's extension: the output is exactly one of these strings
     include_stop_str_in_output: bool = False  # vLLM's extension: the stop string that ended the text stays in it
     min_tokens: int = 0  # vLLM's extension: no end of turn, stop token or stop string before this many tokens
     logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias added to its logit, in [-100, 100]
@@ -135,6 +137,7 @@ class GenerationRequest(Strict):
             frequency_penalty=pick("frequency_penalty"), seed=self.seed, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
             min_tokens=self.min_tokens, logit_bias=bias, include_stop_str_in_output=self.include_stop_str_in_output,
+            allowed_token_ids=self.allowed_token_ids, choice=self.guided_choice,
             prompt_logprobs=prompt_logprobs, response_format=fmt.type, json_schema=schema)
         return params.validate()
 

@@ -183,7 +183,7 @@ def test_a_request_whose_sampling_cannot_be_set_up_fails_alone(smol, monkeypatch
     def boom(self, *args):
         raise RuntimeError("no vocabulary today")
 
-    monkeypatch.setattr(Engine, "json_constraint", boom)
+    monkeypatch.setattr(Engine, "constraint", boom)
     r = smol.post("/v1/chat/completions", json=chat(response_format={"type": "json_object"}))
     assert r.status_code == 500 and "no vocabulary today" in r.json()["error"]["message"]
     monkeypatch.undo()

@@ -111,3 +111,17 @@ def test_bad_values_are_refused_by_name(smol, body, needle):
     r = smol.post("/v1/completions", json={"prompt": PROMPT, **body})
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
     assert complete(smol)["choices"][0]["text"]  # the server goes on
+
+
+def test_guided_choice_and_allowed_token_ids(smol):
+    r = smol.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Is fire cold?"}],
+                                                "guided_choice": ["yes", "no"], "n": 3, "temperature": 1.0,
+                                                "seed": 1, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert all(c["message"]["content"] in ("yes", "no") and c["finish_reason"] == "stop" for c in r.json()["choices"])
+    allowed = token_ids(smol, " A") + token_ids(smol, " B")
+    out = complete(smol, allowed_token_ids=allowed, temperature=1.0, seed=3, max_tokens=5)["choices"][0]["text"]
+    assert token_ids(smol, out) and set(token_ids(smol, out)) <= set(allowed) and len(token_ids(smol, out)) == 5
+    bad = smol.post("/v1/completions", json={"prompt": PROMPT, "guided_choice": ["a"],
+                                             "response_format": {"type": "json_object"}})
+    assert bad.status_code == 400 and "choice" in bad.json()["error"]["message"]
