@@ -56,8 +56,8 @@ def test_smollm2_answers_with_one_of_the_choices(smollm2):
     from kvtool.engine import Engine
 
     engine = Engine(smollm2)
-    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "Review: 'Terrible, boring, a waste of two "
-                                                                        "hours.' Is the review positive or negative?"}]))
+    question = "Review: 'Terrible, boring, a waste of two hours.' Is the review positive or negative?"
+    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": question}]))
     free = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=12)).run()
     assert free.text not in ("positive", "negative")  # left alone, it writes a sentence
     choices = ["positive", "negative"]

@@ -57,8 +57,9 @@ def test_invalid_sampling_on_cli(capsys):
     assert code == 2 and "top_p" in text and "Traceback" not in text
 
 
-@pytest.mark.parametrize("args,words", [(["--logit-bias", "7"], "TOKEN_ID=BIAS"), (["--logit-bias", "x=1"], "TOKEN_ID"),
-                                        (["--logit-bias", "7=500"], "logit_bias"), (["--min-tokens", "-1"], "min_tokens")])
+@pytest.mark.parametrize("args,words", [
+    (["--logit-bias", "7"], "TOKEN_ID=BIAS"), (["--logit-bias", "x=1"], "TOKEN_ID"),
+    (["--logit-bias", "7=500"], "logit_bias"), (["--min-tokens", "-1"], "min_tokens")])
 def test_bad_logit_bias_and_min_tokens_on_cli(capsys, args, words):
     code, text = run_cli(capsys, "generate", "hi", *args, "--model", "/unused")
     assert code == 2 and words in text and "Traceback" not in text

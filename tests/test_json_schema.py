@@ -22,20 +22,25 @@ PIECES = list('{}[]",: 0123456789.-+eE\n') + list("abcdefghijklmnopqrstuvwxyz") 
     "false", "\\n", "\\u00e9", "na", "me", "é"]
 
 
+def random_walk(schema: dict, rng: random.Random, steps: int, closers: str) -> str:
+    """Pieces drawn at random among those the schema allows, leaning towards closing after a while: the text
+    of a finished object (asserted: the walk never has no piece to go on with)."""
+    state, text = start(schema), ""
+    for step in range(steps):
+        options = [(p, n) for p in PIECES if (n := schema_advance(state, p)) is not None]
+        assert options, f"stuck after {text!r}"
+        closing = [o for o in options if o[0] in closers or o[1].done]
+        piece, state = rng.choice(closing if closing and step > steps // 10 and rng.random() < 0.7 else options)
+        text += piece
+        if state.done:
+            return text
+    raise AssertionError(f"not done after {steps} pieces: {text!r}")
+
+
 def test_random_walks_end_only_in_objects_the_schema_validates_and_never_get_stuck():
     rng = random.Random(0)
     for _ in range(400):
-        state, text = start(SCHEMA), ""
-        for step in range(400):
-            options = [(p, n) for p in PIECES if (n := schema_advance(state, p)) is not None]
-            assert options, f"stuck after {text!r}"
-            closing = [o for o in options if o[0] in '}]"' or o[1].done]
-            piece, state = rng.choice(closing if closing and step > 40 and rng.random() < 0.7 else options)
-            text += piece
-            if state.done:
-                break
-        assert state.done, text
-        jsonschema.validate(json.loads(text), SCHEMA)
+        jsonschema.validate(json.loads(random_walk(SCHEMA, rng, 400, '}]"')), SCHEMA)
 
 
 def random_instance(rng: random.Random) -> dict:
@@ -64,6 +69,41 @@ def test_every_valid_instance_passes_character_by_character():
             state = schema_advance(state, ch)
             assert state is not None, (text, j)
         assert state.done
+
+
+BOUNDED = {"type": "object", "properties": {
+    "code": {"type": "string", "minLength": 2, "maxLength": 4},
+    "ids": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
+    "none": {"type": "array", "maxItems": 0},
+    "grid": {"type": "array", "maxItems": 2, "items": {"type": "array", "maxItems": 2,
+                                                      "items": {"type": "string", "maxLength": 1}}}},
+    "required": ["code", "ids"], "additionalProperties": False}
+
+
+def test_length_and_item_bounds_hold_on_random_walks_and_let_valid_instances_through():
+    rng = random.Random(2)
+    for _ in range(300):
+        jsonschema.validate(json.loads(random_walk(BOUNDED, rng, 300, '}]",')), BOUNDED)
+    for _ in range(200):
+        obj = {"code": "".join(rng.choice(['a', 'é', '\n', '"', 'z']) for _ in range(rng.randrange(2, 5))),
+               "ids": [rng.randrange(-9, 99) for _ in range(rng.randrange(1, 4))], "none": [],
+               "grid": [[rng.choice(["", "x", "é"]) for _ in range(rng.randrange(3))] for _ in range(rng.randrange(3))]}
+        text = json.dumps(obj, ensure_ascii=rng.random() < 0.5)
+        assert schema_advance(start(BOUNDED), text).done, text
+
+
+@pytest.mark.parametrize("text", ['{"code": "a"', '{"code": "abcde', '{"code": "ab\\n\\n\\n', '{"ids": []',
+                                  '{"ids": [1, 2, 3,', '{"none": [1', '{"grid": [[], [], ', '{"grid": [["xy'])
+def test_what_the_bounds_forbid_is_refused(text):
+    assert schema_advance(start(BOUNDED), text) is None
+
+
+def test_bad_bounds_are_refused_by_name():
+    for bad, words in (({"minLength": -1}, "minLength must be"), ({"maxItems": "2"}, "maxItems must be"),
+                       ({"minLength": 3, "maxLength": 2}, "minLength 3 > maxLength 2")):
+        schema = {"type": "object", "properties": {"a": bad}}
+        with pytest.raises(InvalidParameterError, match=words):
+            SamplingParams(response_format="json_schema", json_schema=schema).validate()
 
 
 def test_an_object_without_properties_or_more_keys_is_empty():
@@ -115,3 +155,24 @@ def test_smollm2_fills_the_schema(smollm2):
     for gen in engine.generate_batch([prompt] * 4, params):
         assert gen.finish_reason == "stop", gen.text
         jsonschema.validate(json.loads(gen.text), schema)
+
+
+@pytest.mark.real_model
+def test_smollm2_keeps_to_length_and_item_bounds(smollm2):
+    from kvtool.engine import Engine
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "rivers": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                          "minItems": 2, "maxItems": 2}},
+              "required": ["name", "rivers"], "additionalProperties": False}
+    engine = Engine(smollm2)
+    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "Describe France and its rivers as JSON."}]))
+    unbounded = {"name": {"type": "string"}, "rivers": {"type": "array", "items": {"type": "string"}}}
+    free = SamplingParams(temperature=0, max_tokens=120, response_format="json_schema",
+                          json_schema={**schema, "properties": unbounded})
+    loose = engine.generate(prompt, free).run()
+    assert loose.finish_reason == "length"  # without bounds, the list of rivers repeats itself past max_tokens
+    gen = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=120, response_format="json_schema",
+                                                 json_schema=schema)).run()
+    assert gen.finish_reason == "stop", gen.text
+    jsonschema.validate(json.loads(gen.text), schema)

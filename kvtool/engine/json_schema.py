@@ -3,8 +3,10 @@
 What a schema constrains, character by character: each value's type (`type`, a name or a list of
 names; `enum` and `const` of strings), an object's keys (`properties`; with `additionalProperties`
 absent or false no other key, a key at most once, `required` ones before the `}`), an array's items
-(`items`), integers (no fraction or exponent). Ignored, as documentation: title, description, format,
-default, examples, and the bounds (minimum, maxLength, pattern, minItems, ...). Refused with an error
+(`items`, `minItems`, `maxItems`), a string's length (`minLength`, `maxLength`, in characters; one split
+across tokens, which each decode to U+FFFD, is not counted), integers (no fraction or exponent). Ignored,
+as documentation: title, description, format, default, examples, and the numeric bounds and patterns
+(minimum, maximum, multipleOf, pattern, ...). Refused with an error
 naming them: combinators and references (anyOf, oneOf, allOf, not, $ref, if/then/else, ...), and
 enums that are not strings. Keys and enum strings take no escapes.
 """
@@ -20,6 +22,7 @@ from kvtool.errors import InvalidParameterError
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 FIRST = {"object": "{", "array": "[", "string": '"', "number": "-0123456789", "integer": "-0123456789",
          "boolean": "tf", "null": "n"}
+BOUNDS = ("minLength", "maxLength", "minItems", "maxItems")
 UNSUPPORTED = ("anyOf", "oneOf", "allOf", "not", "$ref", "$defs", "definitions", "if", "then", "else",
                "patternProperties", "prefixItems", "dependentSchemas", "unevaluatedProperties")
 
@@ -31,7 +34,8 @@ def check_schema(node, where: str = "schema") -> None:
     bad = [k for k in UNSUPPORTED if k in node]
     if bad:
         raise InvalidParameterError(f"json_schema: {where} uses {', '.join(bad)}, which JSON schema mode does not "
-                                    "support (type, properties, required, additionalProperties, items, enum, const)")
+                                    "support (type, properties, required, additionalProperties, items, enum, const, "
+                                    "minLength, maxLength, minItems, maxItems)")
     types = node.get("type", [])
     for t in [types] if isinstance(types, str) else types:
         if t not in TYPES:
@@ -40,6 +44,12 @@ def check_schema(node, where: str = "schema") -> None:
     if any(not isinstance(v, str) or "\\" in v or '"' in v for v in values):
         raise InvalidParameterError(f"json_schema: {where} has an enum or const that is not plain strings; "
                                     "JSON schema mode enforces string enums only")
+    for low, high in (BOUNDS[:2], BOUNDS[2:]):
+        for name in (low, high):
+            if name in node and (not isinstance(node[name], int) or isinstance(node[name], bool) or node[name] < 0):
+                raise InvalidParameterError(f"json_schema: {where}.{name} must be an integer >= 0")
+        if node.get(low, 0) > node.get(high, node.get(low, 0)):
+            raise InvalidParameterError(f"json_schema: {where} has {low} {node[low]} > {high} {node[high]}")
     keys, _ = _keys(node)
     missing = [k for k in node.get("required", []) if keys is not None and k not in keys]
     if missing:
@@ -86,6 +96,7 @@ class Frame(NamedTuple):
     node: dict | None  # the open object's or array's schema
     seen: frozenset = frozenset()  # an object's keys so far
     key: str = ""  # the key whose value is being read
+    items: int = 0  # an array's items so far (the one being read included)
 
 
 class SchemaState(NamedTuple):
@@ -93,6 +104,7 @@ class SchemaState(NamedTuple):
     frames: tuple = ()
     expect: dict | None = None  # schema of the value being started or read (None: anything)
     text: str = ""  # a key's or an enum string's characters so far
+    count: int = 0  # a value string's characters so far (an escape counts once)
 
     @property
     def done(self) -> bool:
@@ -119,6 +131,10 @@ def _value_schema(frame: Frame, container: str) -> dict | None:
     return (node.get("properties") or {}).get(frame.key, _keys(node)[1])
 
 
+def _bound(node: dict | None, name: str) -> int | None:
+    return (node or {}).get(name)
+
+
 def _tracked(js: JsonState, frames: tuple, expect) -> bool:
     """Whether the string being read must match a list (a restricted key, an enum value)."""
     if js.part == "k":
@@ -127,20 +143,35 @@ def _tracked(js: JsonState, frames: tuple, expect) -> bool:
 
 
 def schema_feed(state: SchemaState, ch: str) -> SchemaState | None:
-    js, frames, expect, text = state
+    js, frames, expect, text, _ = state
     mode = js.mode
     if mode == NUMBER and not NUMBER_PREFIX.fullmatch(js.part + ch):
         mode = AFTER  # ch ends the number and is read as what follows it
     elif mode == NUMBER and ch in ".eE" and _types(expect) == {"integer"}:
         return None
+    in_array = js.stack[-1:] == "a"
     if mode in (START, VALUE) or (mode == ARRAY_FIRST and ch != "]"):
         if ch not in WS and not any(ch in FIRST[t] for t in _types(expect)):
+            return None
+        if mode == ARRAY_FIRST and ch not in WS and _bound(frames[-1].node, "maxItems") == 0:
             return None
     elif mode == STRING and _tracked(js, frames, expect):
         values = _allowed_keys(frames[-1]) if js.part == "k" else _strings(expect)
         if ch == "\\" or (ch == '"' and text not in values):
             return None
         if ch != '"' and not any(v.startswith(text + ch) for v in values):
+            return None
+    elif mode == STRING and js.part == "v":  # a free value string: its length bounds
+        if ch == '"' and state.count < (_bound(expect, "minLength") or 0):
+            return None
+        high = _bound(expect, "maxLength")
+        if ch != '"' and high is not None and state.count >= high:
+            return None
+    elif in_array and mode in (ARRAY_FIRST, AFTER) and ch in ",]":
+        items, node = frames[-1].items, frames[-1].node
+        if ch == "]" and items < (_bound(node, "minItems") or 0):
+            return None
+        if ch == "," and _bound(node, "maxItems") is not None and items >= _bound(node, "maxItems"):
             return None
     elif mode in (KEY_OR_END, AFTER) and js.stack[-1:] == "o":
         if ch == "}" and not _may_close(frames[-1]):
@@ -149,7 +180,15 @@ def schema_feed(state: SchemaState, ch: str) -> SchemaState | None:
         if ch in ',"' and allowed is not None and not allowed:
             return None  # no key is left to write
     nxt = feed(js, ch)
-    return None if nxt is None else _follow(js, nxt, frames, expect, text, ch)
+    if nxt is None:
+        return None
+    if in_array and ((mode == ARRAY_FIRST and ch not in WS + "]") or (mode == AFTER and ch == ",")):
+        frames = frames[:-1] + (frames[-1]._replace(items=frames[-1].items + 1),)  # an item starts
+    out = _follow(js, nxt, frames, expect, text, ch)
+    if out.json.mode in (STRING, ESCAPE, UNICODE) and out.json.part[:1] == "v":
+        inside = js.mode in (STRING, ESCAPE, UNICODE)
+        out = out._replace(count=state.count + (js.mode == STRING) if inside else 0)
+    return out
 
 
 def _follow(js: JsonState, nxt: JsonState, frames: tuple, expect, text: str, ch: str) -> SchemaState:

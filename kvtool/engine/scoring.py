@@ -2,7 +2,8 @@
 
 A request with SamplingParams.prompt_logprobs = k is prefilled in full (no prefix-cache hit: a cached
 token has no logits) in chunks of at most SCORE_CHUNK tokens whose logits are reduced right away, so
-memory stays at chunk x vocabulary (alone: score_prompt; in the batch: a PromptScorer fed by its chunks). Each row is a PromptLogprob; the first token has none (nothing
+memory stays at chunk x vocabulary (alone: score_prompt; in the batch: a PromptScorer fed by its
+chunks). Each row is a PromptLogprob; the first token has none (nothing
 precedes it). The last chunk's last row is what the first generated token is sampled from.
 """
 

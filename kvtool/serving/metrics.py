@@ -39,6 +39,10 @@ class Histogram:
         return out
 
 
+def _gauge(name: str, help_: str, value: float) -> list[str]:
+    return [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name} {value}"]
+
+
 def _counter(name: str, help_: str, values: dict[tuple, float], labels: tuple[str, ...]) -> list[str]:
     out = [f"# HELP {name} {help_}", f"# TYPE {name} counter"]
     for key, value in sorted(values.items()):
@@ -100,21 +104,19 @@ class ServerMetrics:
             lines += self.ttft.lines("kvtool_time_to_first_token_seconds",
                                      "Request arrival to first token, queue time included.")
             lines += self.itl.lines("kvtool_inter_token_latency_seconds", "Time between consecutive tokens.")
-        lines += ["# HELP kvtool_requests_running Generations being stepped now.",
-                  "# TYPE kvtool_requests_running gauge", f"kvtool_requests_running {running}",
-                  "# HELP kvtool_requests_waiting Requests queued for a slot.",
-                  "# TYPE kvtool_requests_waiting gauge", f"kvtool_requests_waiting {waiting}"]
+        lines += _gauge("kvtool_requests_running", "Generations being stepped now.", running)
+        lines += _gauge("kvtool_requests_waiting", "Requests queued for a slot.", waiting)
         if scheduler is not None:
             lines += _counter("kvtool_scheduler_steps_total", "Batched forward steps.", {(): scheduler.steps}, ())
             lines += _counter("kvtool_scheduler_host_seconds_total", "Time steps spent outside the forward and the "
                               "token read (scheduling, detokenizing, handing tokens out).", {(): scheduler.host_s}, ())
             lines += _counter("kvtool_scheduler_preemptions_total", "Running requests whose KV was dropped to stay "
                               "inside the KV budget (recomputed when readmitted).", {(): scheduler.preemptions}, ())
-            lines += ["# HELP kvtool_kv_tokens_in_use Tokens of KV held by running requests (and copies for sibling "
-                      "choices).", "# TYPE kvtool_kv_tokens_in_use gauge", f"kvtool_kv_tokens_in_use {scheduler.kv_in_use}"]
+            lines += _gauge("kvtool_kv_tokens_in_use", "Tokens of KV held by running requests (and copies for "
+                            "sibling choices).", scheduler.kv_in_use)
             if scheduler.kv_budget_tokens is not None:
-                lines += ["# HELP kvtool_kv_budget_tokens The KV budget of running requests, in tokens.",
-                          "# TYPE kvtool_kv_budget_tokens gauge", f"kvtool_kv_budget_tokens {scheduler.kv_budget_tokens}"]
+                lines += _gauge("kvtool_kv_budget_tokens", "The KV budget of running requests, in tokens.",
+                                scheduler.kv_budget_tokens)
         if self.extra is not None:
             lines += [str(line) for line in self.extra()]
         return "\n".join(lines) + "\n"
