@@ -68,3 +68,7 @@ def test_smollm2_answers_with_one_of_the_choices(smollm2):
     assert all(g.text in choices and g.finish_reason == "stop" for g in sampled)
     with pytest.raises(InvalidParameterError, match="allowed_token_ids token ids"):
         engine.generate(prompt, SamplingParams(allowed_token_ids=[10**7]))
+    eos = sorted(engine.end_of_turn)
+    with pytest.raises(InvalidParameterError, match="only stop tokens"):
+        engine.generate(prompt, SamplingParams(allowed_token_ids=eos, min_tokens=2))
+    assert engine.generate(prompt, SamplingParams(allowed_token_ids=eos)).run().token_ids[0] in eos

@@ -184,6 +184,10 @@ class Engine:
         if len(prompt_ids) >= window:
             raise ContextWindowError(f"the prompt has {len(prompt_ids)} tokens; the model's context window is "
                                      f"{window} tokens and must leave room for at least 1 new token")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.end_of_turn)
+        if params.min_tokens and params.allowed_token_ids is not None and set(params.allowed_token_ids) <= stops:
+            raise InvalidParameterError("allowed_token_ids lists only stop tokens, which min_tokens holds back: "
+                                        "nothing could be drawn")
         max_tokens = params.max_tokens if params.max_tokens is not None else window - len(prompt_ids)
         if params.min_tokens > max_tokens:
             raise ContextWindowError(f"min_tokens ({params.min_tokens}) does not fit: the context window of {window} "
