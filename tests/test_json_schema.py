@@ -75,6 +75,8 @@ BOUNDED = {"type": "object", "properties": {
     "code": {"type": "string", "minLength": 2, "maxLength": 4},
     "ids": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
     "none": {"type": "array", "maxItems": 0},
+    "n": {"type": "integer", "minimum": -5, "exclusiveMaximum": 40},
+    "big": {"type": "integer", "minimum": 100},
     "grid": {"type": "array", "maxItems": 2, "items": {"type": "array", "maxItems": 2,
                                                       "items": {"type": "string", "maxLength": 1}}}},
     "required": ["code", "ids"], "additionalProperties": False}
@@ -87,20 +89,25 @@ def test_length_and_item_bounds_hold_on_random_walks_and_let_valid_instances_thr
     for _ in range(200):
         obj = {"code": "".join(rng.choice(['a', 'é', '\n', '"', 'z']) for _ in range(rng.randrange(2, 5))),
                "ids": [rng.randrange(-9, 99) for _ in range(rng.randrange(1, 4))], "none": [],
+               "n": rng.randrange(-5, 40), "big": rng.choice([100, 101, 999, 12345678901234567890]),
                "grid": [[rng.choice(["", "x", "é"]) for _ in range(rng.randrange(3))] for _ in range(rng.randrange(3))]}
         text = json.dumps(obj, ensure_ascii=rng.random() < 0.5)
         assert schema_advance(start(BOUNDED), text).done, text
 
 
 @pytest.mark.parametrize("text", ['{"code": "a"', '{"code": "abcde', '{"code": "ab\\n\\n\\n', '{"ids": []',
-                                  '{"ids": [1, 2, 3,', '{"none": [1', '{"grid": [[], [], ', '{"grid": [["xy'])
+                                  '{"ids": [1, 2, 3,', '{"none": [1', '{"grid": [[], [], ', '{"grid": [["xy',
+                                  '{"n": -6', '{"n": 40', '{"n": 4, "n"', '{"n": 400', '{"n": --',
+                                  '{"big": 99,', '{"big": -', '{"big": 0'])
 def test_what_the_bounds_forbid_is_refused(text):
     assert schema_advance(start(BOUNDED), text) is None
 
 
 def test_bad_bounds_are_refused_by_name():
     for bad, words in (({"minLength": -1}, "minLength must be"), ({"maxItems": "2"}, "maxItems must be"),
-                       ({"minLength": 3, "maxLength": 2}, "minLength 3 > maxLength 2")):
+                       ({"minLength": 3, "maxLength": 2}, "minLength 3 > maxLength 2"),
+                       ({"type": "integer", "minimum": 1.5, "maximum": 1.9}, "no integer"),
+                       ({"type": "integer", "maximum": "9"}, "maximum must be a number")):
         schema = {"type": "object", "properties": {"a": bad}}
         with pytest.raises(InvalidParameterError, match=words):
             SamplingParams(response_format="json_schema", json_schema=schema).validate()
@@ -176,3 +183,26 @@ def test_smollm2_keeps_to_length_and_item_bounds(smollm2):
                                                  json_schema=schema)).run()
     assert gen.finish_reason == "stop", gen.text
     jsonschema.validate(json.loads(gen.text), schema)
+
+
+@pytest.mark.real_model
+def test_smollm2_keeps_integers_in_range(smollm2):
+    from kvtool.engine import Engine
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                               "age": {"type": "integer", "minimum": 18, "maximum": 65},
+                                               "floor": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 100}},
+              "required": ["name", "age", "floor"], "additionalProperties": False}
+    engine = Engine(smollm2)
+    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "Describe a child who lives on the ground "
+                                                                        "floor, as JSON."}]))
+    params = [SamplingParams(temperature=0, max_tokens=60, response_format="json_schema", json_schema=schema)] + [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=60, response_format="json_schema", json_schema=schema)
+        for s in range(4)]
+    for gen in engine.generate_batch([prompt] * len(params), params):
+        assert gen.finish_reason == "stop", gen.text
+        jsonschema.validate(json.loads(gen.text), schema)
+    unbounded = {**schema, "properties": {**schema["properties"], "floor": {"type": "integer"}}}
+    free = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=60, response_format="json_schema",
+                                                  json_schema=unbounded)).run()
+    assert json.loads(free.text)["floor"] >= 100  # left alone, greedy writes 123456789

@@ -4,15 +4,17 @@ What a schema constrains, character by character: each value's type (`type`, a n
 names; `enum` and `const` of strings), an object's keys (`properties`; with `additionalProperties`
 absent or false no other key, a key at most once, `required` ones before the `}`), an array's items
 (`items`, `minItems`, `maxItems`), a string's length (`minLength`, `maxLength`, in characters; one split
-across tokens, which each decode to U+FFFD, is not counted), integers (no fraction or exponent). Ignored,
-as documentation: title, description, format, default, examples, and the numeric bounds and patterns
-(minimum, maximum, multipleOf, pattern, ...). Refused with an error
+across tokens, which each decode to U+FFFD, is not counted), integers (no fraction or exponent; `minimum`,
+`maximum`, `exclusiveMinimum`, `exclusiveMaximum`: each digit must leave some integer in range, and the
+number may end only in range). Ignored, as documentation: title, description, format, default, examples,
+the bounds of non-integer numbers, multipleOf and pattern. Refused with an error
 naming them: combinators and references (anyOf, oneOf, allOf, not, $ref, if/then/else, ...), and
 enums that are not strings. Keys and enum strings take no escapes.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from kvtool.engine.json_mode import (AFTER, ARRAY_FIRST, COLON, ESCAPE, KEY, KEY_OR_END, NUMBER, NUMBER_PREFIX,
@@ -23,6 +25,7 @@ TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 FIRST = {"object": "{", "array": "[", "string": '"', "number": "-0123456789", "integer": "-0123456789",
          "boolean": "tf", "null": "n"}
 BOUNDS = ("minLength", "maxLength", "minItems", "maxItems")
+RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 UNSUPPORTED = ("anyOf", "oneOf", "allOf", "not", "$ref", "$defs", "definitions", "if", "then", "else",
                "patternProperties", "prefixItems", "dependentSchemas", "unevaluatedProperties")
 
@@ -50,6 +53,13 @@ def check_schema(node, where: str = "schema") -> None:
                 raise InvalidParameterError(f"json_schema: {where}.{name} must be an integer >= 0")
         if node.get(low, 0) > node.get(high, node.get(low, 0)):
             raise InvalidParameterError(f"json_schema: {where} has {low} {node[low]} > {high} {node[high]}")
+    for name in RANGE:
+        if name in node and (isinstance(node[name], bool) or not isinstance(node[name], (int, float))
+                             or not math.isfinite(node[name])):
+            raise InvalidParameterError(f"json_schema: {where}.{name} must be a number")
+    lo, hi = _int_range(node)
+    if _types(node) == {"integer"} and lo is not None and hi is not None and lo > hi:
+        raise InvalidParameterError(f"json_schema: {where} leaves no integer between its bounds")
     keys, _ = _keys(node)
     missing = [k for k in node.get("required", []) if keys is not None and k not in keys]
     if missing:
@@ -131,6 +141,37 @@ def _value_schema(frame: Frame, container: str) -> dict | None:
     return (node.get("properties") or {}).get(frame.key, _keys(node)[1])
 
 
+def _int_range(node: dict | None) -> tuple[int | None, int | None]:
+    """The integers an integer value may take: (lowest, highest), None where unbounded."""
+    node = node or {}
+    lows = [math.ceil(node["minimum"])] if "minimum" in node else []
+    lows += [math.floor(node["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in node else []
+    highs = [math.floor(node["maximum"])] if "maximum" in node else []
+    highs += [math.ceil(node["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in node else []
+    return (max(lows) if lows else None), (min(highs) if highs else None)
+
+
+def _in(value: int, lo: int | None, hi: int | None) -> bool:
+    return (lo is None or value >= lo) and (hi is None or value <= hi)
+
+
+def _int_prefix_ok(text: str, lo: int | None, hi: int | None) -> bool:
+    """Whether some JSON integer whose text starts with `text` (a sign, digits) lies in [lo, hi]."""
+    digits = text.lstrip("-")
+    if text.startswith("-"):  # its magnitude m = -value lies in [-hi, -lo]
+        lo, hi = (None if hi is None else -hi), (None if lo is None else -lo)
+    if not digits:  # any magnitude >= 0
+        return hi is None or hi >= 0
+    if digits == "0":
+        return _in(0, lo, hi)
+    d, scale = int(digits), 1
+    while hi is None or d * scale <= hi:  # the magnitudes d, d0..d9, d00..d99, ...
+        if lo is None or (d + 1) * scale - 1 >= lo:
+            return True
+        scale *= 10
+    return False
+
+
 def _bound(node: dict | None, name: str) -> int | None:
     return (node or {}).get(name)
 
@@ -184,6 +225,12 @@ def schema_feed(state: SchemaState, ch: str) -> SchemaState | None:
         return None
     if in_array and ((mode == ARRAY_FIRST and ch not in WS + "]") or (mode == AFTER and ch == ",")):
         frames = frames[:-1] + (frames[-1]._replace(items=frames[-1].items + 1),)  # an item starts
+    if _types(expect) == {"integer"} and (js.mode == NUMBER or nxt.mode == NUMBER):
+        lo, hi = _int_range(expect)
+        if nxt.mode == NUMBER and not _int_prefix_ok(nxt.part, lo, hi):
+            return None
+        if js.mode == NUMBER and nxt.mode != NUMBER and not _in(int(js.part), lo, hi):
+            return None  # the number would end out of range
     out = _follow(js, nxt, frames, expect, text, ch)
     if out.json.mode in (STRING, ESCAPE, UNICODE) and out.json.part[:1] == "v":
         inside = js.mode in (STRING, ESCAPE, UNICODE)
