@@ -6,7 +6,7 @@ import random
 import pytest
 
 from kvtool import SamplingParams
-from kvtool.engine.json_mode import MAX_WS, JsonConstraint, JsonState, advance
+from kvtool.engine.json_mode import MAX_NUMBER, MAX_WS, JsonConstraint, JsonState, advance
 
 
 def random_value(rng: random.Random, depth: int = 0):
@@ -56,9 +56,14 @@ def test_whatever_it_calls_done_parses_as_a_json_object():
 
 @pytest.mark.parametrize("text", ['[1]', '"x"', '{"a" 1}', '{"a": 01}', '{"a": 1.}', '{"a": tru}', '{"a": 1,}',
                                   '{,}', '{"a": "\x01"}', '{"a": 1.e5}', '{"a": -}', '{"a": "\\x"}', "{'a': 1}",
-                                  '{"a": 1}}', '{' + ' ' * (MAX_WS + 1)])
+                                  '{"a": 1}}', '{' + ' ' * (MAX_WS + 1), '{"a": ' + '9' * (MAX_NUMBER + 1)])
 def test_not_an_object_prefix(text):
     assert advance(JsonState(), text) is None
+
+
+def test_a_number_may_be_as_long_as_max_number():
+    assert advance(JsonState(), '{"a": ' + '9' * MAX_NUMBER + '}').done
+    assert advance(JsonState(), '{"a": -1.2345678901234567e-308}').done
 
 
 def test_constraint_allows_stops_only_at_the_end_and_never_other_special_tokens():

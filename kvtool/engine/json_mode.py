@@ -6,8 +6,9 @@ costs one small copy: (mode, stack of open containers, pending literal or number
 run). JsonConstraint checks candidate tokens by their text pieces, most likely first, and ends the
 output with an end-of-turn token once the object is closed. A piece that decodes alone to U+FFFD
 (part of a multi-byte character) is allowed inside strings only. Special tokens other than the
-end of turn are never allowed; neither are more than MAX_WS whitespace characters in a row, so a
-small model cannot stall in a run of newlines.
+end of turn are never allowed; neither are more than MAX_WS whitespace characters in a row, nor
+numbers longer than MAX_NUMBER characters, so a small model cannot stall in a run of newlines or
+of digits.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 from typing import Iterable, NamedTuple
 
 MAX_WS = 16
+MAX_NUMBER = 32  # characters: room for any 64-bit integer or double, written out
 WS = " \t\n\r"
 ESCAPES = set('"\\/bfnrtu')
 LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
@@ -81,7 +83,7 @@ def feed(state: JsonState, ch: str) -> JsonState | None:
         return JsonState(LITERAL, stack, part[1:]) if len(part) > 1 else _after_value(stack)
     if mode == NUMBER:
         if NUMBER_PREFIX.fullmatch(part + ch):
-            return JsonState(NUMBER, stack, part + ch)
+            return JsonState(NUMBER, stack, part + ch) if len(part) < MAX_NUMBER else None
         if not NUMBER_WHOLE.fullmatch(part):
             return None
         return feed(_after_value(stack), ch)  # the number ended; ch belongs to what follows
