@@ -213,12 +213,11 @@ class BatchScheduler:
             publish(req.handle, req.gen.prompt_ids[: req.cache.offset], req.cache)
         if req.fork is not None:
             fork, req.fork = req.fork, None
-            if not any(r.fork is fork for r in self.waiting):
-                pass
-            elif self._over_budget(req.cache.offset):  # no room for a copy: the others prefill on their own
-                fork.abandoned = True
-            else:  # (req leads now, if the first left before its prefill)
-                fork.leader, fork.cache, fork.logits = req, req.cache.clone(), logits.detach().clone()
+            if any(r.fork is fork for r in self.waiting):
+                if self._over_budget(req.cache.offset):  # no room for a copy: the others prefill on their own
+                    fork.abandoned = True
+                else:  # (req leads now, if the first left before its prefill)
+                    fork.leader, fork.cache, fork.logits = req, req.cache.clone(), logits.detach().clone()
 
     def _deliver(self, req: BatchRequest, logits: torch.Tensor | None, sample) -> None:
         """Accept req's next token (from logits, or the batched sample); it leaves the batch when done."""

@@ -168,6 +168,10 @@ class Engine:
 
         return JsonConstraint(*self._vocab, stop_ids, params.json_schema, params.json_suffix)
 
+    def stop_ids(self, params: SamplingParams) -> set[int]:
+        """The tokens that end a request's output: its stop_token_ids, and the end of turn unless ignore_eos."""
+        return set(params.stop_token_ids) | (set() if params.ignore_eos else self.end_of_turn)
+
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Validate sizes; return the effective max_tokens."""
         window = self.model.context_window
@@ -184,8 +188,8 @@ class Engine:
         if len(prompt_ids) >= window:
             raise ContextWindowError(f"the prompt has {len(prompt_ids)} tokens; the model's context window is "
                                      f"{window} tokens and must leave room for at least 1 new token")
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.end_of_turn)
-        if params.min_tokens and params.allowed_token_ids is not None and set(params.allowed_token_ids) <= stops:
+        if params.min_tokens and params.allowed_token_ids is not None and \
+                set(params.allowed_token_ids) <= self.stop_ids(params):
             raise InvalidParameterError("allowed_token_ids lists only stop tokens, which min_tokens holds back: "
                                         "nothing could be drawn")
         max_tokens = params.max_tokens if params.max_tokens is not None else window - len(prompt_ids)
@@ -290,7 +294,7 @@ class OutputState:
         params = gen.params
         self.gen, self.max_tokens, self.t0 = gen, max_tokens, t0
         self.tokenizer = engine.model.tokenizer
-        self.stops = set(params.stop_token_ids) | (set() if params.ignore_eos else engine.end_of_turn)
+        self.stops = engine.stop_ids(params)
         self.sampler = Sampler(params, engine.runner.spec.vocab_size, gen.prompt_ids, engine.runner.device)
         self.sampler.hold(self.stops)
         self.sampler.constraint = engine.constraint(params, self.stops)

@@ -65,7 +65,7 @@ class Sampler:
 
     @property
     def adjusts(self) -> bool:
-        """Whether _adjust changes the logits this step (penalties, a logit bias, held stop tokens)."""
+        """Whether _adjust changes the logits this step (penalties, a logit bias, allowed tokens, held stops)."""
         return self.track or self.bias is not None or self.allowed is not None or self._holding
 
     @property
@@ -139,7 +139,7 @@ class Sampler:
         raise ValueError("JSON mode: no token of the vocabulary continues the output")
 
     def _adjust(self, x: torch.Tensor) -> torch.Tensor:
-        """Penalties, then logit_bias, then the min_tokens hold: what every mode draws from."""
+        """Penalties, then logit_bias, allowed_token_ids and the min_tokens hold: what every mode draws from."""
         p = self.p
         if p.repetition_penalty != 1.0 and self.seen_any:
             x = torch.where(self.seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
