@@ -25,7 +25,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvtool.bench.protocol import summary, versions  # noqa: E402
+from kvtool.bench.protocol import repeat_words, summary, versions  # noqa: E402
 
 PARAGRAPH = ("The harbour town wakes before dawn: fishing boats leave one by one, gulls follow them out past the "
              "breakwater, and the market hall fills with crates of ice. ")
@@ -45,7 +45,7 @@ def parse_args(argv=None):
 
 
 def messages(words: int) -> list[dict]:
-    text = " ".join((PARAGRAPH * (words // len(PARAGRAPH.split()) + 1)).split()[:words])
+    text = repeat_words(PARAGRAPH, words)
     return [{"role": "system", "content": "You summarise documents in one sentence."},
             {"role": "user", "content": f"Document:\n{text}\n\nSummarise it."}]
 

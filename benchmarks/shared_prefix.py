@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvtool.bench.protocol import summary, versions  # noqa: E402
+from kvtool.bench.protocol import repeat_words, summary, versions  # noqa: E402
 
 SYSTEM = ("You are the support assistant of a hardware shop. Policies: returns within 30 days with a receipt; "
           "store credit after that; power tools are tested before resale; delivery is free above 50 euros. ")
@@ -47,7 +47,7 @@ def parse_args(argv=None):
 
 
 def prompts(model, k: int, words: int) -> list[list[int]]:
-    system = " ".join((SYSTEM * (words // len(SYSTEM.split()) + 1)).split()[:words])
+    system = repeat_words(SYSTEM, words)
     return [model.encode(model.render([{"role": "system", "content": system},
                                        {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]))
             for i in range(k)]

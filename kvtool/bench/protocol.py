@@ -71,6 +71,12 @@ def paired_speedup(ours: dict, baseline: dict, rate: bool) -> dict:
             "max": round(max(ratios), 3), "n": len(ratios)}
 
 
+def repeat_words(text: str, words: int) -> str:
+    """`text` repeated and cut to exactly `words` words: filler of a chosen length for a prompt."""
+    pool = text.split()
+    return " ".join((pool * (words // len(pool) + 1))[:words])
+
+
 def percentile(values: list[float], q: float) -> float:
     """Linear-interpolated percentile, q in [0, 100] (numpy's default method)."""
     xs = sorted(values)

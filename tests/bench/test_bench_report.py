@@ -227,3 +227,10 @@ def test_prefix_record_takes_the_engines_path(tiny_bench, monkeypatch, fast):
     assert k["hit_ms"]["n"] == k["cold_ms"]["n"] == 2 and k["speedup"] == pytest.approx(
         k["cold_ms"]["median"] / k["hit_ms"]["median"])
     assert rec["cache"]["hit_tokens"] >= 64 * (cfg.warmup + cfg.repeats)
+
+
+def test_repeat_words_cuts_filler_to_the_word():
+    from kvtool.bench.protocol import repeat_words
+
+    assert repeat_words("a b c", 7) == "a b c a b c a"
+    assert repeat_words("one two. ", 3) == "one two. one" and repeat_words("x", 0) == ""
