@@ -22,12 +22,12 @@ PIECES = list('{}[]",: 0123456789.-+eE\n') + list("abcdefghijklmnopqrstuvwxyz") 
     "false", "\\n", "\\u00e9", "na", "me", "é"]
 
 
-def random_walk(schema: dict, rng: random.Random, steps: int, closers: str) -> str:
+def random_walk(schema: dict, rng: random.Random, steps: int, closers: str, pieces: list[str] = PIECES) -> str:
     """Pieces drawn at random among those the schema allows, leaning towards closing after a while: the text
     of a finished object (asserted: the walk never has no piece to go on with)."""
     state, text = start(schema), ""
     for step in range(steps):
-        options = [(p, n) for p in PIECES if (n := schema_advance(state, p)) is not None]
+        options = [(p, n) for p in pieces if (n := schema_advance(state, p)) is not None]
         assert options, f"stuck after {text!r}"
         closing = [o for o in options if o[0] in closers or o[1].done]
         piece, state = rng.choice(closing if closing and step > steps // 10 and rng.random() < 0.7 else options)
@@ -129,9 +129,17 @@ def test_what_the_schema_forbids_is_refused(text):
 
 
 @pytest.mark.parametrize("schema,words", [
-    ({"type": "object", "properties": {"a": {"oneOf": [{"type": "string"}]}}}, "schema.properties.a uses oneOf"),
-    ({"$ref": "#/$defs/x", "$defs": {}}, "uses $ref, $defs"),
-    ({"type": "object", "properties": {"n": {"enum": [1, 2]}}}, "not plain strings"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "schema.properties.a uses not"),
+    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"if": {}}]}}}, "properties.a uses if"),
+    ({"$ref": "#/$defs/x", "$defs": {}}, "'#/$defs/x' points to nothing"),
+    ({"$ref": "https://example.com/s.json"}, "not a pointer into this schema"),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, "a reference or alternative"),
+    ({"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}]}}},
+     "alternative that refers to itself"),
+    ({"type": "object", "allOf": [{"properties": {"a": {"type": "string"}}}, {"properties": {"a": {"type": "null"}}}]},
+     "property 'a' differently"),
+    ({"type": "object", "properties": {"n": {"enum": [1, 2.5]}}}, "2.5 is not a string, integer"),
+    ({"type": "object", "properties": {"n": {"type": "string", "enum": [1, 2]}}}, "no enum or const value has"),
     ({"type": "string"}, "root must be an object"),
     ({"type": "object", "properties": {"a": {"type": "float"}}}, "unknown type 'float'"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "requires ['b']")])

@@ -1,15 +1,16 @@
 """JSON schema mode (response_format json_schema): the JSON check of json_mode, narrowed by a schema.
 
 What a schema constrains, character by character: each value's type (`type`, a name or a list of
-names; `enum` and `const` of strings), an object's keys (`properties`; with `additionalProperties`
-absent or false no other key, a key at most once, `required` ones before the `}`), an array's items
-(`items`, `minItems`, `maxItems`), a string's length (`minLength`, `maxLength`, in characters; one split
-across tokens, which each decode to U+FFFD, is not counted), integers (no fraction or exponent; `minimum`,
-`maximum`, `exclusiveMinimum`, `exclusiveMaximum`: each digit must leave some integer in range, and the
-number may end only in range). Ignored, as documentation: title, description, format, default, examples,
-the bounds of non-integer numbers, multipleOf and pattern. Refused with an error
-naming them: combinators and references (anyOf, oneOf, allOf, not, $ref, if/then/else, ...), and
-enums that are not strings. Keys and enum strings take no escapes.
+names; `enum` and `const` of strings, integers, booleans and null), an object's keys (`properties`; with
+`additionalProperties` absent or false no other key, a key at most once, `required` ones before the `}`),
+an array's items (`items`, `minItems`, `maxItems`), a string's length (`minLength`, `maxLength`, in
+characters; one split across tokens, which each decode to U+FFFD, is not counted), integers (no fraction
+or exponent; `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`: each digit must leave some
+integer in range, and the number may end only in range). `$ref`, `allOf`, `anyOf` and `oneOf` are
+followed as kvtool.engine.schema_refs describes: the state is then one SchemaState per alternative the
+text still fits (SchemaBranches). Ignored, as documentation: title, description, format, default,
+examples, the bounds of non-integer numbers, multipleOf and pattern. Refused with an error naming them:
+not, if/then/else, patternProperties, prefixItems and the like. Keys and enum strings take no escapes.
 """
 
 from __future__ import annotations
@@ -19,34 +20,57 @@ from typing import NamedTuple
 
 from kvtool.engine.json_mode import (AFTER, ARRAY_FIRST, COLON, ESCAPE, KEY, KEY_OR_END, NUMBER, NUMBER_PREFIX,
                                      START, STRING, UNICODE, VALUE, WS, JsonState, feed)
+from kvtool.engine.schema_refs import ALL as TYPES
+from kvtool.engine.schema_refs import branches, prepare
+from kvtool.engine.schema_refs import types_of as _types
 from kvtool.errors import InvalidParameterError
 
-TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 FIRST = {"object": "{", "array": "[", "string": '"', "number": "-0123456789", "integer": "-0123456789",
          "boolean": "tf", "null": "n"}
 BOUNDS = ("minLength", "maxLength", "minItems", "maxItems")
 RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-UNSUPPORTED = ("anyOf", "oneOf", "allOf", "not", "$ref", "$defs", "definitions", "if", "then", "else",
-               "patternProperties", "prefixItems", "dependentSchemas", "unevaluatedProperties")
+UNSUPPORTED = ("not", "if", "then", "else", "patternProperties", "prefixItems", "dependentSchemas",
+               "unevaluatedProperties", "dependentRequired")
+MAX_BRANCHES = 64  # anyOf alternatives followed side by side; past this the first ones are kept
 
 
-def check_schema(node, where: str = "schema") -> None:
+def check_schema(schema, where: str = "schema") -> None:
     """InvalidParameterError naming the first part of the schema this mode cannot enforce."""
+    if not isinstance(schema, dict):
+        raise InvalidParameterError(f"json_schema: {where} must be an object, got {type(schema).__name__}")
+    root = prepare(schema)
+    if not any("object" in _types(b) for b in branches(root)):
+        raise InvalidParameterError("json_schema: the schema's root must be an object (type: object)")
+    _check(root, where, set())
+
+
+def _check(node, where: str, seen: set[int]) -> None:
+    """Every schema reachable from node, each followed once (a recursive schema comes back to itself)."""
     if not isinstance(node, dict):
         raise InvalidParameterError(f"json_schema: {where} must be an object, got {type(node).__name__}")
-    bad = [k for k in UNSUPPORTED if k in node]
-    if bad:
-        raise InvalidParameterError(f"json_schema: {where} uses {', '.join(bad)}, which JSON schema mode does not "
-                                    "support (type, properties, required, additionalProperties, items, enum, const, "
-                                    "minLength, maxLength, minItems, maxItems)")
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    for branch in branches(node):
+        _check_one(branch or {}, where)
+        for key, sub in ((branch or {}).get("properties") or {}).items():
+            _check(sub, f"{where}.properties.{key}", seen)
+        for key in ("items", "additionalProperties"):
+            if isinstance((branch or {}).get(key), dict):
+                _check(branch[key], f"{where}.{key}", seen)
+
+
+def _check_one(node: dict, where: str) -> None:
+    """The keywords of one alternative ($ref, allOf and anyOf already merged in)."""
+    unsupported = [k for k in UNSUPPORTED if k in node]
+    if unsupported:
+        raise InvalidParameterError(f"json_schema: {where} uses {', '.join(unsupported)}, which JSON schema mode "
+                                    "does not support (type, properties, required, additionalProperties, items, "
+                                    "enum, const, $ref, anyOf, oneOf, allOf, and length, item and integer bounds)")
     types = node.get("type", [])
     for t in [types] if isinstance(types, str) else types:
         if t not in TYPES:
             raise InvalidParameterError(f"json_schema: {where} has unknown type {t!r}; use one of {', '.join(TYPES)}")
-    values = node["enum"] if "enum" in node else [node["const"]] if "const" in node else []
-    if any(not isinstance(v, str) or "\\" in v or '"' in v for v in values):
-        raise InvalidParameterError(f"json_schema: {where} has an enum or const that is not plain strings; "
-                                    "JSON schema mode enforces string enums only")
     for low, high in (BOUNDS[:2], BOUNDS[2:]):
         for name in (low, high):
             if name in node and (not isinstance(node[name], int) or isinstance(node[name], bool) or node[name] < 0):
@@ -65,31 +89,18 @@ def check_schema(node, where: str = "schema") -> None:
     if missing:
         raise InvalidParameterError(f"json_schema: {where} requires {missing}, which its properties do not allow "
                                     "(no object could have them)")
-    for key, sub in (node.get("properties") or {}).items():
-        check_schema(sub, f"{where}.properties.{key}")
-    for key in ("items", "additionalProperties"):
-        if isinstance(node.get(key), dict):
-            check_schema(node[key], f"{where}.{key}")
-    if types and "object" not in ([types] if isinstance(types, str) else types) and where == "schema":
-        raise InvalidParameterError("json_schema: the schema's root must be an object (type: object)")
-
-
-def _types(node: dict | None) -> set[str]:
-    if not node:
-        return set(TYPES)
-    if "enum" in node or "const" in node:
-        return {"string"}
-    types = node.get("type")
-    if types is None:
-        return {"object"} if "properties" in node else {"array"} if "items" in node else set(TYPES)
-    return {types} if isinstance(types, str) else set(types)
 
 
 def _strings(node: dict | None) -> list[str] | None:
-    """The values a string may take, or None for any."""
-    if not node:
-        return None
-    return node["enum"] if "enum" in node else [node["const"]] if "const" in node else None
+    """The values a string may take, or None for any (an enum node is concrete: one type, its values)."""
+    return node["enum"] if node and "enum" in node and node.get("type") == "string" else None
+
+
+def _first(node: dict | None) -> str:
+    """The characters a value of node may start with."""
+    if node and "enum" in node and node.get("type") == "boolean":
+        return "".join("t" if v else "f" for v in node["enum"])
+    return "".join(FIRST[t] for t in _types(node))
 
 
 def _keys(node: dict) -> tuple[set[str] | None, dict | None]:
@@ -121,8 +132,27 @@ class SchemaState(NamedTuple):
         return self.json.done
 
 
-def start(schema: dict) -> SchemaState:
-    return SchemaState(JsonState(), (), schema)
+class SchemaBranches(NamedTuple):
+    """The states of the anyOf alternatives the text so far still fits; all share one JSON syntax state."""
+    states: tuple
+
+    @property
+    def done(self) -> bool:
+        return self.states[0].json.done
+
+
+def start(schema: dict) -> SchemaBranches:
+    return SchemaBranches(tuple(_expand(SchemaState(JsonState(), (), prepare(schema)))))
+
+
+def _expand(state: SchemaState) -> list[SchemaState]:
+    """state once per alternative its value's schema allows (itself for a schema without anyOf/oneOf)."""
+    return [state._replace(expect=node) for node in branches(state.expect)] if state.expect else [state]
+
+
+def _key(state: SchemaState) -> tuple:
+    frames = tuple((id(f.node), f.seen, f.key, f.items) for f in state.frames)
+    return state.json, frames, id(state.expect), state.text, state.count
 
 
 def _allowed_keys(frame: Frame) -> set[str] | None:
@@ -192,7 +222,7 @@ def schema_feed(state: SchemaState, ch: str) -> SchemaState | None:
         return None
     in_array = js.stack[-1:] == "a"
     if mode in (START, VALUE) or (mode == ARRAY_FIRST and ch != "]"):
-        if ch not in WS and not any(ch in FIRST[t] for t in _types(expect)):
+        if ch not in WS and ch not in _first(expect):
             return None
         if mode == ARRAY_FIRST and ch not in WS and _bound(frames[-1].node, "maxItems") == 0:
             return None
@@ -227,9 +257,12 @@ def schema_feed(state: SchemaState, ch: str) -> SchemaState | None:
         frames = frames[:-1] + (frames[-1]._replace(items=frames[-1].items + 1),)  # an item starts
     if _types(expect) == {"integer"} and (js.mode == NUMBER or nxt.mode == NUMBER):
         lo, hi = _int_range(expect)
-        if nxt.mode == NUMBER and not _int_prefix_ok(nxt.part, lo, hi):
+        values = expect.get("enum")
+        if nxt.mode == NUMBER and not (_int_prefix_ok(nxt.part, lo, hi) and
+                                       (values is None or any(str(v).startswith(nxt.part) for v in values))):
             return None
-        if js.mode == NUMBER and nxt.mode != NUMBER and not _in(int(js.part), lo, hi):
+        if js.mode == NUMBER and nxt.mode != NUMBER and not (_in(int(js.part), lo, hi) and
+                                                             (values is None or int(js.part) in values)):
             return None  # the number would end out of range
     out = _follow(js, nxt, frames, expect, text, ch)
     if out.json.mode in (STRING, ESCAPE, UNICODE) and out.json.part[:1] == "v":
@@ -260,12 +293,22 @@ def _follow(js: JsonState, nxt: JsonState, frames: tuple, expect, text: str, ch:
     return SchemaState(nxt, frames, expect, text)  # inside a number, a literal or an escape
 
 
-def schema_advance(state: SchemaState, text: str) -> SchemaState | None:
+def schema_advance(branches_: SchemaBranches, text: str) -> SchemaBranches | None:
+    states = branches_.states
     for ch in text:
-        js = state.json
-        if ch == "\ufffd" and js.mode in (STRING, ESCAPE, UNICODE) and not _tracked(js, state.frames, state.expect):
-            continue  # part of a multi-byte character in a free string
-        state = schema_feed(state, ch)
-        if state is None:
+        nxt: list[SchemaState] = []
+        for state in states:
+            js = state.json
+            if ch == "\ufffd" and js.mode in (STRING, ESCAPE, UNICODE) and not _tracked(js, state.frames, state.expect):
+                nxt.append(state)  # part of a multi-byte character in a free string
+            elif (fed := schema_feed(state, ch)) is not None:
+                nxt += _expand(fed) if fed.expect is not state.expect else [fed]
+        if not nxt:
             return None
-    return state
+        if len(nxt) > 1:  # alternatives that have come back to the same state merge
+            merged: dict = {}
+            for state in nxt:
+                merged.setdefault(_key(state), state)
+            nxt = list(merged.values())[:MAX_BRANCHES]
+        states = tuple(nxt)
+    return SchemaBranches(states)

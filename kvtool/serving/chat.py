@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from jsonschema import Draft202012Validator, SchemaError
 
 from kvtool.engine.json_schema import check_schema
+from kvtool.engine.schema_refs import rebase
 from kvtool.errors import InvalidParameterError
 from kvtool.serving.errors import ServingError
 from kvtool.serving.protocol import ChatMessage, NamedToolChoice, ToolDef
@@ -246,6 +247,7 @@ def call_schema(tools: list[dict], name: str | None) -> dict | None:
     what JSON schema mode cannot enforce: the prefill alone then starts the call."""
     chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     args = (chosen[0].get("parameters") or {"type": "object"}) if len(chosen) == 1 else {"type": "object"}
+    args = rebase(args, "#/properties/arguments")  # its own '#/$defs/...' references, now inside the call
     schema = {"type": "object", "properties": {"name": {"enum": [f["name"] for f in chosen]}, "arguments": args},
               "required": ["name", "arguments"], "additionalProperties": False}
     try:

@@ -166,3 +166,29 @@ def test_reasoning_when_the_prompt_opens_the_think_block(qwen_client):
     assert "</think>" in pieces, "the raw stream shows the closing tag exactly as produced"
     assert raw[-1]["piece"] == "<|im_end|>" and raw[-1]["channel"] == "special"
     assert {t["channel"] for t in raw[:-1]} == {"reasoning"}
+
+
+def test_parse_fills_a_pydantic_model(smol_client):
+    from tests.test_json_schema_refs import City
+
+    out = smol_client.chat.completions.parse(
+        model=model_id(smol_client), response_format=City, temperature=0, max_tokens=150,
+        messages=[{"role": "user", "content": "Describe Paris and two cities near it as JSON."}])
+    city = out.choices[0].message.parsed
+    assert isinstance(city, City) and out.choices[0].finish_reason == "stop"
+    assert city.country.value == "France" and len(city.neighbours) <= 2
+
+
+def test_a_forced_call_follows_a_pydantic_tool(qwen_client):
+    import openai
+
+    from tests.test_json_schema_refs import City
+
+    tool = openai.pydantic_function_tool(City, name="save_city")
+    assert "$defs" in tool["function"]["parameters"]  # the nested models arrive as references
+    out = qwen_client.chat.completions.create(
+        model=model_id(qwen_client), tools=[tool], tool_choice={"type": "function", "function": {"name": "save_city"}},
+        temperature=0, max_tokens=120, messages=[{"role": "user", "content": "Save Paris with two neighbours."}])
+    call = out.choices[0].message.tool_calls[0]
+    assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "save_city"
+    City.model_validate_json(call.function.arguments)
