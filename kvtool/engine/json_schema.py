@@ -23,12 +23,13 @@ from kvtool.engine.json_mode import (AFTER, ARRAY_FIRST, COLON, ESCAPE, KEY, KEY
 from kvtool.engine.schema_refs import ALL as TYPES
 from kvtool.engine.schema_refs import branches, prepare
 from kvtool.engine.schema_refs import types_of as _types
+from kvtool.engine.schema_values import (RANGE, check_pattern, empty_range, has_range, int_ok, int_range,
+                                         number_ok, patterns, string_ok)
 from kvtool.errors import InvalidParameterError
 
 FIRST = {"object": "{", "array": "[", "string": '"', "number": "-0123456789", "integer": "-0123456789",
          "boolean": "tf", "null": "n"}
 BOUNDS = ("minLength", "maxLength", "minItems", "maxItems")
-RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 UNSUPPORTED = ("not", "if", "then", "else", "patternProperties", "prefixItems", "dependentSchemas",
                "unevaluatedProperties", "dependentRequired")
 MAX_BRANCHES = 64  # anyOf alternatives followed side by side; past this the first ones are kept
@@ -81,9 +82,12 @@ def _check_one(node: dict, where: str) -> None:
         if name in node and (isinstance(node[name], bool) or not isinstance(node[name], (int, float))
                              or not math.isfinite(node[name])):
             raise InvalidParameterError(f"json_schema: {where}.{name} must be a number")
-    lo, hi = _int_range(node)
+    lo, hi = int_range(node)
     if _types(node) == {"integer"} and lo is not None and hi is not None and lo > hi:
         raise InvalidParameterError(f"json_schema: {where} leaves no integer between its bounds")
+    if _types(node) == {"number"} and empty_range(node):
+        raise InvalidParameterError(f"json_schema: {where} leaves no number between its bounds")
+    check_pattern(node, where)
     keys, _ = _keys(node)
     missing = [k for k in node.get("required", []) if keys is not None and k not in keys]
     if missing:
@@ -171,35 +175,8 @@ def _value_schema(frame: Frame, container: str) -> dict | None:
     return (node.get("properties") or {}).get(frame.key, _keys(node)[1])
 
 
-def _int_range(node: dict | None) -> tuple[int | None, int | None]:
-    """The integers an integer value may take: (lowest, highest), None where unbounded."""
-    node = node or {}
-    lows = [math.ceil(node["minimum"])] if "minimum" in node else []
-    lows += [math.floor(node["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in node else []
-    highs = [math.floor(node["maximum"])] if "maximum" in node else []
-    highs += [math.ceil(node["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in node else []
-    return (max(lows) if lows else None), (min(highs) if highs else None)
-
-
-def _in(value: int, lo: int | None, hi: int | None) -> bool:
-    return (lo is None or value >= lo) and (hi is None or value <= hi)
-
-
-def _int_prefix_ok(text: str, lo: int | None, hi: int | None) -> bool:
-    """Whether some JSON integer whose text starts with `text` (a sign, digits) lies in [lo, hi]."""
-    digits = text.lstrip("-")
-    if text.startswith("-"):  # its magnitude m = -value lies in [-hi, -lo]
-        lo, hi = (None if hi is None else -hi), (None if lo is None else -lo)
-    if not digits:  # any magnitude >= 0
-        return hi is None or hi >= 0
-    if digits == "0":
-        return _in(0, lo, hi)
-    d, scale = int(digits), 1
-    while hi is None or d * scale <= hi:  # the magnitudes d, d0..d9, d00..d99, ...
-        if lo is None or (d + 1) * scale - 1 >= lo:
-            return True
-        scale *= 10
-    return False
+def _bounded_number(node: dict | None) -> bool:
+    return _types(node) == {"number"} and has_range(node)
 
 
 def _bound(node: dict | None, name: str) -> int | None:
@@ -218,7 +195,7 @@ def schema_feed(state: SchemaState, ch: str) -> SchemaState | None:
     mode = js.mode
     if mode == NUMBER and not NUMBER_PREFIX.fullmatch(js.part + ch):
         mode = AFTER  # ch ends the number and is read as what follows it
-    elif mode == NUMBER and ch in ".eE" and _types(expect) == {"integer"}:
+    elif mode == NUMBER and (ch in ".eE" and _types(expect) == {"integer"} or ch in "eE" and _bounded_number(expect)):
         return None
     in_array = js.stack[-1:] == "a"
     if mode in (START, VALUE) or (mode == ARRAY_FIRST and ch != "]"):
@@ -238,6 +215,8 @@ def schema_feed(state: SchemaState, ch: str) -> SchemaState | None:
         high = _bound(expect, "maxLength")
         if ch != '"' and high is not None and state.count >= high:
             return None
+        if ch == '"' and patterns(expect) and not string_ok(expect, text, True):
+            return None
     elif in_array and mode in (ARRAY_FIRST, AFTER) and ch in ",]":
         items, node = frames[-1].items, frames[-1].node
         if ch == "]" and items < (_bound(node, "minItems") or 0):
@@ -255,16 +234,14 @@ def schema_feed(state: SchemaState, ch: str) -> SchemaState | None:
         return None
     if in_array and ((mode == ARRAY_FIRST and ch not in WS + "]") or (mode == AFTER and ch == ",")):
         frames = frames[:-1] + (frames[-1]._replace(items=frames[-1].items + 1),)  # an item starts
-    if _types(expect) == {"integer"} and (js.mode == NUMBER or nxt.mode == NUMBER):
-        lo, hi = _int_range(expect)
-        values = expect.get("enum")
-        if nxt.mode == NUMBER and not (_int_prefix_ok(nxt.part, lo, hi) and
-                                       (values is None or any(str(v).startswith(nxt.part) for v in values))):
-            return None
-        if js.mode == NUMBER and nxt.mode != NUMBER and not (_in(int(js.part), lo, hi) and
-                                                             (values is None or int(js.part) in values)):
-            return None  # the number would end out of range
+    ok = int_ok if _types(expect) == {"integer"} else number_ok if _bounded_number(expect) else None
+    if ok is not None and nxt.mode == NUMBER and not ok(expect, nxt.part, False):
+        return None
+    if ok is not None and js.mode == NUMBER and nxt.mode != NUMBER and not ok(expect, js.part, True):
+        return None  # the number would end out of range
     out = _follow(js, nxt, frames, expect, text, ch)
+    if nxt.mode == STRING and nxt.part == "v" and patterns(expect) and not string_ok(expect, out.text, False):
+        return None
     if out.json.mode in (STRING, ESCAPE, UNICODE) and out.json.part[:1] == "v":
         inside = js.mode in (STRING, ESCAPE, UNICODE)
         out = out._replace(count=state.count + (js.mode == STRING) if inside else 0)
@@ -283,14 +260,22 @@ def _follow(js: JsonState, nxt: JsonState, frames: tuple, expect, text: str, ch:
         return SchemaState(nxt, frames[:-1] + (Frame(f.node, f.seen | {text}, text),))
     if nxt.mode == VALUE:  # after a key's colon, or an array's comma
         return SchemaState(nxt, frames, _value_schema(frames[-1], nxt.stack[-1]))
-    if nxt.mode == STRING:
+    if nxt.mode in (STRING, ESCAPE, UNICODE):
         if js.mode not in (STRING, ESCAPE, UNICODE):
             return SchemaState(nxt, frames, expect, "")  # a string starts
-        grow = js.mode == STRING and (nxt.part == "k" or _strings(expect) is not None)
+        raw = nxt.part[:1] == "v" and bool(patterns(expect))  # a patterned string keeps its raw text, escapes too
+        grow = raw or (js.mode == STRING and (nxt.part == "k" or _strings(expect) is not None))
         return SchemaState(nxt, frames, expect, text + ch if grow else text)
     if nxt.mode in (AFTER, KEY, COLON):
         return SchemaState(nxt, frames)
     return SchemaState(nxt, frames, expect, text)  # inside a number, a literal or an escape
+
+
+def _checks_chars(state: SchemaState) -> bool:
+    """Whether the string being read checks its characters (a key or enum list, a pattern): then a piece of a
+    multi-byte character (U+FFFD) is checked as one."""
+    js = state.json
+    return _tracked(js, state.frames, state.expect) or (js.part[:1] == "v" and bool(patterns(state.expect)))
 
 
 def schema_advance(branches_: SchemaBranches, text: str) -> SchemaBranches | None:
@@ -299,7 +284,7 @@ def schema_advance(branches_: SchemaBranches, text: str) -> SchemaBranches | Non
         nxt: list[SchemaState] = []
         for state in states:
             js = state.json
-            if ch == "\ufffd" and js.mode in (STRING, ESCAPE, UNICODE) and not _tracked(js, state.frames, state.expect):
+            if ch == "\ufffd" and js.mode in (STRING, ESCAPE, UNICODE) and not _checks_chars(state):
                 nxt.append(state)  # part of a multi-byte character in a free string
             elif (fed := schema_feed(state, ch)) is not None:
                 nxt += _expand(fed) if fed.expect is not state.expect else [fed]
