@@ -48,11 +48,12 @@ class Person(BaseModel):
     tree: Optional[Tree] = None
     tag: Union[str, int, None] = None
     flag: Literal[True] = True
+    pair: tuple[Colour, int] = (Colour.red, 1)
 
 
 SCHEMA = Person.model_json_schema()
 KEYS = ["name", "age", "colour", "level", "home", "past", "note", "tree", "tag", "flag", "city", "zip", "label",
-        "children"]
+        "children", "pair"]
 PIECES = list('{}[]",: 0123456789-.e') + list("abcdefghijklmnopqrstuvwxyz") + [f'"{k}"' for k in KEYS] + [
     '"red"', '"green"', "true", "false", "null", "30", "1", "é"]
 
@@ -65,7 +66,8 @@ def valid(text: str) -> Person:
 
 def test_pydantic_schema_uses_what_this_mode_now_follows():
     text = json.dumps(SCHEMA)
-    assert all(word in text for word in ('"$ref"', '"$defs"', '"anyOf"', '"const"', '"enum": [1, 2, 30]'))
+    assert all(word in text for word in ('"$ref"', '"$defs"', '"anyOf"', '"const"', '"enum": [1, 2, 30]',
+                                         '"prefixItems"'))
     assert SCHEMA["$defs"]["Tree"]["properties"]["children"]["items"] == {"$ref": "#/$defs/Tree"}  # recursive
     SamplingParams(response_format="json_schema", json_schema=SCHEMA).validate()
 
@@ -86,7 +88,7 @@ def random_person(rng: random.Random) -> Person:
     return Person(name=rng.choice(["", "Bo", 'q"t']), age=rng.choice([0, 7, 120]), colour=rng.choice(list(Colour)),
                   level=rng.choice([1, 2, 30]), home=address(), past=[address() for _ in range(rng.randrange(3))],
                   note=rng.choice([None, "x"]), tree=rng.choice([None, random_tree(rng, 4)]),
-                  tag=rng.choice([None, "t", 12, -1]))
+                  tag=rng.choice([None, "t", 12, -1]), pair=(rng.choice(list(Colour)), rng.randrange(-5, 5)))
 
 
 def test_every_valid_instance_passes_character_by_character():
@@ -108,7 +110,8 @@ BASE = ('{"name": "Bo", "age": 3, "colour": "red", "level": 2, "home": {"city": 
 
 @pytest.mark.parametrize("tail", [
     ', "colour"', ', "tree": {"label": "a", "children": [{"label": 1', ', "tree": {"label": "a", "children": [{"x"',
-    ', "tag": true', ', "tag": [', ', "tree": "a"', ', "past": [{"city": "abcdefg', ', "past": [{"zip": 1.5',
+    ', "tag": true', ', "tag": [', ', "tree": "a"', ', "pair": [1', ', "pair": ["red", "x"', ', "pair": ["red", 1, 2',
+    ', "past": [{"city": "abcdefg', ', "past": [{"zip": 1.5',
     ', "past": [{"city": "a", "zip": "1', ', "flag": f', ', "tree": {"label": "a", "children": [{"label": "b", "c"'])
 def test_what_the_schema_forbids_is_refused(tail):
     assert schema_advance(start(SCHEMA), BASE + tail) is None
@@ -138,6 +141,17 @@ def test_allof_parts_and_a_refs_siblings_merge():
         assert state is None or not state.done, text
     tight = {"type": "object", "properties": {"s": {"allOf": [{"maxLength": 4}, {"maxLength": 2}], "type": "string"}}}
     assert schema_advance(start(tight), '{"s": "ab"}').done and schema_advance(start(tight), '{"s": "abc') is None
+
+
+def test_prefix_items_give_each_leading_item_its_schema():
+    closed = {"type": "object", "properties": {"t": {"prefixItems": [{"type": "integer"}, {"enum": ["a"]}],
+                                                     "items": False}}}
+    assert schema_advance(start(closed), '{"t": [1, "a"]}').done and schema_advance(start(closed), '{"t": [1]}').done
+    for text in ('{"t": ["a"', '{"t": [1, 2', '{"t": [1, "a",'):
+        assert schema_advance(start(closed), text) is None, text
+    rest = {"type": "object", "properties": {"t": {"prefixItems": [{"type": "integer"}], "items": {"type": "boolean"}}}}
+    assert schema_advance(start(rest), '{"t": [1, true, false]}').done
+    assert schema_advance(start(rest), '{"t": [1, true, 3') is None
 
 
 def test_ambiguous_alternatives_stay_bounded():
@@ -187,13 +201,15 @@ class Neighbour(BaseModel):
 
 
 class City(BaseModel):
-    """A Pydantic model with a string enum and a list of another model ($ref), Optional (anyOf) and Literal."""
+    """A Pydantic model with a string enum and a list of another model ($ref), Optional (anyOf), Literal and a
+    tuple (prefixItems)."""
     model_config = ConfigDict(extra="forbid")
     name: str = Field(max_length=20)
     country: Country
     population: Optional[int] = Field(ge=0)
     size: Literal[1, 2, 3]
     neighbours: list[Neighbour] = Field(max_length=2)
+    coords: tuple[float, float]
 
 
 def pydantic_valid(model, text: str) -> bool:

@@ -3,14 +3,14 @@
 What a schema constrains, character by character: each value's type (`type`, a name or a list of
 names; `enum` and `const` of strings, integers, booleans and null), an object's keys (`properties`; with
 `additionalProperties` absent or false no other key, a key at most once, `required` ones before the `}`),
-an array's items (`items`, `minItems`, `maxItems`), a string's length (`minLength`, `maxLength`, in
-characters; one split across tokens, which each decode to U+FFFD, is not counted), integers (no fraction
-or exponent; `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`: each digit must leave some
-integer in range, and the number may end only in range). `$ref`, `allOf`, `anyOf` and `oneOf` are
+an array's items (`prefixItems` for the leading ones, `items` for the rest, `minItems`, `maxItems`), a
+string's length (`minLength`, `maxLength`, in characters; one split across tokens, which each decode to
+U+FFFD, is not counted). Integers take no fraction or exponent; their bounds, number bounds, `pattern`
+and `format` are checked by kvtool.engine.schema_values. `$ref`, `allOf`, `anyOf` and `oneOf` are
 followed as kvtool.engine.schema_refs describes: the state is then one SchemaState per alternative the
-text still fits (SchemaBranches). Ignored, as documentation: title, description, format, default,
-examples, the bounds of non-integer numbers, multipleOf and pattern. Refused with an error naming them:
-not, if/then/else, patternProperties, prefixItems and the like. Keys and enum strings take no escapes.
+text still fits (SchemaBranches). Ignored, as documentation: title, description, default, examples,
+formats schema_values does not know, and multipleOf. Refused with an error naming them: not,
+if/then/else, patternProperties and the like. Keys and enum strings take no escapes.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from kvtool.errors import InvalidParameterError
 FIRST = {"object": "{", "array": "[", "string": '"', "number": "-0123456789", "integer": "-0123456789",
          "boolean": "tf", "null": "n"}
 BOUNDS = ("minLength", "maxLength", "minItems", "maxItems")
-UNSUPPORTED = ("not", "if", "then", "else", "patternProperties", "prefixItems", "dependentSchemas",
+UNSUPPORTED = ("not", "if", "then", "else", "patternProperties", "dependentSchemas",
                "unevaluatedProperties", "dependentRequired")
 MAX_BRANCHES = 64  # anyOf alternatives followed side by side; past this the first ones are kept
 
@@ -59,6 +59,8 @@ def _check(node, where: str, seen: set[int]) -> None:
         for key in ("items", "additionalProperties"):
             if isinstance((branch or {}).get(key), dict):
                 _check(branch[key], f"{where}.{key}", seen)
+        for i, sub in enumerate((branch or {}).get("prefixItems") or []):
+            _check(sub, f"{where}.prefixItems[{i}]", seen)
 
 
 def _check_one(node: dict, where: str) -> None:
@@ -170,8 +172,9 @@ def _may_close(frame: Frame) -> bool:
 
 def _value_schema(frame: Frame, container: str) -> dict | None:
     node = frame.node or {}
-    if container == "a":
-        return node.get("items")
+    if container == "a":  # prefixItems: the schema of each leading item; items: of those after them
+        index, leading = max(frame.items - 1, 0), node.get("prefixItems") or []
+        return leading[index] if index < len(leading) else (node.get("items") or None)
     return (node.get("properties") or {}).get(frame.key, _keys(node)[1])
 
 
@@ -180,7 +183,10 @@ def _bounded_number(node: dict | None) -> bool:
 
 
 def _bound(node: dict | None, name: str) -> int | None:
-    return (node or {}).get(name)
+    node = node or {}
+    if name == "maxItems" and node.get("items") is False:  # no items past prefixItems
+        return min(len(node.get("prefixItems") or []), node.get(name, math.inf))
+    return node.get(name)
 
 
 def _tracked(js: JsonState, frames: tuple, expect) -> bool:

@@ -91,7 +91,8 @@ def types_of(node: dict | None) -> set[str]:
         return set(ALL)
     types = node.get("type")
     if types is None:
-        return {"object"} if "properties" in node else {"array"} if "items" in node else set(ALL)
+        return {"object"} if "properties" in node else {"array"} if "items" in node or "prefixItems" in node \
+            else set(ALL)
     return {types} if isinstance(types, str) else set(types)
 
 
