@@ -13,24 +13,37 @@ def register(subparsers) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--raw", action="store_true", help="show special tokens verbatim")
+    p.add_argument("--suffix", default=None, help="fill in the middle: the prompt is the text before, this the text "
+                                                  "after (a code model with FIM tokens, e.g. Qwen2.5-Coder)")
     add_model_args(p)
     add_sampling_args(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    import dataclasses
+
     from kvtool.engine import Engine
+    from kvtool.errors import InvalidParameterError
+    from kvtool.models.fim import fim_format, plain_ids
 
     params = sampling_from_args(args)
+    if args.suffix is not None and args.chat:
+        raise InvalidParameterError("--suffix (fill in the middle) takes a raw prompt; drop --chat")
     model = load_from_args(args)
-    if args.chat:
+    ids = None
+    if args.suffix is not None:
+        fim = fim_format(model.tokenizer, f"model {model.name}")
+        ids = fim.prompt(plain_ids(model.tokenizer, args.prompt), plain_ids(model.tokenizer, args.suffix))
+        params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *fim.stops]).validate()
+    elif args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})
         prompt = model.render(messages)
     else:
         prompt = args.prompt
     engine = Engine(model)
-    gen = engine.generate(model.encode(prompt), params, skip_special_tokens=not args.raw)
+    gen = engine.generate(ids or model.encode(prompt), params, skip_special_tokens=not args.raw)
     for event in gen:
         sys.stdout.write(event.piece if args.raw else event.text)
         sys.stdout.flush()

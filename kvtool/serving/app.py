@@ -22,7 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtool.config import EngineConfig
 from kvtool.engine import Engine
-from kvtool.errors import KvtoolError
+from kvtool.errors import InvalidParameterError, KvtoolError
+from kvtool.models.fim import fim_format, plain_ids
 from kvtool.serving.chat import prepare_chat
 from kvtool.serving.choices import merged_chunks, merged_response
 from kvtool.serving.config import ServerConfig
@@ -267,6 +268,15 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and isinstance(
             body.prompt[0], (str, list)) else [body.prompt]  # several prompts: choice p * n + i is choice i of p
         ids = [served.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompts]
+        if body.suffix is not None:  # fill in the middle: [PRE] prompt [SUF] suffix [MID], ended by a FIM stop token
+            try:
+                fim = fim_format(served.tokenizer, f"model {served.name}")
+            except InvalidParameterError as exc:
+                raise ServingError(str(exc), "suffix") from None
+            suffix = plain_ids(served.tokenizer, body.suffix)
+            ids = [fim.prompt(plain_ids(served.tokenizer, p) if isinstance(p, str) else list(p), suffix)
+                   for p in prompts]
+            params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *fim.stops]).validate()
         handles = worker.submit_choices(ids, body.n, params)
         sessions: list[CompletionSession] = []
         for i, handle in enumerate(handles):

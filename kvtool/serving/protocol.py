@@ -172,12 +172,13 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False  # the text starts with the prompt; with logprobs, the prompt tokens' come first
-    suffix: str | None = None
+    suffix: str | None = None  # fill-in-the-middle: the prompt is the text before, suffix the text after
     prompt_logprobs: int | None = None  # vLLM: each prompt token's logprob (+ top k); the prompt is prefilled whole
 
     def completion_sampling(self, default_max_tokens: int | None) -> SamplingParams:
-        if self.suffix:
-            raise ServingError("suffix (fill-in-the-middle) is not supported", param="suffix")
+        if self.suffix is not None and self.echo:
+            raise ServingError("echo cannot be combined with suffix: a fill-in-the-middle prompt is not text to "
+                               "echo (send the prefix and suffix again yourself)", param="echo")
         scored = self.prompt_logprobs if self.prompt_logprobs is not None or not self.echo else self.logprobs
         return self.sampling(default_max_tokens, logprobs=self.logprobs, prompt_logprobs=scored)
 
