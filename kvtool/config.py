@@ -50,6 +50,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these tokens may be drawn (vLLM's allowed_token_ids)
     choice: list[str] | None = None  # the output is exactly one of these strings (kvtool.engine.choice)
+    regex: str | None = None  # the whole output matches this pattern (kvtool.engine.regex_mode)
     logprobs: int | None = None  # None: off; k >= 0: chosen token + top k
     prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob + top k (full prefill)
     response_format: str = "text"  # text | json_object | json_schema: one JSON object (kvtool.engine.json_mode)
@@ -124,6 +125,18 @@ class SamplingParams:
                 bad("choice", "must be a non-empty list of non-empty strings")
             if self.response_format != "text" or self.min_tokens:
                 bad("choice", "the output is one of the choices: it cannot be a JSON mode or take min_tokens")
+        if self.regex is not None:
+            import regex
+
+            if not isinstance(self.regex, str) or not self.regex:
+                bad("regex", "must be a non-empty pattern string")
+            try:
+                regex.compile(self.regex)
+            except regex.error as exc:
+                bad("regex", f"is not a valid regular expression: {exc}")
+            if self.response_format != "text" or self.min_tokens or self.choice is not None:
+                bad("regex", "the output is a match of the pattern: it cannot be a JSON or choice mode or take "
+                             "min_tokens")
         if self.response_format != "text" and self.min_tokens:
             bad("min_tokens", "a JSON mode ends the output when its object closes; min_tokens does not apply")
         if self.response_format != "text" and self.ignore_eos and not self.stop_token_ids:

@@ -41,6 +41,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="answer with one JSON object (JSON mode)")
     p.add_argument("--choice", action="append", default=None, metavar="TEXT",
                    help="answer with exactly one of these strings (repeatable)")
+    p.add_argument("--regex", default=None, metavar="PATTERN", help="answer with text the whole of which matches "
+                                                                    "this regular expression")
     p.add_argument("--json-schema", default=None, metavar="SCHEMA",
                    help="answer with one JSON object that follows this JSON schema (a file, or the schema inline)")
 
@@ -85,7 +87,7 @@ def sampling_from_args(args) -> SamplingParams:
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, stop=list(args.stop), response_format=fmt,
         json_schema=schema, min_tokens=getattr(args, "min_tokens", 0), choice=getattr(args, "choice", None),
-        logit_bias=logit_bias_arg(getattr(args, "logit_bias", [])),
+        regex=getattr(args, "regex", None), logit_bias=logit_bias_arg(getattr(args, "logit_bias", [])),
     ).validate()
 
 

@@ -151,9 +151,9 @@ class Engine:
                                                             fit), bucket)
 
     def constraint(self, params: SamplingParams, stop_ids):
-        """The JsonConstraint or ChoiceConstraint a request samples under (None for free text); the
+        """The JsonConstraint, ChoiceConstraint or RegexConstraint a request samples under (None for free text); the
         vocabulary's pieces are decoded once per engine."""
-        if params.response_format == "text" and params.choice is None:
+        if params.response_format == "text" and params.choice is None and params.regex is None:
             return None
         if self._vocab is None:
             tok = self.model.tokenizer
@@ -164,6 +164,10 @@ class Engine:
             from kvtool.engine.choice import ChoiceConstraint
 
             return ChoiceConstraint(*self._vocab, stop_ids, params.choice)
+        if params.regex is not None:
+            from kvtool.engine.regex_mode import RegexConstraint
+
+            return RegexConstraint(*self._vocab, stop_ids, params.regex)
         from kvtool.engine.json_mode import JsonConstraint
 
         return JsonConstraint(*self._vocab, stop_ids, params.json_schema, params.json_suffix)

@@ -136,7 +136,7 @@ class Sampler:
             for token in torch.argsort(scores, descending=True)[:live].tolist():  # the rest, only when needed
                 if c.next_state(token) is not None:
                     return token
-        raise ValueError("JSON mode: no token of the vocabulary continues the output")
+        raise ValueError("structured output: no token of the vocabulary continues the output")
 
     def _adjust(self, x: torch.Tensor) -> torch.Tensor:
         """Penalties, then logit_bias, allowed_token_ids and the min_tokens hold: what every mode draws from."""

@@ -7,6 +7,8 @@ where a number belongs is a 400, not a silent conversion).
 
 from __future__ import annotations
 
+import json
+
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -77,6 +79,16 @@ class ResponseFormat(Strict):
     json_schema: dict[str, Any] | None = None  # OpenAI: {"name", "schema", "strict"}
 
 
+class StructuredOutputs(Strict):
+    """vLLM's structured_outputs: exactly one of json (a schema), regex or choice."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # named so a request using it gets a clear 400
+    structural_tag: Any = None
+
+
 class GenerationRequest(Strict):
     """Fields shared by chat and raw completions."""
 
@@ -95,6 +107,9 @@ class GenerationRequest(Strict):
     ignore_eos: bool = False
     allowed_token_ids: list[int] | None = None  # vLLM's extension: only these tokens may be drawn
     guided_choice: list[str] | None = None  # vLLM's extension: the output is exactly one of these strings
+    guided_regex: str | None = None  # vLLM's extension: the output matches this pattern
+    guided_json: dict[str, Any] | str | None = None  # vLLM's extension: the output is JSON of this schema
+    structured_outputs: StructuredOutputs | None = None  # vLLM's newer form of the three above
     include_stop_str_in_output: bool = False  # vLLM's extension: the stop string that ended the text stays in it
     min_tokens: int = 0  # vLLM's extension: no end of turn, stop token or stop string before this many tokens
     logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias added to its logit, in [-100, 100]
@@ -114,7 +129,7 @@ class GenerationRequest(Strict):
             value = getattr(self, name)
             return getattr(defaults, name) if value is None else value
 
-        fmt = self.response_format or ResponseFormat()
+        fmt, choice, regex = self.structured(self.response_format or ResponseFormat())
         if fmt.type not in ("text", "json_object", "json_schema"):
             raise ServingError(f"response_format type {fmt.type!r} is not supported; use 'text', 'json_object' or "
                                "'json_schema'", param="response_format")
@@ -137,9 +152,38 @@ class GenerationRequest(Strict):
             frequency_penalty=pick("frequency_penalty"), seed=self.seed, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
             min_tokens=self.min_tokens, logit_bias=bias, include_stop_str_in_output=self.include_stop_str_in_output,
-            allowed_token_ids=self.allowed_token_ids, choice=self.guided_choice,
+            allowed_token_ids=self.allowed_token_ids, choice=choice, regex=regex,
             prompt_logprobs=prompt_logprobs, response_format=fmt.type, json_schema=schema)
         return params.validate()
+
+    def structured(self, fmt: ResponseFormat) -> tuple[ResponseFormat, list[str] | None, str | None]:
+        """(response format, choice, regex) from response_format, guided_* and structured_outputs: one of them."""
+        out = self.structured_outputs
+        given = [f"guided_{k}" for k in ("choice", "regex", "json") if getattr(self, f"guided_{k}") is not None]
+        if out is not None:
+            named = [k for k in ("json", "regex", "choice", "grammar", "structural_tag")
+                     if getattr(out, "json_" if k == "json" else k) is not None]
+            if len(named) != 1:
+                raise ServingError(f"structured_outputs takes exactly one of json, regex and choice; got {named}",
+                                   param="structured_outputs")
+            if named[0] in ("grammar", "structural_tag"):
+                raise ServingError(f"structured_outputs.{named[0]} is not supported; use json (a JSON schema), "
+                                   "regex or choice", param="structured_outputs")
+            given.append(f"structured_outputs.{named[0]}")
+        if fmt.type != "text":
+            given.append("response_format")
+        if len(given) > 1:
+            raise ServingError(f"give one way to structure the output, not {' and '.join(given)}", param=given[1])
+        schema = self.guided_json if self.guided_json is not None else out.json_ if out is not None else None
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                raise ServingError("the JSON schema given as a string is not JSON", param=given[0]) from None
+        if schema is not None:
+            fmt = ResponseFormat(type="json_schema", json_schema={"schema": schema})
+        pick = lambda name: getattr(self, f"guided_{name}") or (getattr(out, name) if out is not None else None)
+        return fmt, pick("choice"), pick("regex")
 
     @property
     def include_usage(self) -> bool:

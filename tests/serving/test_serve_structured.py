@@ -1,0 +1,52 @@
+"""vLLM's ways to structure the output on a live server with SmolLM2: structured_outputs (json, regex, choice),
+guided_regex and guided_json; one way per request, each refused clearly when wrong."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytestmark = pytest.mark.real_model
+
+DATE = r"\d{4}-\d{2}-\d{2}"
+CHAT = {"messages": [{"role": "user", "content": "When did the Second World War end? Give the date."}],
+        "temperature": 0, "max_tokens": 30}
+SCHEMA = {"type": "object", "properties": {"year": {"type": "integer"}}, "required": ["year"],
+          "additionalProperties": False}
+
+
+def content(smol, **body) -> str:
+    r = smol.post("/v1/chat/completions", json={**CHAT, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_regex_by_structured_outputs_and_guided_regex_streamed_or_not(smol):
+    text = content(smol, structured_outputs={"regex": DATE})
+    assert re.fullmatch(DATE, text)
+    assert content(smol, guided_regex=DATE) == text
+    streamed = smol.post("/v1/chat/completions", json={**CHAT, "stream": True, "structured_outputs": {"regex": DATE}})
+    assert "".join(re.findall(r'"content":"([^"]*)"', streamed.text)) == text
+    r = smol.post("/v1/completions", json={"prompt": "The Second World War ended in the year", "max_tokens": 6,
+                                           "temperature": 0, "guided_regex": r" \d{4}"})
+    assert re.fullmatch(r" \d{4}", r.json()["choices"][0]["text"])
+
+
+def test_choice_and_json_by_structured_outputs_and_guided_json(smol):
+    assert content(smol, structured_outputs={"choice": ["1918", "1945"]}) in ("1918", "1945")
+    for form in ({"structured_outputs": {"json": SCHEMA}}, {"guided_json": SCHEMA},
+                 {"structured_outputs": {"json": json.dumps(SCHEMA)}}):
+        assert set(json.loads(content(smol, **form))) == {"year"}, form
+
+
+@pytest.mark.parametrize("bad,words", [
+    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "grammar is not supported"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "not guided_regex and response_format"),
+    ({"guided_regex": "(a"}, "not a valid regular expression"),
+    ({"guided_json": "{not json"}, "is not JSON")])
+def test_wrong_ways_are_refused_by_name(smol, bad, words):
+    r = smol.post("/v1/chat/completions", json={**CHAT, **bad})
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
