@@ -131,9 +131,11 @@ class SamplingParams:
             if not isinstance(self.regex, str) or not self.regex:
                 bad("regex", "must be a non-empty pattern string")
             try:
-                regex.compile(self.regex)
+                compiled = regex.compile(self.regex)
             except regex.error as exc:
                 bad("regex", f"is not a valid regular expression: {exc}")
+            if compiled.fullmatch("", partial=True) is None:
+                bad("regex", "matches no text at all")
             if self.response_format != "text" or self.min_tokens or self.choice is not None:
                 bad("regex", "the output is a match of the pattern: it cannot be a JSON or choice mode or take "
                              "min_tokens")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtool.config import SamplingParams
+from kvtool.errors import InvalidParameterError
 
 
 @dataclass
@@ -136,7 +137,9 @@ class Sampler:
             for token in torch.argsort(scores, descending=True)[:live].tolist():  # the rest, only when needed
                 if c.next_state(token) is not None:
                     return token
-        raise ValueError("structured output: no token of the vocabulary continues the output")
+        raise InvalidParameterError("structured output: no token of the vocabulary continues the output here; the "
+                                    "pattern or schema allows nothing a token can write next (a lookahead that "
+                                    "forbids what must follow?)")
 
     def _adjust(self, x: torch.Tensor) -> torch.Tensor:
         """Penalties, then logit_bias, allowed_token_ids and the min_tokens hold: what every mode draws from."""

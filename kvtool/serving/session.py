@@ -20,7 +20,7 @@ from kvtool.serving.chat import PreparedChat
 from kvtool.serving.errors import ServingError, error_body
 from kvtool.serving.served import ServedModel
 from kvtool.serving.toolparse import OutputParser, ParseEvent, ToolFormat
-from kvtool.serving.worker import Handle, WorkerCrash
+from kvtool.serving.worker import Handle, RequestFailed, WorkerCrash
 
 
 def finite(logprob: float | None) -> float | None:
@@ -69,6 +69,13 @@ def finish_reason(gen, called: bool) -> str:
 def stream_error(exc: Exception) -> dict:
     status = getattr(exc, "status_code", 500)
     return error_body(status, str(exc), code=getattr(exc, "code", None))
+
+
+def chunk_error(chunk: dict) -> ServingError:
+    """What a non-streaming response raises for its stream's error chunk: a 400 stays a 400, the rest are 500s."""
+    err = chunk["error"]
+    return (RequestFailed if err["type"] == "invalid_request_error" else WorkerCrash)(err["message"], err.get("param"),
+                                                                                      err.get("code"))
 
 
 class ChatSession:
@@ -166,7 +173,7 @@ class ChatSession:
         finish, timings, usage, scored, stopped_by = "stop", {}, None, None, None
         async for chunk in self.chunks():
             if "error" in chunk:
-                raise WorkerCrash(chunk["error"]["message"])
+                raise chunk_error(chunk)
             raw += chunk.get("raw_tokens", [])
             usage = chunk.get("usage", usage)
             for choice in chunk["choices"]:
@@ -267,7 +274,7 @@ class CompletionSession:
         text, logprobs, finish, timings, usage, scored, stopped_by = [], None, "stop", {}, None, None, None
         async for chunk in self.chunks():
             if "error" in chunk:
-                raise WorkerCrash(chunk["error"]["message"])
+                raise chunk_error(chunk)
             usage, timings = chunk.get("usage", usage), chunk.get("timings", timings)
             for choice in chunk["choices"]:
                 text.append(choice["text"])

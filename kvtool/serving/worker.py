@@ -28,11 +28,18 @@ from typing import AsyncIterator
 from kvtool.config import SamplingParams
 from kvtool.engine import Engine, Generation, TokenEvent
 from kvtool.engine.batch import BatchScheduler, Fork, choices
+from kvtool.errors import KvtoolError
 from kvtool.models.host import release_openmp_threads
 from kvtool.serving.errors import QueueFull, ServingError, Unavailable
 
 log = logging.getLogger("kvtool.serving")
 _DONE = object()
+
+
+class RequestFailed(ServingError):
+    """The engine could not do what the request asked (e.g. a pattern no token can continue): a 400."""
+
+    status_code = 400
 
 
 class WorkerCrash(ServingError):
@@ -227,7 +234,10 @@ class Worker:
 
     def _on_finish(self, gen: Generation, error: BaseException | None) -> None:
         handle = self._handles.pop(id(gen))
-        if error is not None:
+        if isinstance(error, KvtoolError):  # the request asked for what cannot be done (e.g. a dead-end pattern)
+            log.warning("request failed: %s", error)
+            handle._post(RequestFailed(str(error), getattr(error, "param", None)))
+        elif error is not None:
             log.error("generation failed: %s: %s", type(error).__name__, error)
             handle._post(WorkerCrash(f"generation failed: {type(error).__name__}: {error}"))
         elif self._stop and gen.finish_reason == "abort" and not handle.cancelled.is_set():

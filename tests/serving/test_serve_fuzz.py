@@ -31,10 +31,17 @@ TOOL = st.fixed_dictionaries({"type": st.sampled_from(["function", "other"]), "f
     {"name": st.sampled_from(["f", "g", "bad name"])},
     optional={"parameters": st.sampled_from([{"type": "object", "properties": {}}, {"type": "objekt"},
                                              {"type": "string"}]) | value, "description": st.text(max_size=10)})})
+PATTERN = st.sampled_from(["(?!)", "a(?!b)b", "\\d{2}", "(", "[^\\s\\S]", "x*"]) | st.text(max_size=6)
+SCHEMA = st.sampled_from([{"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?!x)x"}}},
+                          {"$ref": "#/$defs/A", "$defs": {"A": {"$ref": "#/$defs/A"}}}, {"anyOf": []},
+                          {"type": "object", "properties": {"n": {"type": "number", "minimum": 2, "maximum": 1}}}])
 GEN_FIELDS = {"model": value, "max_tokens": value, "temperature": value, "top_p": value, "top_k": value,
               "min_p": value, "seed": value, "stop": value, "presence_penalty": value, "frequency_penalty": value,
               "repetition_penalty": value, "stream": st.booleans() | value, "stream_options": value, "n": value,
-              "stop_token_ids": value, "ignore_eos": st.booleans()}
+              "stop_token_ids": value, "ignore_eos": st.booleans(), "guided_choice": value,
+              "guided_regex": PATTERN | value, "guided_json": SCHEMA | value, "logit_bias": value, "min_tokens": value,
+              "structured_outputs": st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar"]),
+                                                    PATTERN | SCHEMA | value, max_size=2) | value}
 CHAT_FIELDS = {**GEN_FIELDS, "messages": st.lists(MESSAGE, max_size=4) | value, "tools": st.lists(TOOL, max_size=2),
                "tool_choice": value, "parallel_tool_calls": value, "logprobs": value, "top_logprobs": value,
                "max_completion_tokens": value, "chat_template_kwargs": value, "add_generation_prompt": value,

@@ -50,3 +50,13 @@ def test_choice_and_json_by_structured_outputs_and_guided_json(smol):
 def test_wrong_ways_are_refused_by_name(smol, bad, words):
     r = smol.post("/v1/chat/completions", json={**CHAT, **bad})
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_a_pattern_no_token_can_finish_is_a_400_and_the_server_goes_on(smol):
+    r = smol.post("/v1/chat/completions", json={**CHAT, "guided_regex": "(?!)"})
+    assert r.status_code == 400 and "matches no text at all" in r.json()["error"]["message"]
+    r = smol.post("/v1/chat/completions", json={**CHAT, "guided_regex": "a(?!b)b"})  # "a", then nothing may follow
+    assert r.status_code == 400 and "no token of the vocabulary continues" in r.json()["error"]["message"], r.text
+    streamed = smol.post("/v1/chat/completions", json={**CHAT, "guided_regex": "a(?!b)b", "stream": True}).text
+    assert '"error"' in streamed and "invalid_request_error" in streamed
+    assert re.fullmatch(DATE, content(smol, guided_regex=DATE))
