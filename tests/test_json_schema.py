@@ -78,7 +78,8 @@ BOUNDED = {"type": "object", "properties": {
     "n": {"type": "integer", "minimum": -5, "exclusiveMaximum": 40},
     "big": {"type": "integer", "minimum": 100},
     "grid": {"type": "array", "maxItems": 2, "items": {"type": "array", "maxItems": 2,
-                                                      "items": {"type": "string", "maxLength": 1}}}},
+                                                      "items": {"type": "string", "maxLength": 1}}},
+    "votes": {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1, "maxProperties": 2}},
     "required": ["code", "ids"], "additionalProperties": False}
 
 
@@ -90,7 +91,8 @@ def test_length_and_item_bounds_hold_on_random_walks_and_let_valid_instances_thr
         obj = {"code": "".join(rng.choice(['a', 'é', '\n', '"', 'z']) for _ in range(rng.randrange(2, 5))),
                "ids": [rng.randrange(-9, 99) for _ in range(rng.randrange(1, 4))], "none": [],
                "n": rng.randrange(-5, 40), "big": rng.choice([100, 101, 999, 12345678901234567890]),
-               "grid": [[rng.choice(["", "x", "é"]) for _ in range(rng.randrange(3))] for _ in range(rng.randrange(3))]}
+               "grid": [[rng.choice(["", "x", "é"]) for _ in range(rng.randrange(3))] for _ in range(rng.randrange(3))],
+               "votes": {k: rng.randrange(9) for k in rng.sample(["yes", "no", "a"], rng.randrange(1, 3))}}
         text = json.dumps(obj, ensure_ascii=rng.random() < 0.5)
         assert schema_advance(start(BOUNDED), text).done, text
 
@@ -98,7 +100,8 @@ def test_length_and_item_bounds_hold_on_random_walks_and_let_valid_instances_thr
 @pytest.mark.parametrize("text", ['{"code": "a"', '{"code": "abcde', '{"code": "ab\\n\\n\\n', '{"ids": []',
                                   '{"ids": [1, 2, 3,', '{"none": [1', '{"grid": [[], [], ', '{"grid": [["xy',
                                   '{"n": -6', '{"n": 40', '{"n": 4, "n"', '{"n": 400', '{"n": --',
-                                  '{"big": 99,', '{"big": -', '{"big": 0'])
+                                  '{"big": 99,', '{"big": -', '{"big": 0',
+                                  '{"votes": {}', '{"votes": {"a": 1, "b": 2,', '{"votes": {"a": 1, "b": 2, "c"'])
 def test_what_the_bounds_forbid_is_refused(text):
     assert schema_advance(start(BOUNDED), text) is None
 
@@ -107,7 +110,9 @@ def test_bad_bounds_are_refused_by_name():
     for bad, words in (({"minLength": -1}, "minLength must be"), ({"maxItems": "2"}, "maxItems must be"),
                        ({"minLength": 3, "maxLength": 2}, "minLength 3 > maxLength 2"),
                        ({"type": "integer", "minimum": 1.5, "maximum": 1.9}, "no integer"),
-                       ({"type": "integer", "maximum": "9"}, "maximum must be a number")):
+                       ({"type": "integer", "maximum": "9"}, "maximum must be a number"),
+                       ({"minProperties": 2, "maxProperties": 1}, "minProperties 2 > maxProperties 1"),
+                       ({"properties": {"x": {}}, "additionalProperties": False, "minProperties": 2}, "number of keys")):
         schema = {"type": "object", "properties": {"a": bad}}
         with pytest.raises(InvalidParameterError, match=words):
             SamplingParams(response_format="json_schema", json_schema=schema).validate()

@@ -210,6 +210,7 @@ class City(BaseModel):
     size: Literal[1, 2, 3]
     neighbours: list[Neighbour] = Field(max_length=2)
     coords: tuple[float, float]
+    ratings: dict[str, int] = Field(min_length=1, max_length=2)
 
 
 def pydantic_valid(model, text: str) -> bool:

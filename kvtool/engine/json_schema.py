@@ -3,9 +3,9 @@
 What a schema constrains, character by character: each value's type (`type`, a name or a list of
 names; `enum` and `const` of strings, integers, booleans and null), an object's keys (`properties`; with
 `additionalProperties` absent or false no other key, a key at most once, `required` ones before the `}`),
-an array's items (`prefixItems` for the leading ones, `items` for the rest, `minItems`, `maxItems`), a
-string's length (`minLength`, `maxLength`, in characters; one split across tokens, which each decode to
-U+FFFD, is not counted). Integers take no fraction or exponent; their bounds, number bounds, `pattern`
+how many keys it has (`minProperties`, `maxProperties`), an array's items (`prefixItems` for the leading
+ones, `items` for the rest, `minItems`, `maxItems`), a string's length (`minLength`, `maxLength`, in
+characters; one split across tokens, which each decode to U+FFFD, is not counted). Integers take no fraction or exponent; their bounds, number bounds, `pattern`
 and `format` are checked by kvtool.engine.schema_values. `$ref`, `allOf`, `anyOf` and `oneOf` are
 followed as kvtool.engine.schema_refs describes: the state is then one SchemaState per alternative the
 text still fits (SchemaBranches). Ignored, as documentation: title, description, default, examples,
@@ -29,7 +29,7 @@ from kvtool.errors import InvalidParameterError
 
 FIRST = {"object": "{", "array": "[", "string": '"', "number": "-0123456789", "integer": "-0123456789",
          "boolean": "tf", "null": "n"}
-BOUNDS = ("minLength", "maxLength", "minItems", "maxItems")
+BOUNDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 UNSUPPORTED = ("not", "if", "then", "else", "patternProperties", "dependentSchemas",
                "unevaluatedProperties", "dependentRequired")
 MAX_BRANCHES = 64  # anyOf alternatives followed side by side; past this the first ones are kept
@@ -74,7 +74,7 @@ def _check_one(node: dict, where: str) -> None:
     for t in [types] if isinstance(types, str) else types:
         if t not in TYPES:
             raise InvalidParameterError(f"json_schema: {where} has unknown type {t!r}; use one of {', '.join(TYPES)}")
-    for low, high in (BOUNDS[:2], BOUNDS[2:]):
+    for low, high in (BOUNDS[:2], BOUNDS[2:4], BOUNDS[4:]):
         for name in (low, high):
             if name in node and (not isinstance(node[name], int) or isinstance(node[name], bool) or node[name] < 0):
                 raise InvalidParameterError(f"json_schema: {where}.{name} must be an integer >= 0")
@@ -95,6 +95,10 @@ def _check_one(node: dict, where: str) -> None:
     if missing:
         raise InvalidParameterError(f"json_schema: {where} requires {missing}, which its properties do not allow "
                                     "(no object could have them)")
+    if len(set(node.get("required", []))) > node.get("maxProperties", math.inf) or (
+            keys is not None and node.get("minProperties", 0) > len(keys)):
+        raise InvalidParameterError(f"json_schema: {where} asks for a number of keys (minProperties, maxProperties, "
+                                    "required, properties) no object can have")
 
 
 def _strings(node: dict | None) -> list[str] | None:
@@ -167,7 +171,8 @@ def _allowed_keys(frame: Frame) -> set[str] | None:
 
 
 def _may_close(frame: Frame) -> bool:
-    return set((frame.node or {}).get("required", [])) <= frame.seen
+    node = frame.node or {}
+    return set(node.get("required", [])) <= frame.seen and len(frame.seen) >= node.get("minProperties", 0)
 
 
 def _value_schema(frame: Frame, container: str) -> dict | None:
@@ -232,8 +237,8 @@ def schema_feed(state: SchemaState, ch: str) -> SchemaState | None:
     elif mode in (KEY_OR_END, AFTER) and js.stack[-1:] == "o":
         if ch == "}" and not _may_close(frames[-1]):
             return None
-        allowed = _allowed_keys(frames[-1])
-        if ch in ',"' and allowed is not None and not allowed:
+        allowed, most = _allowed_keys(frames[-1]), _bound(frames[-1].node, "maxProperties")
+        if ch in ',"' and ((allowed is not None and not allowed) or (most is not None and len(frames[-1].seen) >= most)):
             return None  # no key is left to write
     nxt = feed(js, ch)
     if nxt is None:

@@ -20,8 +20,8 @@ LINK = "\x00target"  # in a prepared schema: the node a $ref points to
 DATA = ("enum", "const", "default", "examples")  # values, not schemas: never searched for $ref
 DOC = ("title", "description", "default", "examples", "$comment", "$schema", "$id", "format", "deprecated",
        "readOnly", "writeOnly", "discriminator")  # kept from the first part that has them
-LOWER = ("minimum", "exclusiveMinimum", "minLength", "minItems")  # merged: the largest holds
-UPPER = ("maximum", "exclusiveMaximum", "maxLength", "maxItems")  # merged: the smallest holds
+LOWER = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")  # merged: the largest holds
+UPPER = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")  # merged: the smallest holds
 MAX_DEPTH = 32  # $ref, allOf and anyOf nesting followed before a value's schema must be known
 ALL = ("object", "array", "string", "number", "integer", "boolean", "null")
 
