@@ -182,7 +182,11 @@ class GenerationRequest(Strict):
                 raise ServingError("the JSON schema given as a string is not JSON", param=given[0]) from None
         if schema is not None:
             fmt = ResponseFormat(type="json_schema", json_schema={"schema": schema})
-        pick = lambda name: getattr(self, f"guided_{name}") or (getattr(out, name) if out is not None else None)
+
+        def pick(name: str):  # an empty list or string stays, for validate() to refuse by name
+            mine = getattr(self, f"guided_{name}")
+            return mine if mine is not None else getattr(out, name) if out is not None else None
+
         return fmt, pick("choice"), pick("regex")
 
     @property

@@ -46,6 +46,7 @@ def test_choice_and_json_by_structured_outputs_and_guided_json(smol):
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "not guided_regex and response_format"),
     ({"guided_regex": "(a"}, "not a valid regular expression"),
+    ({"guided_regex": ""}, "non-empty"), ({"guided_choice": []}, "non-empty list"),
     ({"guided_json": "{not json"}, "is not JSON")])
 def test_wrong_ways_are_refused_by_name(smol, bad, words):
     r = smol.post("/v1/chat/completions", json={**CHAT, **bad})
