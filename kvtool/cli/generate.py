@@ -21,8 +21,6 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    import dataclasses
-
     from kvtool.engine import Engine
     from kvtool.errors import InvalidParameterError
     from kvtool.models.fim import fim_format, plain_ids
@@ -35,7 +33,7 @@ def run(args) -> int:
     if args.suffix is not None:
         fim = fim_format(model.tokenizer, f"model {model.name}")
         ids = fim.prompt(plain_ids(model.tokenizer, args.prompt), plain_ids(model.tokenizer, args.suffix))
-        params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *fim.stops]).validate()
+        params = fim.sampling(params)
     elif args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})

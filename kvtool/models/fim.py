@@ -11,6 +11,7 @@ tokens of a FIM request.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvtool.errors import InvalidParameterError
@@ -31,6 +32,10 @@ class FimFormat:
 
     def prompt(self, prefix_ids: list[int], suffix_ids: list[int]) -> list[int]:
         return [self.prefix, *prefix_ids, self.suffix, *suffix_ids, self.middle]
+
+    def sampling(self, params):
+        """params (a SamplingParams) that also stop at this format's end-of-middle tokens."""
+        return dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *self.stops]).validate()
 
 
 def plain_ids(tokenizer, text: str) -> list[int]:

@@ -268,8 +268,9 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
         params = body.completion_sampling(cfg.default_max_tokens)
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and isinstance(
             body.prompt[0], (str, list)) else [body.prompt]  # several prompts: choice p * n + i is choice i of p
-        ids = [served.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompts]
-        if body.suffix is not None:  # fill in the middle: [PRE] prompt [SUF] suffix [MID], ended by a FIM stop token
+        if body.suffix is None:
+            ids = [served.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompts]
+        else:  # fill in the middle: [PRE] prompt [SUF] suffix [MID], ended by a FIM stop token
             try:
                 fim = fim_format(served.tokenizer, f"model {served.name}")
             except InvalidParameterError as exc:
@@ -277,7 +278,7 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
             suffix = plain_ids(served.tokenizer, body.suffix)
             ids = [fim.prompt(plain_ids(served.tokenizer, p) if isinstance(p, str) else list(p), suffix)
                    for p in prompts]
-            params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *fim.stops]).validate()
+            params = fim.sampling(params)
         handles = worker.submit_choices(ids, body.n, params)
         sessions: list[CompletionSession] = []
         for i, handle in enumerate(handles):
