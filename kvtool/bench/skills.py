@@ -16,6 +16,7 @@ import torch
 
 from kvtool.bench.protocol import device_name, emit, versions
 from kvtool.errors import InvalidParameterError
+from kvtool.skills.cases import EVAL_PREAMBLES
 
 EXAMPLE_SKILLS = Path(__file__).resolve().parents[2] / "examples" / "skills"
 SWEEP = ["none", "recompute_first_k:k=4", "recompute_first_k:k=16", "recompute_first_k:k=48",
@@ -36,6 +37,7 @@ class SkillsBenchConfig:
     repeats: int = 1
     scaling: list[int] = field(default_factory=lambda: [1, 2, 4])  # block counts for TTFT vs block tokens
     scaling_repairs: list[str] = field(default_factory=lambda: ["none"])
+    preambles: list[str] = field(default_factory=lambda: list(EVAL_PREAMBLES))  # real skills: one catalog each
     synthetic: bool | None = None  # random token blocks; None: for random weights only (real models: the skills)
     out: str | None = None
     plot: str | None = None
@@ -69,6 +71,8 @@ def add_args(p) -> None:
     p.add_argument("--scaling", type=_counts, default=c.scaling, help="block counts for TTFT vs block tokens, "
                    "e.g. 1,2,4 ('' to skip)")
     p.add_argument("--scaling-repair", action="append", default=None, help="repairs timed in the scaling sweep")
+    p.add_argument("--preamble", action="append", default=None,
+                   help=f"real skills: compile them with this preamble (repeatable; default: {' '.join(c.preambles)})")
     p.add_argument("--out", default=c.out)
     p.add_argument("--plot", default=c.plot)
 
@@ -79,7 +83,8 @@ def config_from_args(args) -> SkillsBenchConfig:
                              prefix_tokens=args.prefix_tokens, query_tokens=args.query_tokens,
                              repairs=args.repair or c.repairs, greedy_tokens=args.greedy_tokens, queries=args.queries,
                              repeats=args.repeats, scaling=args.scaling,
-                             scaling_repairs=args.scaling_repair or c.scaling_repairs, synthetic=args.synthetic or None,
+                             scaling_repairs=args.scaling_repair or c.scaling_repairs, preambles=args.preamble or c.preambles,
+                             synthetic=args.synthetic or None,
                              out=args.out, plot=args.plot)
 
 
@@ -97,15 +102,8 @@ def synthetic_case(runner, cfg: SkillsBenchConfig, name: str):
     return EvalCase(ids(cfg.prefix_tokens), blocks, ids(cfg.query_tokens))
 
 
-def catalog_case(model, cfg: SkillsBenchConfig, log):
-    """The first cfg.blocks skills of cfg.skills, compiled for the model, after a realistic prefix."""
-    from kvtool.skills.cases import MORE_QUERIES, build_case
-    from kvtool.skills.catalog import load_catalog
-
-    catalog = load_catalog(cfg.skills, model, log=log)
-    names = catalog.names()[: cfg.blocks]
-    return build_case(model, [catalog.block(n) for n in names], cfg.prefix_tokens, listing=catalog.listing(),
-                      more_queries=MORE_QUERIES[: max(0, cfg.queries - 1)])
+BEST_FIELDS = ("repair", "preamble", "recomputed_fraction", "top1", "cos_mean", "kl_next", "kl_mean", "speedup_cold",
+               "speedup_cold_cpu")
 
 
 def check_targets(record: dict, speedup_target: float) -> dict:
@@ -118,10 +116,8 @@ def check_targets(record: dict, speedup_target: float) -> dict:
            "speedup_none_cold": none["speedup_cold"] if none else None,
            "speedup_none_cold_cpu_time": none["speedup_cold_cpu"] if none else None,
            "speedup_none_warm_prefix": none.get("speedup_warm_prefix") if none else None,
-           "repairs_meeting_quality_at_le_10pct": [r["repair"] for r in good],
-           "best_repair_at_le_10pct": best and {k: best[k] for k in ("repair", "recomputed_fraction", "top1",
-                                                                     "cos_mean", "kl_next", "speedup_cold",
-                                                                     "speedup_cold_cpu")}}
+           "repairs_meeting_quality_at_le_10pct": [f"{r['repair']} ({r.get('preamble')})" for r in good],
+           "best_repair_at_le_10pct": best and {k: best.get(k) for k in BEST_FIELDS}}
     out["quality_target_met"] = bool(good)
     out["speedup_target_met_none"] = bool(none and none["speedup_cold"] >= speedup_target)
     out["speedup_target_met_with_quality"] = any(r["speedup_cold"] >= speedup_target for r in good)
@@ -145,13 +141,20 @@ def target_rows(record: dict) -> list[dict]:
 
 def run_skills_bench(bm, cfg: SkillsBenchConfig | None = None,
                      log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+    from kvtool.skills.cases import catalog_case
     from kvtool.skills.evaluate import evaluate, ttft_scaling
 
     cfg = (cfg or SkillsBenchConfig()).validate()
     runner = bm.runner
     synthetic = bm.random_weights if cfg.synthetic is None else cfg.synthetic
-    case = synthetic_case(runner, cfg, bm.name) if synthetic else catalog_case(bm.model, cfg, log)
-    record = evaluate(runner, case, cfg.repairs, n_greedy=cfg.greedy_tokens, repeats=cfg.repeats, log=log)
+    variants = None
+    if synthetic:
+        case = synthetic_case(runner, cfg, bm.name)
+    else:
+        case, variants, _ = catalog_case(bm.model, cfg.skills, cfg.blocks, cfg.prefix_tokens, cfg.queries,
+                                         cfg.preambles, log=log)
+    record = evaluate(runner, case, cfg.repairs, n_greedy=cfg.greedy_tokens, repeats=cfg.repeats, log=log,
+                      variants=variants)
     counts = sorted({c for c in cfg.scaling if 0 < c <= len(case.blocks)})
     if counts:
         log("TTFT vs total block tokens")

@@ -42,6 +42,9 @@ def register(subparsers) -> None:
     p.add_argument("--skill-repair", default=ENGINE.skill_repair, metavar="SPEC",
                    help="repair of spliced blocks: none | recompute_first_k:k=N | recompute_deviation:ratio=R | "
                         "recompute_attended:ratio=R (default: %(default)s)")
+    p.add_argument("--skill-preamble", default=ENGINE.skill_preamble, metavar="SPEC",
+                   help="what skill blocks are compiled after: deep[:tokens=N] | conversation | none "
+                        "(default: %(default)s; see kvtool skill compile --help)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
 
@@ -61,6 +64,7 @@ def config_from_args(args) -> ServerConfig:
 
 def run(args) -> int:
     from kvtool.serving.server import serve
+    from kvtool.skills.preamble import canonical_preamble
     from kvtool.skills.repair import make_repair
 
     cfg = config_from_args(args)
@@ -69,6 +73,7 @@ def run(args) -> int:
 
         raise InvalidParameterError(f"--skills {args.skills!r} is not a folder of skills (NAME/SKILL.md or *.md)")
     make_repair(args.skill_repair)  # a bad spec fails before the model loads
+    canonical_preamble(args.skill_preamble)
     model = load_from_args(args)
     auth = "API key required" if cfg.api_key else "no API key"
     weights = model.info.get("weights", "dense")
@@ -78,6 +83,7 @@ def run(args) -> int:
     from kvtool.config import EngineConfig
 
     engine_config = EngineConfig(cache_bytes=args.cache_bytes, enable_prefix_cache=not args.no_prefix_cache,
-                                 skills_dir=args.skills, skill_repair=args.skill_repair)
+                                 skills_dir=args.skills, skill_repair=args.skill_repair,
+                                 skill_preamble=args.skill_preamble)
     serve(model, cfg, engine_config=engine_config, log_level=args.log_level)
     return 0

@@ -10,7 +10,9 @@ from kvtool.cli.common import add_model_args, load_from_args
 
 
 def register(subparsers) -> None:
-    from kvtool.skills.catalog import PREAMBLES
+    from kvtool.skills.catalog import DEFAULT_PREAMBLE, PREAMBLES
+    from kvtool.skills.preamble import DEEP_TOKENS
+    from kvtool.skills.cases import EVAL_PREAMBLES
     from kvtool.skills.evaluate import DEFAULT_SWEEP
     from kvtool.skills.render import RENDER_MODES
     from kvtool.skills.repair import REPAIRS
@@ -24,8 +26,10 @@ def register(subparsers) -> None:
                    help="output .kvb (one skill) or folder (catalog); default: NAME.kvb here / the skill cache")
     c.add_argument("--render", choices=sorted(RENDER_MODES), default="tool",
                    help="how the skill appears in context: as the Skill tool's result, or a user turn")
-    c.add_argument("--preamble", choices=PREAMBLES, default=PREAMBLES[0],
-                   help="prefill after the turn's conversation head (canonical start > 0) or alone at position 0")
+    c.add_argument("--preamble", type=_preamble, default=DEFAULT_PREAMBLE,
+                   help=f"what is prefilled before the skill: {' | '.join(PREAMBLES)} | deep:tokens=N (deep: ~"
+                        f"{DEEP_TOKENS} tokens of generic agent instructions, then the turn's conversation head; "
+                        "conversation: the head only; none: the block starts at position 0). Default: %(default)s")
     c.add_argument("--cache-dir", default=None, help="skill block cache (default ~/.cache/kvtool/skills)")
     add_model_args(c)
     c.set_defaults(func=run_compile)
@@ -51,12 +55,27 @@ def register(subparsers) -> None:
     e.add_argument("--queries", type=int, default=4, help="queries scored after the same blocks (1-4)")
     e.add_argument("--repeats", type=int, default=1, help="timed runs per measurement after a warm-up")
     e.add_argument("--scaling", default="1,2,4", help="block counts for TTFT vs block tokens ('' to skip)")
+    e.add_argument("--preamble", action="append", type=_preamble, default=None,
+                   help=f"compile the skills with this preamble and score each (repeatable; default: "
+                        f"{' '.join(EVAL_PREAMBLES)})")
     e.add_argument("--cache-dir", default=None)
     e.add_argument("--out", default=None, help="write the JSON record here")
     e.add_argument("--plot", default=None, help="write the plot (PNG) here")
     add_model_args(e)
     e.set_defaults(func=run_eval)
     p.set_defaults(func=lambda args: p.print_help() or 2)
+
+
+def _preamble(spec: str) -> str:
+    import argparse
+
+    from kvtool.errors import InvalidParameterError
+    from kvtool.skills.preamble import canonical_preamble
+
+    try:
+        return canonical_preamble(spec)
+    except InvalidParameterError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _log(msg: str) -> None:
@@ -78,8 +97,9 @@ def run_compile(args) -> int:
         for row in catalog.summary():
             print(f"{row['name']}\t{row['tokens']} tokens\t{row['file']}")
         return 0
+    shared_kv: dict = {}  # the deep preamble's system turn, prefilled once for all skills
     for skill in skills:
-        block = compile_skill(model, skill, args.render, args.preamble)
+        block = compile_skill(model, skill, args.render, args.preamble, shared_kv=shared_kv)
         out = Path(args.out) if single and args.out else Path(args.out or ".") / f"{skill.name}.kvb"
         save_block(block, out)
         if block.meta.get("boundary_safe") != "true":
@@ -111,14 +131,14 @@ def run_info(args) -> int:
 
 
 def run_eval(args) -> int:
-    from kvtool.skills.cases import run_skill_eval
+    from kvtool.skills.cases import EVAL_PREAMBLES, run_skill_eval
     from kvtool.skills.plot import plot_eval
 
     model = load_from_args(args)
     counts = [int(c) for c in args.scaling.split(",") if c.strip()]
     record = run_skill_eval(model, args.path, blocks=args.blocks, prefix_tokens=args.prefix_tokens,
                             repairs=args.repair, n_greedy=args.greedy_tokens, queries=args.queries,
-                            repeats=args.repeats, scaling=counts,
+                            repeats=args.repeats, scaling=counts, preambles=args.preamble or EVAL_PREAMBLES,
                             cache_dir=args.cache_dir, log=_log)
     if args.plot:
         _log(f"wrote {plot_eval(record, args.plot, title=model.name)}")

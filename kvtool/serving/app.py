@@ -120,7 +120,7 @@ def mount_skills(engine: Engine, served: ServedModel, prefix_cache, catalog=None
     from kvtool.skills.splice import SkillSplicer
 
     if catalog is None:
-        catalog = load_catalog(folder, engine.model)
+        catalog = load_catalog(folder, engine.model, preamble=engine.config.skill_preamble)
     splicer = SkillSplicer(catalog, engine.config.skill_repair, inner=prefix_cache, chunk=engine.config.prefill_chunk)
     engine.prefix_cache, served.skills = splicer, catalog
     log.info("serving %d skills (%s), repair %s", len(catalog), ", ".join(catalog.names()), engine.config.skill_repair)

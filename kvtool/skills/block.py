@@ -101,13 +101,17 @@ class SkillBlock:
 
 @torch.inference_mode()
 def compile_ids(runner, ids: list[int], setup: dict[str, str], name: str, preamble: list[int] = (),
-                meta: dict[str, str] | None = None, chunk: int = 512) -> SkillBlock:
-    """Prefill preamble + ids and keep the KV of ids (canonical start = len(preamble))."""
+                meta: dict[str, str] | None = None, chunk: int = 512, warm=None) -> SkillBlock:
+    """Prefill preamble + ids and keep the KV of ids (canonical start = len(preamble)). `warm`: a cache
+    holding the KV of the preamble's first warm.offset tokens, cloned instead of prefilled again."""
     if not ids:
         raise ValueError(f"skill {name!r} renders to no tokens")
-    preamble = list(preamble)
-    cache = runner.new_cache(len(preamble) + len(ids) + 1)
-    runner.prefill(preamble + list(ids), cache, chunk=chunk, logits="none")
+    preamble, total = list(preamble), len(preamble) + len(ids)
+    if warm is not None and warm.offset > len(preamble):
+        raise ValueError(f"warm cache holds {warm.offset} tokens, more than the {len(preamble)}-token preamble")
+    cache = warm.clone() if warm is not None else runner.new_cache(total + 1)
+    cache.reserve(total + 1)
+    runner.prefill((preamble + list(ids))[cache.offset:], cache, chunk=chunk, logits="none")
     keys, values = cache.stacked(len(preamble), len(preamble) + len(ids))
     return SkillBlock(name, [int(t) for t in ids], keys.contiguous(), values.contiguous(), len(preamble),
                       dict(setup), dict(meta or {}))

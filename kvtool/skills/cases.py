@@ -1,7 +1,8 @@
-"""Realistic eval contexts: [system prompt + user task][skill turns...][user query + assistant start]."""
+"""Realistic eval contexts: [system prompt + user task]([Skill call][skill result])...[user query + assistant start]."""
 
 from __future__ import annotations
 
+from kvtool.errors import KvtoolError
 from kvtool.skills.evaluate import EvalCase
 
 SYSTEM = ("You are a careful coding agent working in a Python repository on the user's machine. You can read and "
@@ -25,47 +26,76 @@ MORE_QUERIES = [
 ]
 
 
-def _turn_text(model, before: list[dict], turn: dict, generation_prompt: bool) -> str:
-    head = model.render(before, add_generation_prompt=False)
-    return model.render(before + [turn], add_generation_prompt=generation_prompt)[len(head):]
-
-
-def build_case(model, blocks, prefix_tokens: int = 256, query: str = QUERY, listing: str = "",
-               more_queries: list[str] = ()) -> EvalCase:
-    """Prefix ~prefix_tokens (system prompt + catalog listing + padding + user task), blocks, then the query."""
+def _prefix_messages(model, prefix_tokens: int, listing: str) -> list[dict]:
+    """System prompt (+ the catalog listing, padded with FILLER to ~prefix_tokens) and the user's task."""
     system = SYSTEM + (f"\n\nAvailable skills:\n{listing}" if listing else "")
-    i = 0
-    while True:
+    for i in range(201):
         messages = [{"role": "system", "content": system}, {"role": "user", "content": TASK}]
-        prefix = model.encode(model.render(messages, add_generation_prompt=False))
-        if len(prefix) >= prefix_tokens or i >= 200:
-            break
+        if i == 200 or len(model.encode(model.render(messages, add_generation_prompt=False))) >= prefix_tokens:
+            return messages
         system += " " + FILLER[i % len(FILLER)]
-        i += 1
-    encode = lambda q: model.encode(_turn_text(model, messages, {"role": "user", "content": q}, True))  # noqa: E731
-    return EvalCase(prefix, list(blocks), encode(query), [encode(q) for q in more_queries])
 
 
-def run_skill_eval(model, folder, blocks: int = 4, prefix_tokens: int = 256, repairs=None, n_greedy: int = 32,
-                   queries: int = 1,
-                   repeats: int = 1, scaling=(1, 2, 4), scaling_repairs=("none",),
-                   cache_dir=None, log=print) -> dict:
-    """The whole `kvtool skill eval`: compile/load the catalog, build the case, sweep repairs, time scaling."""
+def build_case(model, catalog, names: list[str], prefix_tokens: int = 256, query: str = QUERY,
+               more_queries: list[str] = ()) -> EvalCase:
+    """The conversation an agent has after loading skills `names` one by one: the prefix (system prompt with
+    the catalog listing + user task, ~prefix_tokens), then per skill the assistant's Skill call (a gap) and
+    its result (the block), then the user's query and the assistant start. The whole conversation is
+    rendered by the chat template and cut where the blocks' exact ids are, as the server splices them."""
+    messages = _prefix_messages(model, prefix_tokens, catalog.listing())
+    prefix = model.encode(model.render(messages, add_generation_prompt=False))
+    for name in names:
+        messages = messages + catalog.messages(name)
+
+    def cut(question: str) -> tuple[list[list[int]], list[int]]:
+        ids = model.encode(model.render(messages + [{"role": "user", "content": question}], add_generation_prompt=True))
+        found = catalog.find(ids, len(prefix))
+        if ids[:len(prefix)] != prefix or [m.name for m, _ in found] != list(names):
+            raise KvtoolError(f"the chat template of {model.name} does not render the skills {list(names)} "
+                              "verbatim inside a conversation, so no block can be spliced; nothing to evaluate")
+        ends = [len(prefix)] + [m.end for m, _ in found]
+        return [ids[a:m.start] for a, (m, _) in zip(ends, found)], ids[ends[-1]:]
+
+    gaps, first = cut(query)
+    rest = [cut(q)[1] for q in more_queries]
+    return EvalCase(prefix, [catalog.block(n) for n in names], first, rest, gaps)
+
+
+EVAL_PREAMBLES = ("conversation", "deep:tokens=2048")  # the former default beside the current one
+
+
+def catalog_case(model, folder, blocks: int = 4, prefix_tokens: int = 256, queries: int = 1,
+                 preambles=EVAL_PREAMBLES, cache_dir=None, log=print):
+    """The first `blocks` skills of `folder` (by name) compiled once per preamble, and the case they are
+    loaded in: (case, {preamble: blocks}, catalog). The case holds the first preamble's blocks."""
     from kvtool.skills.catalog import load_catalog
-    from kvtool.skills.evaluate import DEFAULT_SWEEP, evaluate, ttft_scaling
+    from kvtool.skills.preamble import canonical_preamble
 
-    catalog = load_catalog(folder, model, cache_dir=cache_dir, log=log)
+    preambles = list(dict.fromkeys(canonical_preamble(p) for p in preambles))
+    catalogs = {p: load_catalog(folder, model, cache_dir=cache_dir, preamble=p, log=log) for p in preambles}
+    catalog = catalogs[preambles[0]]
     names = catalog.names()[:blocks]
     if len(names) < blocks:
         log(f"kvtool: only {len(names)} skills in {folder}; evaluating with {len(names)} blocks")
-    case = build_case(model, [catalog.block(n) for n in names], prefix_tokens, listing=catalog.listing(),
-                      more_queries=MORE_QUERIES[: max(0, queries - 1)])
-    record = evaluate(model.runner, case, repairs or DEFAULT_SWEEP, n_greedy=n_greedy, repeats=repeats, log=log)
-    counts = sorted({c for c in scaling if 0 < c <= len(names)})
+    case = build_case(model, catalog, names, prefix_tokens, more_queries=MORE_QUERIES[: max(0, queries - 1)])
+    return case, {p: [c.block(n) for n in names] for p, c in catalogs.items()}, catalog
+
+
+def run_skill_eval(model, folder, blocks: int = 4, prefix_tokens: int = 256, repairs=None, n_greedy: int = 32,
+                   queries: int = 1, repeats: int = 1, scaling=(1, 2, 4), scaling_repairs=("none",),
+                   preambles=EVAL_PREAMBLES, cache_dir=None, log=print) -> dict:
+    """The whole `kvtool skill eval`: compile/load the catalog per preamble, build the case, sweep repairs on
+    each, time scaling."""
+    from kvtool.skills.evaluate import DEFAULT_SWEEP, evaluate, ttft_scaling
+
+    case, variants, catalog = catalog_case(model, folder, blocks, prefix_tokens, queries, preambles, cache_dir, log)
+    record = evaluate(model.runner, case, repairs or DEFAULT_SWEEP, n_greedy=n_greedy, repeats=repeats, log=log,
+                      variants=variants)
+    counts = sorted({c for c in scaling if 0 < c <= len(case.blocks)})
     if counts:
         log("TTFT vs total block tokens")
         record["ttft_scaling"] = ttft_scaling(model.runner, case, counts, scaling_repairs, repeats=1,
-                                               known_full={len(names): record["ttft_ms_full"]}, log=log)
+                                               known_full={len(case.blocks): record["ttft_ms_full"]}, log=log)
     record["model"] = model.name
     record["setup"] = {k: v for k, v in catalog.setup.items()}
     return record

@@ -15,31 +15,42 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from kvtool.config import EngineConfig
 from kvtool.errors import CacheFormatError
 from kvtool.skills.block import SkillBlock, compile_ids, load_block, save_block, setup_of
 from kvtool.skills.match import BlockIndex, Match
+from kvtool.skills.preamble import NAMES, canonical_preamble, preamble_ids
 from kvtool.skills.render import render_skill, skill_messages
 from kvtool.skills.skillfile import Skill, read_skill, read_skills
 
-PREAMBLES = ("conversation", "none")  # compile after the turn's own conversation head, or at position 0
+PREAMBLES = NAMES  # kvtool.skills.preamble: after the turn's conversation head, at position 0, or deep
+DEFAULT_PREAMBLE = EngineConfig.skill_preamble
 
 
-def compile_skill(model, skill: Skill | str | Path, render: str = "tool", preamble: str = "conversation",
-                  rendered=None) -> SkillBlock:
-    """Render the skill as a chat turn and prefill it once after its canonical preamble."""
+def compile_skill(model, skill: Skill | str | Path, render: str = "tool", preamble: str = DEFAULT_PREAMBLE,
+                  rendered=None, shared_kv: dict | None = None) -> SkillBlock:
+    """Render the skill as a chat turn and prefill it once after its canonical preamble. `shared_kv` (a dict,
+    filled here) keeps the KV of the preamble's part that every skill shares, for the next skill."""
     import kvtool
 
-    if preamble not in PREAMBLES:
-        raise ValueError(f"unknown preamble {preamble!r}; use one of {', '.join(PREAMBLES)}")
+    preamble = canonical_preamble(preamble)
     skill = skill if isinstance(skill, Skill) else read_skill(skill)
     rendered = rendered or render_skill(model, skill, render)
-    pre = rendered.head_ids if preamble == "conversation" else []
+    pre, n_shared = preamble_ids(model, skill, rendered, preamble)
+    warm = None
+    if n_shared and shared_kv is not None:
+        key = tuple(pre[:n_shared])
+        if key not in shared_kv:
+            shared_kv.clear()
+            shared_kv[key] = model.runner.new_cache(n_shared + 1)
+            model.runner.prefill(list(key), shared_kv[key], logits="none")
+        warm = shared_kv[key]
     meta = {"description": skill.description, "text": rendered.text, "text_sha256": rendered.text_sha256,
             "render": render, "preamble": preamble,
             "preamble_sha256": hashlib.sha256(json.dumps(pre).encode()).hexdigest(),
             "boundary_safe": str(rendered.boundary_safe).lower(), "source_sha256": skill.source_sha256,
             "source": skill.path, "kvtool_version": kvtool.__version__}
-    return compile_ids(model.runner, rendered.ids, setup_of(model), skill.name, pre, meta)
+    return compile_ids(model.runner, rendered.ids, setup_of(model), skill.name, pre, meta, warm=warm)
 
 
 def setup_key(setup: dict, render: str, preamble: str) -> str:
@@ -101,9 +112,10 @@ class SkillCatalog:
 
 
 def load_catalog(folder: str | Path, model, cache_dir: str | Path | None = None, render: str = "tool",
-                 preamble: str = "conversation", log: Callable[[str], None] | None = None) -> SkillCatalog:
+                 preamble: str = DEFAULT_PREAMBLE, log: Callable[[str], None] | None = None) -> SkillCatalog:
     """Every skill in `folder`, compiled for `model` (or loaded from the cache dir when up to date)."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
+    preamble, shared_kv = canonical_preamble(preamble), {}
     setup = setup_of(model)
     where = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     where = where / setup_key(setup, render, preamble)
@@ -115,7 +127,9 @@ def load_catalog(folder: str | Path, model, cache_dir: str | Path | None = None,
         if path.is_file():
             try:
                 block = load_block(path, model.runner.device, expected_setup=setup)
-                if block.token_ids != rendered.ids or block.meta.get("preamble") != preamble:
+                pre_sha = hashlib.sha256(json.dumps(preamble_ids(model, skill, rendered, preamble)[0]).encode())
+                if (block.token_ids != rendered.ids or block.meta.get("preamble") != preamble
+                        or block.meta.get("preamble_sha256") != pre_sha.hexdigest()):
                     block = None
             except CacheFormatError as exc:
                 log(f"kvtool: recompiling skill {skill.name!r}: {exc}")
@@ -123,7 +137,7 @@ def load_catalog(folder: str | Path, model, cache_dir: str | Path | None = None,
             if not rendered.boundary_safe:
                 log(f"kvtool: warning: skill {skill.name!r} tokenizes differently inside a conversation; "
                     "prompts will not contain its block's exact ids, so it will be prefilled, not spliced")
-            block = compile_skill(model, skill, render, preamble, rendered=rendered)
+            block = compile_skill(model, skill, render, preamble, rendered=rendered, shared_kv=shared_kv)
             save_block(block, path)
             log(f"kvtool: compiled skill {skill.name!r} ({len(block)} tokens) -> {path}")
         catalog.add(skill, block, path)

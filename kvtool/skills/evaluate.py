@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -41,22 +41,44 @@ CHUNK = EngineConfig.prefill_chunk  # full prefill and composed token runs prefi
 
 @dataclass
 class EvalCase:
+    """[prefix][gap 0][block 0][gap 1][block 1]...[query]: a gap is the token run that precedes its block in
+    the conversation (an agent's Skill call before the skill's result); gaps default to empty."""
     prefix: list[int]
     blocks: list[SkillBlock]
     query: list[int]  # timed (TTFT) and scored
     more_queries: list[list[int]] = field(default_factory=list)  # scored too, on the same composed context
+    gaps: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.gaps = [list(g) for g in self.gaps] or [[] for _ in self.blocks]
+        if len(self.gaps) != len(self.blocks):
+            raise ValueError(f"an eval case needs one gap per block: {len(self.gaps)} gaps, {len(self.blocks)} blocks")
 
     @property
     def queries(self) -> list[list[int]]:
         return [self.query, *self.more_queries]
 
+    def context_segments(self) -> list:
+        """The gaps and blocks after the prefix, in order (empty gaps left out)."""
+        return [seg for gap, block in zip(self.gaps, self.blocks) for seg in (gap, block) if len(seg)]
+
+    @property
+    def context(self) -> list[int]:
+        """Token ids of the prefix, gaps and blocks: what every query follows."""
+        return self.prefix + [t for seg in self.context_segments() for t in (getattr(seg, "token_ids", seg))]
+
     @property
     def sequence(self) -> list[int]:
-        return self.prefix + [t for b in self.blocks for t in b.token_ids] + self.query
+        return self.context + self.query
 
     @property
     def block_tokens(self) -> int:
         return sum(len(b) for b in self.blocks)
+
+    def first(self, count: int, query: list[int] | None = None) -> "EvalCase":
+        """The case cut to its first `count` blocks (and their gaps), optionally with another query."""
+        return EvalCase(self.prefix, self.blocks[:count], self.query if query is None else query,
+                        gaps=self.gaps[:count])
 
 
 def _sync(device: torch.device) -> None:
@@ -155,9 +177,9 @@ def fidelity(ref_rows: torch.Tensor, rows: torch.Tensor, tokens: list[int]) -> d
 def _compose(runner, case: EvalCase, repair, prefix_cache=None, chunk: int = CHUNK, query: bool = True):
     tail = [case.query] if query else []
     if prefix_cache is None:
-        return compose_segments(runner, [case.prefix, *case.blocks, *tail], repair, chunk=chunk)
+        return compose_segments(runner, [case.prefix, *case.context_segments(), *tail], repair, chunk=chunk)
     cache = prefix_cache.clone()
-    return compose_segments(runner, [*case.blocks, *tail], repair, cache=cache, chunk=chunk)
+    return compose_segments(runner, [*case.context_segments(), *tail], repair, cache=cache, chunk=chunk)
 
 
 def ttft_decoder(runner, tokens: int, path: str = "auto"):
@@ -200,7 +222,8 @@ def _composed_ttft(runner, decoder, case: EvalCase, repair, prefix_cache=None) -
 
 
 def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy: int = 32, repeats: int = 1,
-             warm_prefix: bool = True, log: Callable[[str], None] = print, path: str = "auto") -> dict:
+             warm_prefix: bool = True, log: Callable[[str], None] = print, path: str = "auto",
+             variants: dict[str, list[SkillBlock]] | None = None) -> dict:
     """One record: the full-prefill reference, then per repair its fidelity and TTFT (cold and warm prefix).
 
     cold: prefix prefilled + blocks placed + query prefilled, first token sampled (argmax).
@@ -208,18 +231,27 @@ def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy
     TTFT takes the engine's path (ttft_decoder): on CUDA the full prompt, and the query after the composed
     blocks, go through the static decoder (a query-guided repair prefills its query on the reference
     path; each row names its path); fidelity is always scored on the reference path.
+    variants: the same skills compiled other ways (label -> blocks with the case's token ids, e.g. one set
+    per preamble); every repair is scored on each against the one reference. Rows carry the label
+    ("preamble"); without variants it is the blocks' own preamble.
     """
     runner = getattr(runner, "runner", runner)
     dev = runner.device
     seq = case.sequence
+    variants = variants or {case.blocks[0].meta.get("preamble", "given") if case.blocks else "given": case.blocks}
+    for label, blocks in variants.items():
+        if [b.token_ids for b in blocks] != [b.token_ids for b in case.blocks]:
+            raise ValueError(f"variant {label!r} has other token ids than the case's blocks")
     decoder = ttft_decoder(runner, len(seq), path)
+    gaps = sum(len(g) for g in case.gaps)
     log(f"full prefill of {len(seq)} tokens ({len(case.prefix)} prefix + {case.block_tokens} in "
-        f"{len(case.blocks)} blocks + {len(case.query)} query), then {n_greedy} greedy tokens")
+        f"{len(case.blocks)} blocks" + (f" + {gaps} between them" if gaps else "") +
+        f" + {len(case.query)} query), then {n_greedy} greedy tokens")
     ref = full_reference(runner, seq, n_greedy)
     refs = [ref]
     if case.more_queries:
         base = runner.new_cache(len(seq) + 1)
-        runner.prefill(case.prefix + [t for b in case.blocks for t in b.token_ids], base, logits="none")
+        runner.prefill(case.context, base, logits="none")
         refs += extra_query_scores(runner, base, case.more_queries, None, n_greedy)
     full_fn = lambda: _full_ttft(runner, decoder, seq)  # noqa: E731
     full = _static_runs(full_fn, repeats, dev) if decoder else runs(full_fn, repeats, dev, first=ref["ttft_ms"])
@@ -229,47 +261,59 @@ def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy
         prefix_cache = runner.new_cache(len(case.prefix) + 1)
         runner.prefill(case.prefix, prefix_cache)
     rows_out = []
-    for spec in repairs:
-        repair = make_repair(spec)
-        comp, *first = timed(lambda: _compose(runner, case, repair), dev)  # also the warm-up
-        per_query = [fidelity(ref["rows"], teacher_forced(runner, comp.cache, comp.logits, ref["tokens"]),
-                              ref["tokens"])]
-        if case.more_queries and is_query_guided(repair):  # the repaired blocks depend on the query: compose each
-            for q, r in zip(case.more_queries, refs[1:]):
-                qc = _compose(runner, EvalCase(case.prefix, case.blocks, q), repair)
-                per_query.append(fidelity(r["rows"], teacher_forced(runner, qc.cache, qc.logits, r["tokens"]),
-                                          r["tokens"]))
-        elif case.more_queries:
-            base = comp.cache  # [prefix][blocks][query][greedy]: cut back to the shared [prefix][blocks]
-            base.truncate(len(case.prefix) + case.block_tokens)
-            per_query += extra_query_scores(runner, base, case.more_queries, refs[1:], n_greedy)
-        metrics = {**aggregate(per_query), "per_query": per_query}
-        cold_fn = lambda: _composed_ttft(runner, decoder, case, repair)  # noqa: E731
-        cold = _static_runs(cold_fn, max(1, repeats), dev) if decoder else \
-            runs(cold_fn, repeats, dev, first=None if repeats else tuple(first))
-        warm = runs(lambda: _composed_ttft(runner, decoder, case, repair, prefix_cache), repeats,
-                    dev) if warm_prefix and repeats else None  # after cold, so the graphs are captured
-        row = {"repair": describe(repair), "strategy": repair.name,
-               "knob": getattr(repair, repair.knob) if repair.knob else None,
-               "recomputed_tokens": comp.recomputed_tokens,
-               "recomputed_fraction": comp.recomputed_tokens / max(1, case.block_tokens),
-               "ttft_path": "static decoder" if decoder and not is_query_guided(repair) else "reference",
-               **metrics, "ttft_ms_cold": cold, "ttft_ms_warm_prefix": warm,
-               "speedup_cold": full["median"] / cold["median"],
-               "speedup_cold_cpu": full["cpu_median"] / cold["cpu_median"]}
-        if warm:
-            row["speedup_warm_prefix"] = full["median"] / warm["median"]
-            row["speedup_warm_prefix_cpu"] = full["cpu_median"] / warm["cpu_median"]
-        log(f"  {row['repair']:<34} recomputed {row['recomputed_fraction']:6.1%}  top1 {row['top1']:.3f}  "
-            f"(misses {row['misses']}, {row['near_tie_misses']} near ties)  cos {row['cos_mean']:.4f}  "
-            f"KL {row['kl_next']:.4f}  TTFT {row['ttft_ms_cold']['median']:.0f} ms "
-            f"({row['speedup_cold']:.1f}x)")
-        rows_out.append(row)
+    for label, blocks in variants.items():
+        if len(variants) > 1:
+            log(f" blocks compiled with preamble {label}")
+        vcase = replace(case, blocks=list(blocks))
+        for spec in repairs:
+            row = {"preamble": label, **_repair_row(runner, vcase, make_repair(spec), refs, full, decoder,
+                                                    prefix_cache, repeats)}
+            log(f"  {row['repair']:<34} recomputed {row['recomputed_fraction']:6.1%}  top1 {row['top1']:.3f}  "
+                f"(misses {row['misses']}, {row['near_tie_misses']} near ties)  cos {row['cos_mean']:.4f}  "
+                f"KL {row['kl_mean']:.4f}  TTFT {row['ttft_ms_cold']['median']:.0f} ms "
+                f"({row['speedup_cold']:.1f}x)")
+            rows_out.append(row)
     return {"prompt_tokens": len(seq), "prefix_tokens": len(case.prefix), "block_tokens": case.block_tokens,
+            "gap_tokens": gaps, "preambles": list(variants),
             "blocks": [{"name": b.name, "tokens": len(b)} for b in case.blocks], "query_tokens": len(case.query),
             "queries_scored": len(case.queries), "n_greedy": n_greedy,
             "greedy_reference": [r["tokens"] for r in refs], "ttft_ms_full": full, "repairs": rows_out,
             "prefill_chunk": CHUNK, "ttft_path": "static decoder" if decoder else "reference"}
+
+
+def _repair_row(runner, case: EvalCase, repair, refs: list[dict], full: dict, decoder, prefix_cache,
+                repeats: int) -> dict:
+    """One repair on one case: fidelity over every query against refs, TTFT cold (and warm with prefix_cache)."""
+    dev, ref = runner.device, refs[0]
+    comp, *first = timed(lambda: _compose(runner, case, repair), dev)  # also the warm-up
+    per_query = [fidelity(ref["rows"], teacher_forced(runner, comp.cache, comp.logits, ref["tokens"]),
+                          ref["tokens"])]
+    if case.more_queries and is_query_guided(repair):  # the repaired blocks depend on the query: compose each
+        for q, r in zip(case.more_queries, refs[1:]):
+            qc = _compose(runner, case.first(len(case.blocks), q), repair)
+            per_query.append(fidelity(r["rows"], teacher_forced(runner, qc.cache, qc.logits, r["tokens"]),
+                                      r["tokens"]))
+    elif case.more_queries:
+        base = comp.cache  # [prefix][gaps, blocks][query][greedy]: cut back to the shared context
+        base.truncate(len(case.context))
+        per_query += extra_query_scores(runner, base, case.more_queries, refs[1:], len(ref["tokens"]))
+    cold_fn = lambda: _composed_ttft(runner, decoder, case, repair)  # noqa: E731
+    cold = _static_runs(cold_fn, max(1, repeats), dev) if decoder else \
+        runs(cold_fn, repeats, dev, first=None if repeats else tuple(first))
+    warm = runs(lambda: _composed_ttft(runner, decoder, case, repair, prefix_cache), repeats,
+                dev) if prefix_cache is not None and repeats else None  # after cold, so the graphs are captured
+    row = {"repair": describe(repair), "strategy": repair.name,
+           "knob": getattr(repair, repair.knob) if repair.knob else None,
+           "recomputed_tokens": comp.recomputed_tokens,
+           "recomputed_fraction": comp.recomputed_tokens / max(1, case.block_tokens),
+           "ttft_path": "static decoder" if decoder and not is_query_guided(repair) else "reference",
+           **aggregate(per_query), "per_query": per_query, "ttft_ms_cold": cold, "ttft_ms_warm_prefix": warm,
+           "speedup_cold": full["median"] / cold["median"],
+           "speedup_cold_cpu": full["cpu_median"] / cold["cpu_median"]}
+    if warm:
+        row["speedup_warm_prefix"] = full["median"] / warm["median"]
+        row["speedup_warm_prefix_cpu"] = full["cpu_median"] / warm["cpu_median"]
+    return row
 
 
 def ttft_scaling(runner, case: EvalCase, counts: Sequence[int], repairs: Sequence = ("none",), repeats: int = 1,
@@ -284,7 +328,7 @@ def ttft_scaling(runner, case: EvalCase, counts: Sequence[int], repairs: Sequenc
     decoder = ttft_decoder(runner, len(case.sequence), path)
     out = []
     for count in counts:
-        sub = EvalCase(case.prefix, case.blocks[:count], case.query)
+        sub = case.first(count)
         seq = sub.sequence
         timer = _static_runs if decoder else runs
         full = (known_full or {}).get(count) or timer(lambda: _full_ttft(runner, decoder, seq), repeats, runner.device)

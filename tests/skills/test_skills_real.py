@@ -217,3 +217,54 @@ def test_qwen25_compile_and_relocate(qwen25):
     qwen25.runner.prefill(prefix + block.token_ids, ref)
     k, k_ref = out.cache.stacked()[0][0], ref.stacked()[0][0]  # layer 0 (q/k/v biases included)
     assert (k - k_ref).abs().max().item() < 1e-4 * k_ref.abs().max().item()
+
+
+def test_deep_preamble_compiles_deep_and_shares_its_system_turn(smollm2):
+    haiku, limerick = parse_skill(HAIKU), parse_skill(LIMERICK)
+    shared: dict = {}
+    deep = [compile_skill(smollm2, s, preamble="deep:tokens=300", shared_kv=shared) for s in (haiku, limerick)]
+    alone = [compile_skill(smollm2, s, preamble="deep:tokens=300") for s in (haiku, limerick)]
+    head = len(render_skill(smollm2, haiku).head_ids)
+    for a, b in zip(deep, alone):  # the system turn's KV, prefilled once, is the KV a whole prefill computes
+        assert a.canonical_start == b.canonical_start and 300 < a.canonical_start < 300 + head + 16
+        assert (a.keys - b.keys).abs().max().item() < 1e-4 * b.keys.abs().max().item()
+        assert a.meta["preamble"] == "deep:tokens=300" and a.meta["preamble_sha256"] == b.meta["preamble_sha256"]
+    assert len(shared) == 1 and next(iter(shared.values())).offset < deep[0].canonical_start
+    from kvtool.skills.preamble import preamble_ids
+
+    rendered, window = render_skill(smollm2, haiku), smollm2.runner.spec.max_position
+    huge, _ = preamble_ids(smollm2, haiku, rendered, "deep:tokens=1000000")  # cut to what the window leaves
+    assert window - len(rendered.ids) - head - 64 < len(huge) <= window - len(rendered.ids)
+
+
+def test_catalog_recompiles_when_the_deep_preamble_text_changes(smollm2, skills_dir, tmp_path, monkeypatch):
+    import kvtool.skills.preamble as preamble
+
+    logs = []
+    first = load_catalog(skills_dir, smollm2, cache_dir=tmp_path, preamble="deep:tokens=64", log=logs.append)
+    load_catalog(skills_dir, smollm2, cache_dir=tmp_path, preamble="deep:tokens=64", log=logs.append)
+    assert sum("compiled skill" in m for m in logs) == 2  # the second load read the cache
+    monkeypatch.setattr(preamble, "context_text", lambda: "Other standing instructions. " * 40)
+    again = load_catalog(skills_dir, smollm2, cache_dir=tmp_path, preamble="deep:tokens=64", log=logs.append)
+    assert sum("compiled skill" in m for m in logs) == 4
+    assert again.block("haiku").meta["preamble_sha256"] != first.block("haiku").meta["preamble_sha256"]
+
+
+def test_deep_preamble_brings_blocks_closer_to_full_prefill(smollm2, tmp_path):
+    """Four example skills loaded one by one after a ~256-token prefix: compiled deep, the composed cache
+    (first 48 tokens of each block recomputed) scores closer to full prefill than compiled after the
+    conversation head alone."""
+    from kvtool.bench.skills import EXAMPLE_SKILLS
+    from kvtool.skills.cases import catalog_case
+    from kvtool.skills.evaluate import evaluate
+
+    case, variants, catalog = catalog_case(smollm2, EXAMPLE_SKILLS, blocks=4, cache_dir=tmp_path, log=lambda m: None)
+    assert list(variants) == ["conversation", "deep:tokens=2048"] and len(case.gaps) == 4
+    assert all(len(g) > 0 for g in case.gaps)  # each skill's result follows the assistant's Skill call
+    assert [m.name for m, _ in catalog.find(case.sequence)] == catalog.names()[:4]
+    rec = evaluate(smollm2, case, ["recompute_first_k:k=48"], n_greedy=8, repeats=0, warm_prefix=False,
+                   log=lambda m: None, variants=variants)
+    conv, deep = rec["repairs"]
+    assert (conv["preamble"], deep["preamble"]) == ("conversation", "deep:tokens=2048")
+    assert conv["recomputed_tokens"] == deep["recomputed_tokens"] == 4 * 48
+    assert deep["kl_mean"] < 0.7 * conv["kl_mean"] and deep["cos_mean"] > conv["cos_mean"]
