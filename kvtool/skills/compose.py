@@ -2,6 +2,8 @@
 
 Token runs are prefilled normally; each block is placed at the next free position by a repair
 strategy (kvtool.skills.repair), which rotates its keys there and recomputes what it chooses. A
+repair with place_all (recompute_first_k) gets the blocks and the token runs between them together
+and computes those runs in its own pass. A
 query-guided repair (recompute_attended) also gets the last token run after the blocks, the query:
 it repairs the blocks by what that run attends to, then prefills it.
 The cache stays position-aligned (slot i holds position i), so anything appended later,
@@ -82,7 +84,9 @@ def compose_segments(runner, segments: Sequence[Segment], repair="none", cache: 
         cache = runner.new_cache(total + 1)
     cache.reserve(total + 1)
     out = Composition(cache, None)
-    batch: list[SkillBlock] = []  # consecutive blocks, for a repair that places them together
+    batch: list = []  # blocks and the token runs between them, for a repair that places them together
+    at = [i for i, seg in enumerate(segments) if isinstance(seg, SkillBlock)]
+    between = {i for i in range(at[0] + 1, at[-1]) if not isinstance(segments[i], SkillBlock)} if at else set()
     guided = is_query_guided(repair)
     placed: list[tuple[PlaceStats, SkillBlock]] = []  # for a query-guided repair: the blocks so far
     runs = [i for i, seg in enumerate(segments) if not isinstance(seg, SkillBlock) and len(seg)]
@@ -90,7 +94,8 @@ def compose_segments(runner, segments: Sequence[Segment], repair="none", cache: 
 
     def place_batch():
         if batch:
-            out.placements.extend(repair.place_all(runner, cache, [b.to(runner.device) for b in batch]))
+            items = [b.to(runner.device) if isinstance(b, SkillBlock) else b for b in batch]
+            out.placements.extend(repair.place_all(runner, cache, items))
             batch.clear()
 
     for i, seg in enumerate(segments):
@@ -103,6 +108,9 @@ def compose_segments(runner, segments: Sequence[Segment], repair="none", cache: 
                 if guided:
                     placed.append((out.placements[-1], block))
             out.logits = None
+        elif len(seg) and i in between and hasattr(repair, "place_all"):
+            batch.append(list(seg))
+            out.prefilled_tokens += len(seg)
         elif len(seg):
             place_batch()
             if i == query_run:

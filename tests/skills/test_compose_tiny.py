@@ -53,6 +53,24 @@ def test_first_k_places_consecutive_blocks_in_one_pass_as_one_by_one(tiny, tiny_
     assert (together.cache.stacked()[0] - alone.stacked()[0]).abs().max().item() < 1e-5
 
 
+def test_first_k_computes_the_runs_between_blocks_in_the_same_pass_as_a_prefill_would(tiny, tiny_blocks):
+    from kvtool.skills.repair import RecomputeFirstK
+
+    repair, (a, b), gap = RecomputeFirstK(k=3), tiny_blocks, rand_ids(5, 12)
+    together = compose_segments(tiny, [PREFIX, a, gap, b, SUFFIX], repair, logits="all")
+    alone = tiny.new_cache()
+    tiny.prefill(PREFIX, alone)
+    repair.place(tiny, alone, a)  # block by block, the run prefilled after the repaired block
+    tiny.prefill(gap, alone)
+    repair.place(tiny, alone, b)
+    logits = tiny.prefill(SUFFIX, alone, logits="all")
+    assert together.prefilled_tokens == len(PREFIX) + len(gap) + len(SUFFIX) and together.recomputed_tokens == 6
+    assert [(p.name, p.start) for p in together.placements] == [("alpha", 11), ("beta", 11 + len(a) + len(gap))]
+    assert (together.logits - logits).abs().max().item() < 1e-4
+    for x, y in zip(together.cache.stacked(), alone.stacked()):  # keys, then values: the run's KV included
+        assert (x - y).abs().max().item() < 1e-5
+
+
 def test_query_groups_split_the_active_tokens_into_runs_that_stop_at_their_last_position():
     from kvtool.skills.selective import query_groups
 
