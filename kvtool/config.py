@@ -28,7 +28,7 @@ class EngineConfig:
     static_max_tokens: int = 8192  # the fast path's KV slots; longer requests take the reference path
     static_kv_bytes: int | None = None  # batched fast path's K/V buffers; None: 25% of free device memory
     skills_dir: str | None = None  # a skills folder: compile its blocks and splice them into prompts
-    skill_repair: str = "recompute_first_k:k=48"  # how spliced blocks are repaired (kvtool.skills.repair)
+    skill_repair: str = "recompute_attended:ratio=0.1"  # how spliced blocks are repaired (kvtool.skills.repair)
     skill_preamble: str = "deep:tokens=2048"  # what blocks are compiled after (kvtool.skills.preamble)
 
 

@@ -14,17 +14,16 @@ def plot_eval(record: dict, path: str | Path, title: str = "") -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     rows = record["repairs"]
     preambles = list(dict.fromkeys(r.get("preamble", "") for r in rows))
-    styles = ["o-", "s--", "^:", "d-."]
-    for strategy in dict.fromkeys(r["strategy"] for r in rows):
+    styles = ["o-", "s--", "^:", "d-."]  # one per preamble; one colour per strategy
+    for c, strategy in enumerate(dict.fromkeys(r["strategy"] for r in rows)):
         for i, preamble in enumerate(preambles):
             pts = sorted((r["recomputed_fraction"], r["top1"], r["cos_mean"]) for r in rows
                          if r["strategy"] == strategy and r.get("preamble", "") == preamble)
             if not pts:
                 continue
             xs, label = [100 * p[0] for p in pts], strategy + (f" ({preamble})" if len(preambles) > 1 else "")
-            color = axes[0].plot(xs, [p[1] for p in pts], styles[i % len(styles)], label=label)[0].get_color()
-            axes[1].plot(xs, [p[2] for p in pts], styles[i % len(styles)], label=label,
-                         color=color if i == 0 else None)
+            for ax, ys in ((axes[0], [p[1] for p in pts]), (axes[1], [p[2] for p in pts])):
+                ax.plot(xs, ys, styles[i % len(styles)], color=f"C{c}", label=label)
     axes[0].axhline(0.95, ls=":", c="gray", lw=1)
     axes[1].axhline(0.99, ls=":", c="gray", lw=1)
     axes[0].set(xlabel="block tokens recomputed (%)", ylabel=f"top-1 agreement ({record['n_greedy']} greedy tokens)",

@@ -1,4 +1,4 @@
-"""Where a skill block is compiled: the tokens prefilled before it, its canonical preamble. A registry feeds the CLI.
+"""Where a skill block is compiled: the tokens prefilled before it, its canonical preamble (NAMES feeds the CLI).
 
 - conversation: the turn's own conversation head (for the tool rendering, the user's request and the
   assistant's Skill call); the block starts a few dozen positions in.
@@ -8,8 +8,10 @@
   prompt, tools and earlier turns, often thousands of tokens in, and a token's upper-layer KV depends on
   how much context it attended to, not only on what: attention spread over 2,000 earlier tokens mixes
   differently from attention over 50. Compiled at such a depth, the block's KV is closer to what a full
-  prefill computes there, whatever the context is. On SmolLM2 (4 skills after a 270-token prefix,
-  recompute_first_k:k=48) the next-token KL against full prefill fell from 0.021 to 0.006.
+  prefill computes there, whatever the context is. Four skills loaded after a 260-token prefix, KL
+  against full prefill over 32 greedy steps (benchmarks/results/skills-cpu-*.json): SmolLM2 0.0207 to
+  0.0059 with recompute_first_k:k=48; Qwen2.5 0.0364 to 0.0195 with recompute_attended:ratio=0.1, but
+  0.0289 to 0.0399 with recompute_first_k:k=48.
 The preamble is fixed per setup key (kvtool.skills.catalog), so blocks of one catalog share it.
 """
 

@@ -67,14 +67,20 @@ def test_skills_flags_reach_the_engine_config(monkeypatch, tmp_path):
 
     monkeypatch.setattr(cli, "load_from_args", lambda args: FakeModel())
     monkeypatch.setattr(server, "serve", lambda model, cfg, engine_config, log_level: seen.update(engine=engine_config))
-    assert main(["serve", "--skills", str(tmp_path), "--skill-repair", "recompute_deviation:ratio=0.2"]) == 0
+    assert main(["serve", "--skills", str(tmp_path), "--skill-repair", "recompute_deviation:ratio=0.2",
+                 "--skill-preamble", "conversation"]) == 0
     assert seen["engine"].skills_dir == str(tmp_path)
     assert seen["engine"].skill_repair == "recompute_deviation:ratio=0.2"
+    assert seen["engine"].skill_preamble == "conversation"
+    assert main(["serve", "--skills", str(tmp_path)]) == 0  # the defaults, from EngineConfig
+    assert (seen["engine"].skill_repair, seen["engine"].skill_preamble) == ("recompute_attended:ratio=0.1",
+                                                                           "deep:tokens=2048")
 
 
 @pytest.mark.parametrize("argv, needle", [(["--skills", "/no/such/folder"], "is not a folder of skills"),
                                           (["--skill-repair", "magic"], "unknown repair strategy 'magic'"),
-                                          (["--skill-repair", "recompute_first_k:q=1"], "has no knob 'q'")])
+                                          (["--skill-repair", "recompute_first_k:q=1"], "has no knob 'q'"),
+                                          (["--skill-preamble", "deep:tokens=0"], "tokens=N with N >= 1")])
 def test_bad_skills_flags_are_clear_errors(monkeypatch, capsys, tmp_path, argv, needle):
     import kvtool.cli.serve as cli
 
