@@ -259,13 +259,14 @@ def _prefix_md(records: dict) -> list[str]:
 
 def _skills_md(records: dict) -> list[str]:
     rec = records["skills"]
-    rows = [[r["repair"], f"{100 * r['recomputed_fraction']:.1f}%", f"{r['top1']:.3f}", f"{r['cos_mean']:.4f}",
-             _stat(r["ttft_ms_cold"]), _ratio(r["speedup_cold"])] for r in rec["repairs"]]
+    rows = [[r["repair"], r.get("preamble", ""), f"{100 * r['recomputed_fraction']:.1f}%", f"{r['top1']:.3f}",
+             f"{r['cos_mean']:.4f}", _stat(r["ttft_ms_cold"]), _ratio(r["speedup_cold"])] for r in rec["repairs"]]
     return [f"{rec['prompt_tokens']} prompt tokens ({rec['block_tokens']} in {len(rec['blocks'])} blocks); baseline: "
             f"kvtool full prefill of the same tokens, TTFT {_stat(rec['ttft_ms_full'])} ms"
             + (" (random weights: fidelity numbers are not meaningful)" if rec["random_weights"] else
                " (synthetic token blocks)" if rec.get("synthetic_blocks") else "") + ".", "",
-            *_table(["repair", "recomputed", "top-1", "cosine", "TTFT cold (ms)", "vs full prefill"], rows)]
+            *_table(["repair", "blocks compiled", "recomputed", "top-1", "cosine", "TTFT cold (ms)",
+                     "vs full prefill"], rows)]
 
 
 def _batching_md(records: dict) -> list[str]:

@@ -83,7 +83,8 @@ def config_from_args(args) -> SkillsBenchConfig:
                              prefix_tokens=args.prefix_tokens, query_tokens=args.query_tokens,
                              repairs=args.repair or c.repairs, greedy_tokens=args.greedy_tokens, queries=args.queries,
                              repeats=args.repeats, scaling=args.scaling,
-                             scaling_repairs=args.scaling_repair or c.scaling_repairs, preambles=args.preamble or c.preambles,
+                             scaling_repairs=args.scaling_repair or c.scaling_repairs,
+                             preambles=args.preamble or c.preambles,
                              synthetic=args.synthetic or None,
                              out=args.out, plot=args.plot)
 

@@ -238,7 +238,8 @@ def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy
     runner = getattr(runner, "runner", runner)
     dev = runner.device
     seq = case.sequence
-    variants = variants or {case.blocks[0].meta.get("preamble", "given") if case.blocks else "given": case.blocks}
+    if not variants:
+        variants = {case.blocks[0].meta.get("preamble", "as compiled") if case.blocks else "as compiled": case.blocks}
     for label, blocks in variants.items():
         if [b.token_ids for b in blocks] != [b.token_ids for b in case.blocks]:
             raise ValueError(f"variant {label!r} has other token ids than the case's blocks")

@@ -81,6 +81,17 @@ def test_skills_on_random_weights_use_synthetic_blocks(tiny_bench):
     assert rec["repairs"][1]["recomputed_tokens"] == 8  # first 4 tokens of each of the 2 blocks
     assert [row["blocks"] for row in rec["ttft_scaling"]] == [1, 2]
     assert {t["status"] for t in rec["target_checks"]} == {"n/a"}  # set for >= 4 blocks
+    assert {r["preamble"] for r in rec["repairs"]} == {"as compiled"}  # synthetic blocks: one set
+
+
+def test_skills_bench_flags_pick_the_preambles():
+    from kvtool.bench.skills import config_from_args
+    from kvtool.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "skills", "--preamble", "none", "--preamble", "deep:tokens=64"])
+    assert config_from_args(args).preambles == ["none", "deep:tokens=64"]
+    assert config_from_args(build_parser().parse_args(["bench", "skills"])).preambles == ["conversation",
+                                                                                        "deep:tokens=2048"]
 
 
 def test_bench_all_writes_tables_plots_json_and_records_a_failing_benchmark(tiny_bench, tmp_path, monkeypatch,

@@ -9,7 +9,8 @@ from kvtool.skills.preamble import DEEP_TOKENS, canonical_preamble, context_text
 def test_parse_and_canonical_spelling():
     assert parse_preamble("conversation") == ("conversation", 0) and parse_preamble("none") == ("none", 0)
     assert parse_preamble("deep") == ("deep", DEEP_TOKENS) and parse_preamble("deep:tokens=512") == ("deep", 512)
-    assert canonical_preamble("deep") == f"deep:tokens={DEEP_TOKENS}" == canonical_preamble(f"deep:tokens={DEEP_TOKENS}")
+    deep = f"deep:tokens={DEEP_TOKENS}"
+    assert canonical_preamble("deep") == deep == canonical_preamble(deep)
     assert canonical_preamble("none") == "none"
     assert len(context_text().split()) > 500  # the generic instructions ship with the package
 

@@ -160,7 +160,8 @@ def test_cli_eval_reports_metrics_json_and_plot(smollm2, skills_dir, cache_dir, 
     rec = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == rec
     assert rec["queries_scored"] == 2 and rec["blocks"][0]["name"] == "haiku" and rec["ttft_scaling"]
-    rows = {r["strategy"]: r for r in rec["repairs"]}
+    assert rec["preambles"] == ["conversation", "deep:tokens=2048"] and len(rec["repairs"]) == 8  # each repair twice
+    rows = {r["strategy"]: r for r in rec["repairs"] if r["preamble"] == "deep:tokens=2048"}  # the default
     exact = rows["recompute_first_k"]
     assert exact["top1"] == 1.0 and exact["greedy_exact"] and exact["cos_mean"] > 0.9999 and exact["kl_next"] < 1e-4
     assert exact["recomputed_fraction"] == 1.0
