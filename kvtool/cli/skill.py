@@ -10,8 +10,8 @@ from kvtool.cli.common import add_model_args, load_from_args
 
 
 def register(subparsers) -> None:
-    from kvtool.skills.catalog import DEFAULT_PREAMBLE, PREAMBLES
-    from kvtool.skills.preamble import DEEP_TOKENS
+    from kvtool.skills.catalog import DEFAULT_PREAMBLE
+    from kvtool.skills.preamble import DEEP_TOKENS, NAMES
     from kvtool.skills.cases import EVAL_PREAMBLES
     from kvtool.skills.evaluate import DEFAULT_SWEEP
     from kvtool.skills.render import RENDER_MODES
@@ -27,7 +27,7 @@ def register(subparsers) -> None:
     c.add_argument("--render", choices=sorted(RENDER_MODES), default="tool",
                    help="how the skill appears in context: as the Skill tool's result, or a user turn")
     c.add_argument("--preamble", type=_preamble, default=DEFAULT_PREAMBLE,
-                   help=f"what is prefilled before the skill: {' | '.join(PREAMBLES)} | deep:tokens=N (deep: ~"
+                   help=f"what is prefilled before the skill: {' | '.join(NAMES)} | deep:tokens=N (deep: ~"
                         f"{DEEP_TOKENS} tokens of generic agent instructions, then the turn's conversation head; "
                         "conversation: the head only; none: the block starts at position 0). Default: %(default)s")
     c.add_argument("--cache-dir", default=None, help="skill block cache (default ~/.cache/kvtool/skills)")

@@ -19,24 +19,28 @@ from kvtool.config import EngineConfig
 from kvtool.errors import CacheFormatError
 from kvtool.skills.block import SkillBlock, compile_ids, load_block, save_block, setup_of
 from kvtool.skills.match import BlockIndex, Match
-from kvtool.skills.preamble import NAMES, canonical_preamble, preamble_ids
+from kvtool.skills.preamble import canonical_preamble, preamble_ids
 from kvtool.skills.render import render_skill, skill_messages
 from kvtool.skills.skillfile import Skill, read_skill, read_skills
 
-PREAMBLES = NAMES  # kvtool.skills.preamble: after the turn's conversation head, at position 0, or deep
-DEFAULT_PREAMBLE = EngineConfig.skill_preamble
+DEFAULT_PREAMBLE = EngineConfig.skill_preamble  # kvtool.skills.preamble: what a block is compiled after
+
+
+def preamble_sha256(pre: list[int]) -> str:
+    return hashlib.sha256(json.dumps(pre).encode()).hexdigest()
 
 
 def compile_skill(model, skill: Skill | str | Path, render: str = "tool", preamble: str = DEFAULT_PREAMBLE,
-                  rendered=None, shared_kv: dict | None = None) -> SkillBlock:
+                  rendered=None, shared_kv: dict | None = None, pre: tuple[list[int], int] | None = None) -> SkillBlock:
     """Render the skill as a chat turn and prefill it once after its canonical preamble. `shared_kv` (a dict,
-    filled here) keeps the KV of the preamble's part that every skill shares, for the next skill."""
+    filled here) keeps the KV of the preamble's part that every skill shares, for the next skill; `pre`:
+    preamble_ids() already computed for this skill."""
     import kvtool
 
     preamble = canonical_preamble(preamble)
     skill = skill if isinstance(skill, Skill) else read_skill(skill)
     rendered = rendered or render_skill(model, skill, render)
-    pre, n_shared = preamble_ids(model, skill, rendered, preamble)
+    pre, n_shared = pre or preamble_ids(model, skill, rendered, preamble)
     warm = None
     if n_shared and shared_kv is not None:
         key = tuple(pre[:n_shared])
@@ -47,7 +51,7 @@ def compile_skill(model, skill: Skill | str | Path, render: str = "tool", preamb
         warm = shared_kv[key]
     meta = {"description": skill.description, "text": rendered.text, "text_sha256": rendered.text_sha256,
             "render": render, "preamble": preamble,
-            "preamble_sha256": hashlib.sha256(json.dumps(pre).encode()).hexdigest(),
+            "preamble_sha256": preamble_sha256(pre),
             "boundary_safe": str(rendered.boundary_safe).lower(), "source_sha256": skill.source_sha256,
             "source": skill.path, "kvtool_version": kvtool.__version__}
     return compile_ids(model.runner, rendered.ids, setup_of(model), skill.name, pre, meta, warm=warm)
@@ -122,14 +126,14 @@ def load_catalog(folder: str | Path, model, cache_dir: str | Path | None = None,
     catalog = SkillCatalog(setup, render)
     for skill in read_skills(folder):
         rendered = render_skill(model, skill, render)
+        pre = preamble_ids(model, skill, rendered, preamble)
         path = where / f"{skill.name}-{rendered.text_sha256[:12]}.kvb"
         block = None
         if path.is_file():
             try:
                 block = load_block(path, model.runner.device, expected_setup=setup)
-                pre_sha = hashlib.sha256(json.dumps(preamble_ids(model, skill, rendered, preamble)[0]).encode())
                 if (block.token_ids != rendered.ids or block.meta.get("preamble") != preamble
-                        or block.meta.get("preamble_sha256") != pre_sha.hexdigest()):
+                        or block.meta.get("preamble_sha256") != preamble_sha256(pre[0])):
                     block = None
             except CacheFormatError as exc:
                 log(f"kvtool: recompiling skill {skill.name!r}: {exc}")
@@ -137,7 +141,7 @@ def load_catalog(folder: str | Path, model, cache_dir: str | Path | None = None,
             if not rendered.boundary_safe:
                 log(f"kvtool: warning: skill {skill.name!r} tokenizes differently inside a conversation; "
                     "prompts will not contain its block's exact ids, so it will be prefilled, not spliced")
-            block = compile_skill(model, skill, render, preamble, rendered=rendered, shared_kv=shared_kv)
+            block = compile_skill(model, skill, render, preamble, rendered=rendered, shared_kv=shared_kv, pre=pre)
             save_block(block, path)
             log(f"kvtool: compiled skill {skill.name!r} ({len(block)} tokens) -> {path}")
         catalog.add(skill, block, path)

@@ -3,9 +3,9 @@
 Token runs are prefilled normally; each block is placed at the next free position by a repair
 strategy (kvtool.skills.repair), which rotates its keys there and recomputes what it chooses. A
 repair with place_all (recompute_first_k) gets the blocks and the token runs between them together
-and computes those runs in its own pass. A
-query-guided repair (recompute_attended) also gets the last token run after the blocks, the query:
-it repairs the blocks by what that run attends to, then prefills it.
+and computes those runs in its own pass. A query-guided repair (recompute_attended) also gets the
+last token run after the blocks, the query: it repairs the blocks by what that run attends to, then
+prefills it.
 The cache stays position-aligned (slot i holds position i), so anything appended later,
 prefill or decode, continues at the right positions.
 """
