@@ -81,7 +81,7 @@ def _layer(layer, lkv, x: torch.Tensor, pos: torch.Tensor, cos, sin, slots: torc
     return x + layer.mlp(layer.post_attention_layernorm(x)), chosen
 
 
-ROW_BUDGET_BYTES = 128 << 20  # scores + probabilities of one block of query rows, all heads
+ROW_BUDGET_BYTES = 128 << 20  # scores of one block of query rows, all heads
 
 
 @torch.inference_mode()
@@ -89,25 +89,27 @@ def attention_received(runner, cache, ids: list[int], window: int, chunk: int) -
     """Prefill ids after what `cache` holds (they stay appended) and return, for every slot before them,
     the attention probability it receives from the last `window` of ids, summed over layers, heads and
     those rows: [start] fp32 on the runner's device. Probabilities are softmax(q_rot·kᵀ/√d) in fp32 over
-    the keys each row sees (the fused path never materialises them), a block of rows at a time."""
-    from kvtool.viz.probs import reference_probs
-
+    the keys each row sees (the fused path never materialises them), a block of rows at a time.
+    Only the columns from `start` on, where a row's future can be, are masked."""
     start = cache.offset
     first_row = start + max(0, len(ids) - window)
     received = torch.zeros(start, dtype=torch.float32, device=runner.device)
-    group = runner.spec.num_heads // runner.spec.num_kv_heads
+    spec = runner.spec
+    group, scale = spec.num_heads // spec.num_kv_heads, 1.0 / math.sqrt(spec.head_dim)
 
     def tap(t) -> None:
-        end = t.cache[t.layer].offset
-        lo = max(first_row, end - t.q_rot.shape[2])
+        end, n = t.cache[t.layer].offset, t.q_rot.shape[2]
+        lo = max(first_row, end - n)
         if lo >= end:
             return
-        keys = t.cache[t.layer].keys[0].repeat_interleave(group, 0)  # [Hq, end, D]
-        step = max(1, ROW_BUDGET_BYTES // (8 * runner.spec.num_heads * end))
+        keys = t.cache[t.layer].keys[0, :, :end].float().repeat_interleave(group, 0).transpose(1, 2)  # [Hq, D, end]
+        step = max(1, ROW_BUDGET_BYTES // (4 * spec.num_heads * end))
         for r in range(lo, end, step):
             rows = torch.arange(r, min(end, r + step), device=runner.device)
-            q = t.q_rot[0][:, rows - (end - t.q_rot.shape[2])]
-            received.add_(reference_probs(q, keys, rows)[:, :, :start].sum((0, 1)))
+            scores = torch.matmul(t.q_rot[0][:, rows - (end - n)].float() * scale, keys)  # [Hq, R, end]
+            future = torch.arange(start, end, device=runner.device)[None, :] > rows[:, None]  # [R, end - start]
+            scores[..., start:].masked_fill_(future, float("-inf"))
+            received.add_(torch.softmax(scores, -1)[..., :start].sum((0, 1)))
 
     runner.prefill(ids, cache, chunk=chunk, logits="none", tap=tap)
     return received
