@@ -33,6 +33,7 @@ others prefill on their own (from the prefix cache, where the first published th
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -40,6 +41,7 @@ from typing import Callable
 import torch
 
 from kvtool.cache.kv import KVCache
+from kvtool.cache.manager import PrefixCacheWarning
 from kvtool.config import SamplingParams
 from kvtool.engine.batch_sampling import batchable, sample_rows
 from kvtool.engine.generate import Engine, Generation, OutputState, TokenEvent, scores_prompt
@@ -260,10 +262,15 @@ class BatchScheduler:
         if req.slot is not None:
             self.static.store(req.slot, req.cache)
             req.slot = None
-        if req.cache is not None and self.engine.prefix_cache is not None:
-            known = req.gen.prompt_ids + req.gen.token_ids
-            self.engine.prefix_cache.commit(req.handle, known[: req.cache.offset], req.cache)
-        req.cache, req.handle = None, None
+        try:
+            if req.cache is not None and self.engine.prefix_cache is not None:
+                known = req.gen.prompt_ids + req.gen.token_ids
+                self.engine.prefix_cache.commit(req.handle, known[: req.cache.offset], req.cache)
+        except Exception as exc:  # handing KV back to the cache must never fail the request (or the batch)
+            warnings.warn(PrefixCacheWarning(f"prefix cache: taking back a finished request's KV failed "
+                                             f"({type(exc).__name__}: {exc}); it is not cached"), stacklevel=2)
+        finally:
+            req.cache, req.handle = None, None
 
     def _finish(self, req: BatchRequest, reason: str | None = None, error: BaseException | None = None) -> None:
         if reason and not req.gen.finish_reason:

@@ -211,14 +211,27 @@ class Worker:
                     self.scheduler.step()
                 except Exception as exc:  # the batched forward failed: end this batch, keep serving
                     log.exception("batched step failed")
-                    for req in list(self.scheduler.running):
-                        self.scheduler.cancel(req.gen, "error", exc)
+                    self._end_running(exc)
         for req in self.scheduler.requests:
             self.scheduler.cancel(req.gen)
         for handle in list(self._pending):
             handle.gen.close()
             self._finish(handle, Unavailable("the server is shutting down", code="shutting_down"))
         self._pending = deque()
+
+    def _end_running(self, exc: BaseException) -> None:
+        """End every running request with exc; one that fails to end is dropped, so the loop keeps serving."""
+        for req in list(self.scheduler.running):
+            try:
+                self.scheduler.cancel(req.gen, "error", exc)
+            except Exception:
+                log.exception("ending a failed request failed")
+                if req in self.scheduler.running:
+                    self.scheduler.running.remove(req)
+                handle = self._handles.pop(id(req.gen), None)
+                if handle is not None:
+                    handle._post(WorkerCrash(f"generation failed: {type(exc).__name__}: {exc}"))
+                    self._finish(handle)
 
     def _emit(self, handle: Handle, event: TokenEvent) -> None:
         now = time.perf_counter()

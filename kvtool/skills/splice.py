@@ -92,10 +92,11 @@ class SkillSplicer:
         self.last_stats = stats
         return cache, hit, SpliceHandle(inner_handle, stats)
 
-    def commit(self, handle: SpliceHandle, token_ids: list[int], cache) -> None:
-        if self.inner is not None:
+    def commit(self, handle: SpliceHandle | None, token_ids: list[int], cache) -> None:
+        """handle None: a request that holds none (an n > 1 sibling starts from its leader's KV)."""
+        if self.inner is not None and handle is not None:
             self.inner.commit(handle.inner, token_ids, cache)
 
-    def publish(self, handle: SpliceHandle, token_ids: list[int], cache) -> None:
-        if self.inner is not None:
+    def publish(self, handle: SpliceHandle | None, token_ids: list[int], cache) -> None:
+        if self.inner is not None and handle is not None:
             self.inner.publish(handle.inner, token_ids, cache)

@@ -93,6 +93,24 @@ def test_streamed_usage_reports_block_tokens(skilled, catalog, sse_events):
     assert usage["prompt_tokens_details"]["skill_block_tokens"] == len(catalog.block("limerick"))
 
 
+def test_n_choices_of_a_spliced_prompt_beside_another_request(skilled, catalog):
+    """n=2 siblings hold no prefix-cache handle of their own; they used to break the batch they ran in."""
+    import threading
+
+    skilled.post("/v1/cache/reset")
+    alone = chat(skilled, messages=QUESTION, skills=["haiku"], max_tokens=4)["choices"][0]["message"]["content"]
+    other = {}
+    thread = threading.Thread(target=lambda: other.update(out=chat(skilled, messages=QUESTION, max_tokens=8)))
+    thread.start()
+    out = chat(skilled, messages=QUESTION, skills=["haiku"], max_tokens=4, n=2)
+    thread.join()
+    assert [c["message"]["content"] for c in out["choices"]] == [alone, alone]
+    assert other["out"]["choices"][0]["finish_reason"] in ("stop", "length")
+    r = skilled.post("/v1/completions", json={"prompt": ["Autumn", "Rain"], "n": 2, "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4
+    assert skilled.get("/health").json()["status"] == "ok"
+
+
 @pytest.mark.parametrize("skills, needle", [(["sonnet"], "'sonnet' is not a skill of this server"),
                                             (["haiku", "haiku"], "lists a skill twice")])
 def test_bad_skill_requests_are_400(skilled, skills, needle):

@@ -1,6 +1,7 @@
 """Skill blocks on the real SmolLM2 (and Qwen2.5) GGUF models: render, compile, cache, splice, eval, CLI."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -269,3 +270,24 @@ def test_deep_preamble_brings_blocks_closer_to_full_prefill(smollm2, tmp_path):
     assert (conv["preamble"], deep["preamble"]) == ("conversation", "deep:tokens=2048")
     assert conv["recomputed_tokens"] == deep["recomputed_tokens"] == 4 * 48
     assert deep["kl_mean"] < 0.7 * conv["kl_mean"] and deep["cos_mean"] > conv["cos_mean"]
+
+
+def test_n_choices_share_a_spliced_prompt_over_the_prefix_cache(smollm2, catalog):
+    """n=2: the sibling starts from its leader's prompt KV and holds no prefix-cache handle of its own; both
+    finish, hand their KV back and equal the unspliced greedy run (full recompute)."""
+    from kvtool.cache.manager import PrefixCache, PrefixCacheWarning
+
+    ids = conversation_ids(smollm2, catalog, "haiku", "limerick")
+    params = kvtool.SamplingParams(temperature=0, max_tokens=3)
+    plain = Engine(smollm2).generate(ids, params).run()
+    prefix = PrefixCache.for_runner(smollm2.runner)
+    splicer = SkillSplicer(catalog, repair="recompute_first_k:k=100000", inner=prefix)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gens = Engine(smollm2, prefix_cache=splicer).generate_batch([ids, ids[:-2]], params, n=2)
+    assert not [w for w in caught if issubclass(w.category, PrefixCacheWarning)], "every KV hand-back worked"
+    assert [g.token_ids for g in gens[:2]] == [plain.token_ids] * 2
+    assert all(g.finish_reason in ("length", "stop") for g in gens)
+    prefix.check_integrity()
+    again = Engine(smollm2, prefix_cache=splicer).generate(ids, params).run()  # the prompt's KV was handed back
+    assert again.token_ids == plain.token_ids and again.timings.cached_tokens > 0
