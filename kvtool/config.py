@@ -127,14 +127,14 @@ class SamplingParams:
             if self.response_format != "text" or self.min_tokens:
                 bad("choice", "the output is one of the choices: it cannot be a JSON mode or take min_tokens")
         if self.regex is not None:
-            import regex
+            from kvtool.engine.regex_mode import compile_pattern  # bounded: refuses huge repeats, recursion
 
             if not isinstance(self.regex, str) or not self.regex:
                 bad("regex", "must be a non-empty pattern string")
             try:
-                compiled = regex.compile(self.regex)
-            except regex.error as exc:
-                bad("regex", f"is not a valid regular expression: {exc}")
+                compiled = compile_pattern(self.regex)
+            except InvalidParameterError as exc:
+                bad("regex", str(exc))
             if compiled.fullmatch("", partial=True) is None:
                 bad("regex", "matches no text at all")
             if self.response_format != "text" or self.min_tokens or self.choice is not None:

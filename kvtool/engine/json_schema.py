@@ -10,11 +10,14 @@ and `format` are checked by kvtool.engine.schema_values. `$ref`, `allOf`, `anyOf
 followed as kvtool.engine.schema_refs describes: the state is then one SchemaState per alternative the
 text still fits (SchemaBranches). Ignored, as documentation: title, description, default, examples,
 formats schema_values does not know, and multipleOf. Refused with an error naming them: not,
-if/then/else, patternProperties and the like. Keys and enum strings take no escapes.
+if/then/else, patternProperties and the like. Keys and enum strings take no escapes. check_schema()
+first checks that each keyword the compiler reads has the right JSON type, naming its path (the old
+list form of `items` is refused: prefixItems says the same).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import NamedTuple
 
@@ -32,17 +35,76 @@ FIRST = {"object": "{", "array": "[", "string": '"', "number": "-0123456789", "i
 BOUNDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 UNSUPPORTED = ("not", "if", "then", "else", "patternProperties", "dependentSchemas",
                "unevaluatedProperties", "dependentRequired")
+SUBSCHEMAS = ("properties", "$defs", "definitions")  # objects of named schemas
+SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
 MAX_BRANCHES = 64  # anyOf alternatives followed side by side; past this the first ones are kept
 
 
 def check_schema(schema, where: str = "schema") -> None:
     """InvalidParameterError naming the first part of the schema this mode cannot enforce."""
-    if not isinstance(schema, dict):
-        raise InvalidParameterError(f"json_schema: {where} must be an object, got {type(schema).__name__}")
+    _check_keywords(schema, where, set())
     root = prepare(schema)
     if not any("object" in _types(b) for b in branches(root)):
         raise InvalidParameterError("json_schema: the schema's root must be an object (type: object)")
     _check(root, where, set())
+
+
+def _got(value) -> str:
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_keywords(node, where: str, seen: set[int]) -> None:
+    """The JSON type of each keyword the compiler reads, in node and the schemas inside it, as written."""
+    def bad(key: str, what: str):
+        return InvalidParameterError(f"json_schema: {where}.{key} must be {what}, got {_got(node[key])}")
+
+    if not isinstance(node, dict):
+        raise InvalidParameterError(f"json_schema: {where} must be a schema object, got {_got(node)}")
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    if "type" in node:
+        types = node["type"]
+        if not (isinstance(types, str) or (isinstance(types, list) and types and
+                                           all(isinstance(t, str) for t in types))):
+            raise bad("type", "a string or a list of type names")
+        for t in [types] if isinstance(types, str) else types:
+            if t not in TYPES:
+                raise InvalidParameterError(f"json_schema: {where}.type has unknown type {t!r}; use one of "
+                                            f"{', '.join(TYPES)}")
+    if "required" in node and not (isinstance(node["required"], list) and
+                                   all(isinstance(k, str) for k in node["required"])):
+        raise bad("required", "a list of property names (strings)")
+    for key in ("enum", *SCHEMA_LISTS):
+        if key in node and not isinstance(node[key], list):
+            raise bad(key, "a list")
+    for key in ("pattern", "format", "$ref"):
+        if key in node and not isinstance(node[key], str):
+            raise bad(key, "a string")
+    for key in BOUNDS:
+        if key in node and (not isinstance(node[key], int) or isinstance(node[key], bool) or node[key] < 0):
+            raise bad(key, "an integer >= 0")
+    for key in RANGE:
+        if key in node and (isinstance(node[key], bool) or not isinstance(node[key], (int, float))
+                            or not math.isfinite(node[key])):
+            raise bad(key, "a number")
+    if isinstance(node.get("items"), list):
+        raise bad("items", "a schema object (a list is the old tuple form: give the leading items' schemas "
+                           "as prefixItems)")
+    for key in ("items", "additionalProperties"):
+        if key in node and not isinstance(node[key], (bool, dict)):
+            raise bad(key, "true, false or a schema object")
+        if isinstance(node.get(key), dict):
+            _check_keywords(node[key], f"{where}.{key}", seen)
+    for key in SUBSCHEMAS:
+        if key in node and not isinstance(node[key], dict):
+            raise bad(key, "an object mapping names to schemas")
+        for name, sub in (node.get(key) or {}).items():
+            _check_keywords(sub, f"{where}.{key}.{name}", seen)
+    for key in SCHEMA_LISTS:
+        for i, sub in enumerate(node.get(key) or []):
+            _check_keywords(sub, f"{where}.{key}[{i}]", seen)
 
 
 def _check(node, where: str, seen: set[int]) -> None:

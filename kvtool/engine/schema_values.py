@@ -10,7 +10,8 @@ the schema allows, and may it end here?
 - strings: `pattern` is searched for, as JSON schema does (anchor it, ^...$, to match the whole
   string), and the formats in FORMATS are anchored patterns. Each character must leave some
   continuation that matches (the `regex` package's partial matching on the decoded string), and
-  the closing quote needs a match. A character split across tokens is checked as U+FFFD.
+  the closing quote needs a match. A character split across tokens is checked as U+FFFD. Patterns are
+  compiled by kvtool.engine.regex_mode.compile_pattern, under its limits (repeat counts, size, no recursion).
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ import json
 import math
 from fractions import Fraction
 
-import regex
-
+from kvtool.engine.regex_mode import MATCH_TIMEOUT, compile_pattern, timeout_message
 from kvtool.errors import InvalidParameterError
 
 _DATE = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
@@ -151,7 +151,7 @@ def number_ok(node: dict, text: str, ended: bool) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _compile(pattern: str):
-    return regex.compile(pattern)
+    return compile_pattern(pattern)
 
 
 def patterns(node: dict | None) -> list:
@@ -171,12 +171,14 @@ def check_pattern(node: dict, where: str) -> None:
         raise InvalidParameterError(f"json_schema: {where}.pattern must be a string")
     try:
         _compile(node["pattern"])
-    except regex.error as exc:
-        raise InvalidParameterError(f"json_schema: {where}.pattern {node['pattern']!r} is not a valid regular "
-                                    f"expression: {exc}") from None
+    except InvalidParameterError as exc:
+        raise InvalidParameterError(f"json_schema: {where}.pattern {node['pattern']!r}: {exc}") from None
 
 
 def string_ok(node: dict, raw: str, ended: bool) -> bool:
     """A string's raw JSON text so far (escapes complete) against its patterns."""
     value = json.loads(f'"{raw}"')
-    return all(p.search(value, partial=not ended) is not None for p in patterns(node))
+    try:
+        return all(p.search(value, partial=not ended, timeout=MATCH_TIMEOUT) is not None for p in patterns(node))
+    except TimeoutError:
+        raise InvalidParameterError(timeout_message(f"json_schema: pattern {node.get('pattern')!r}")) from None
