@@ -17,7 +17,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from kvtool.errors import KvtoolError
+from kvtool.errors import ContextWindowError, KvtoolError
+from kvtool.serving.errors import error_from_exception
+from kvtool.serving.limits import too_deep_message
+from kvtool.serving.served import check_fits, check_strings, check_text
 
 
 class CacheRequestError(KvtoolError):
@@ -27,16 +30,19 @@ class CacheRequestError(KvtoolError):
         self.param, self.status_code, self.code, self.type = param, status_code, code, type_
 
 
-def error_response(exc: Exception) -> JSONResponse:
-    status = getattr(exc, "status_code", 400)
-    body = {"message": str(exc), "type": getattr(exc, "type", "invalid_request_error"),
-            "param": getattr(exc, "param", None), "code": getattr(exc, "code", None)}
-    return JSONResponse({"error": body}, status_code=status)
+def error_response(exc: KvtoolError) -> JSONResponse:
+    if not isinstance(exc, CacheRequestError):  # e.g. ModelNotFound, ContextWindowError: the server's own shape
+        status, body = error_from_exception(exc)
+        return JSONResponse(body, status_code=status)
+    body = {"message": str(exc), "type": exc.type, "param": exc.param, "code": exc.code}
+    return JSONResponse({"error": body}, status_code=exc.status_code)
 
 
-def cache_router(get_manager: Callable[[], object], get_model: Callable[[], object] | None = None) -> APIRouter:
+def cache_router(get_manager: Callable[[], object], get_model: Callable[[], object] | None = None,
+                 check_name: Callable[[str | None], None] | None = None) -> APIRouter:
     """Routes over ``get_manager()`` (a PrefixCache, or None when the cache is off). ``get_model()``
-    returns the LoadedModel used to render messages and encode prompts for pin/unpin."""
+    returns the LoadedModel used to render messages and encode prompts for pin/unpin; ``check_name(model)``
+    refuses a body's ``model`` that is not the served one (404, as every other route does)."""
     router = APIRouter()
 
     def manager():
@@ -66,7 +72,14 @@ def cache_router(get_manager: Callable[[], object], get_model: Callable[[], obje
     async def pin_or_unpin(request: Request, action: str):
         try:
             cache = manager()
-            ids = token_ids_from_body(await _json_object(request), get_model, cache)
+            body = await _json_object(request)
+            if check_name is not None and body.get("model") is not None:
+                if not isinstance(body["model"], str):
+                    raise CacheRequestError("'model' must be a string (the served model's name)", param="model")
+                check_name(body["model"])
+            ids = await run_in_threadpool(token_ids_from_body, body, get_model, cache)  # tokenizing: off the loop
+            if action == "pin":
+                check_pin_fits(ids, get_model, cache)
             result = await run_in_threadpool(getattr(cache, action), ids)
             return {"object": f"prefix_cache.{action}", **result, "cache": cache.stats()}
         except KvtoolError as exc:
@@ -86,12 +99,30 @@ def cache_router(get_manager: Callable[[], object], get_model: Callable[[], obje
 async def _json_object(request: Request) -> dict:
     try:
         body = await request.json()
+    except RecursionError:
+        raise CacheRequestError(too_deep_message()) from None
     except Exception:
         raise CacheRequestError("the request body is not valid JSON; send an object such as "
                                 '{"messages": [{"role": "system", "content": "..."}]}') from None
     if not isinstance(body, dict):
         raise CacheRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def context_window(get_model, cache) -> int | None:
+    model = get_model() if get_model is not None else None
+    if model is not None:
+        return model.context_window
+    return cache.runner.spec.max_position if cache.runner is not None else None
+
+
+def check_pin_fits(ids: list[int], get_model, cache) -> None:
+    """A prefix no prompt can hold would be KV computed for nothing: refuse it before computing any."""
+    window = context_window(get_model, cache)
+    if window is not None and len(ids) >= window:
+        raise ContextWindowError(f"pin: the prefix has {len(ids)} tokens; the model's context window is {window} "
+                                 "tokens and a prompt must leave room for at least 1 new token, so no request could "
+                                 f"use this prefix; pin at most {window - 1} tokens")
 
 
 def token_ids_from_body(body: dict, get_model, cache) -> list[int]:
@@ -122,6 +153,8 @@ def token_ids_from_body(body: dict, get_model, cache) -> list[int]:
     if given == ["prompt"]:
         if not isinstance(body["prompt"], str) or not body["prompt"]:
             raise CacheRequestError("'prompt' must be a non-empty string", param="prompt")
+        check_text(body["prompt"], "prompt")
+        check_fits(body["prompt"], model.context_window, model.tokenizer)
         return model.encode(body["prompt"])
     messages, tools = body["messages"], body.get("tools")
     if (not isinstance(messages, list) or not messages
@@ -129,6 +162,8 @@ def token_ids_from_body(body: dict, get_model, cache) -> list[int]:
         raise CacheRequestError("'messages' must be a non-empty list of objects with a 'role'", param="messages")
     if tools is not None and (not isinstance(tools, list) or any(not isinstance(t, dict) for t in tools)):
         raise CacheRequestError("'tools' must be a list of tool objects", param="tools")
+    check_strings(messages, "messages")  # a lone surrogate: the chat route's 400, not the tokenizer's TypeError
+    check_strings(tools, "tools")
     try:
         text = model.render(messages, tools=tools, add_generation_prompt=False)
     except KvtoolError:
@@ -136,4 +171,5 @@ def token_ids_from_body(body: dict, get_model, cache) -> list[int]:
     except Exception as exc:  # a template error names what is wrong with the messages
         raise CacheRequestError(f"the chat template could not render these messages: {exc}",
                                 param="messages") from None
+    check_fits(text, model.context_window, model.tokenizer)
     return model.encode(text)

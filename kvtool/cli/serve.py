@@ -28,6 +28,8 @@ def register(subparsers) -> None:
                    help="requests waiting beyond --max-active; more get HTTP 429")
     p.add_argument("--default-max-tokens", type=int, default=SERVER.default_max_tokens,
                    help="max_tokens for requests that name none (default: up to the context window)")
+    p.add_argument("--max-body-bytes", type=int, default=SERVER.max_body_bytes,
+                   help="largest request body accepted; a larger one gets HTTP 413 (default: %(default)s)")
     p.add_argument("--tool-parser", default=SERVER.tool_parser, choices=sorted(TOOL_FORMATS),
                    help="tool-call format of the model's output")
     p.add_argument("--cache-bytes", type=int, default=ENGINE.cache_bytes,
@@ -52,14 +54,15 @@ def register(subparsers) -> None:
 def config_from_args(args) -> ServerConfig:
     from kvtool.errors import InvalidParameterError
 
-    for name in ("max_active", "max_queue", "kv_bytes"):
+    for name in ("max_active", "max_queue", "kv_bytes", "max_body_bytes"):
         least = 0 if name == "max_queue" else 1
         if getattr(args, name, None) is not None and getattr(args, name) < least:
             raise InvalidParameterError(f"--{name.replace('_', '-')} must be >= {least}")
     return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None,
                         served_model_name=args.served_model_name, max_active=args.max_active,
                         max_queue=args.max_queue, default_max_tokens=args.default_max_tokens,
-                        tool_parser=args.tool_parser, kv_bytes=getattr(args, "kv_bytes", None))
+                        tool_parser=args.tool_parser, kv_bytes=getattr(args, "kv_bytes", None),
+                        max_body_bytes=getattr(args, "max_body_bytes", SERVER.max_body_bytes))
 
 
 def run(args) -> int:

@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtool.config import EngineConfig
@@ -28,6 +29,7 @@ from kvtool.serving.chat import prepare_chat
 from kvtool.serving.choices import merged_chunks, merged_response
 from kvtool.serving.config import ServerConfig
 from kvtool.serving.errors import AuthError, ServingError, error_body, error_from_exception
+from kvtool.serving.limits import BodyLimit, too_deep_message
 from kvtool.serving.metrics import ServerMetrics
 from kvtool.serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TemplateRequest,
                                      TokenizeRequest)
@@ -181,6 +183,8 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}; see /docs for the API"
+        elif isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body"
+            message = too_deep_message()
         return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
@@ -246,7 +250,8 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
     async def start_chat(body: ChatCompletionRequest, request: Request, raw_tokens: bool):
         served.check_name(body.model)
         params = body.chat_sampling(cfg.default_max_tokens)
-        prepared = prepare_chat(served, body, await request.json(), fmt)
+        # rendering and tokenizing run off the event loop (check_fits already bounds how long they take)
+        prepared = await run_in_threadpool(prepare_chat, served, body, await request.json(), fmt)
         if prepared.call_schema is not None:  # a forced call: its JSON follows the tool's schema
             if params.response_format != "text" or params.choice is not None or params.regex is not None:
                 raise ServingError("response_format (or a choice or regex) cannot be combined with tool_choice "
@@ -269,15 +274,24 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and isinstance(
             body.prompt[0], (str, list)) else [body.prompt]  # several prompts: choice p * n + i is choice i of p
         if body.suffix is None:
-            ids = [served.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompts]
+            ids = await run_in_threadpool(lambda: [served.encode(p, add_special_tokens=True) if isinstance(p, str)
+                                                   else list(p) for p in prompts])
         else:  # fill in the middle: [PRE] prompt [SUF] suffix [MID], ended by a FIM stop token
             try:
                 fim = fim_format(served.tokenizer, f"model {served.name}")
             except InvalidParameterError as exc:
                 raise ServingError(str(exc), "suffix") from None
-            suffix = plain_ids(served.tokenizer, body.suffix)
-            ids = [fim.prompt(plain_ids(served.tokenizer, p) if isinstance(p, str) else list(p), suffix)
-                   for p in prompts]
+            served.check_prompt_text(body.suffix, "suffix")
+            for p in prompts:
+                if isinstance(p, str):
+                    served.check_prompt_text(p + body.suffix, "prompt")
+
+            def fim_ids():
+                suffix = plain_ids(served.tokenizer, body.suffix)
+                return [fim.prompt(plain_ids(served.tokenizer, p) if isinstance(p, str) else list(p), suffix)
+                        for p in prompts]
+
+            ids = await run_in_threadpool(fim_ids)
             params = fim.sampling(params)
         handles = worker.submit_choices(ids, body.n, params)
         sessions: list[CompletionSession] = []
@@ -298,9 +312,10 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
             raise ServingError("send exactly one of prompt (raw text) or messages (chat)", "prompt")
         if body.prompt is not None:
             add = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = served.encode(body.prompt, add_special_tokens=add)
+            ids = await run_in_threadpool(served.encode, body.prompt, add)
         else:
-            ids = prepare_chat(served, body, await request.json(), fmt, answers_required=False).prompt_ids
+            prepared = await run_in_threadpool(prepare_chat, served, body, await request.json(), fmt, False)
+            ids = prepared.prompt_ids
         out = {"count": len(ids), "max_model_len": served.context_window, "tokens": ids,
                "token_strs": served.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None}
         if body.with_pieces:
@@ -319,7 +334,7 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
     async def render_template(body: TemplateRequest, request: Request):
         """The exact prompt chat completions would run: text, ids, and each token's piece and flags."""
         served.check_name(body.model)
-        prepared = prepare_chat(served, body, await request.json(), fmt, answers_required=False)
+        prepared = await run_in_threadpool(prepare_chat, served, body, await request.json(), fmt, False)
         return {"model": served.name, "prompt": prepared.prompt, "prefill": prepared.prefill,
                 "call_schema": prepared.call_schema,
                 "count": len(prepared.prompt_ids), "token_ids": prepared.prompt_ids,
@@ -344,12 +359,14 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
     app.include_router(api)
     from kvtool.cache.http import cache_router
 
-    app.include_router(cache_router(lambda: prefix_cache, lambda: model), dependencies=[Depends(check_key)])
+    app.include_router(cache_router(lambda: prefix_cache, lambda: model, served.check_name),
+                       dependencies=[Depends(check_key)])
     app.state.prefix_cache = prefix_cache
     from kvtool.viz.inspect import inspect_router
 
     app.include_router(inspect_router(lambda: model, run_exclusive=worker.run_exclusive, get_engine=lambda: engine,
                                       chat_stream=True), dependencies=[Depends(check_key)])
     routes = {r.path for r in [*app.routes, *api.routes] if hasattr(r, "path")}
-    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=routes)
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=routes)  # outermost: it counts the 413s too
     return app

@@ -18,5 +18,6 @@ class ServerConfig:
     kv_bytes: int | None = None  # KV of the running requests; beyond it the newest is preempted (and recomputed
     # later). None: a quarter of the memory available at start, at most 16 GiB (kvtool.cache.manager.default_budget)
     default_max_tokens: int | None = None  # when a request names none; None = up to the context window
+    max_body_bytes: int = 16 << 20  # a larger request body gets 413 unread; far more than a context window holds
     tool_parser: str = "qwen"  # key in kvtool.serving.toolparse.TOOL_FORMATS
     extra_metrics: Callable[[], Iterable[str]] | None = None  # more Prometheus lines (e.g. prefix cache)

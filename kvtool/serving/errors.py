@@ -41,7 +41,14 @@ class Unavailable(ServingError):
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     etype = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": etype, "param": param, "code": code}}
+    return {"error": {"message": valid_text(message), "type": etype, "param": param and valid_text(param),
+                      "code": code}}
+
+
+def valid_text(text: str) -> str:
+    """A lone surrogate echoed from the request (a bad key in a field path) spelled out as \\udXXX: the body
+    stays valid UTF-8 JSON."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_from_exception(exc: KvtoolError) -> tuple[int, dict]:

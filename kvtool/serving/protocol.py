@@ -8,7 +8,7 @@ where a number belongs is a 400, not a silent conversion).
 from __future__ import annotations
 
 import json
-
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -17,6 +17,7 @@ from kvtool.config import SamplingParams
 from kvtool.serving.errors import ServingError
 
 SEED_RANGE = dict(ge=-(2**63), lt=2**64)
+TOKEN_ID_KEY = re.compile(r"\s*[0-9]{1,18}\s*")  # a logit_bias key
 
 
 class Strict(BaseModel):
@@ -142,8 +143,10 @@ class GenerationRequest(Strict):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.strip().isdigit():
-                raise ServingError(f"logit_bias keys are token ids; {key!r} is not one", param="logit_bias")
+            if not TOKEN_ID_KEY.fullmatch(key):  # ASCII digits only: "²".isdigit() is True, but int() refuses it
+                shown = repr(key) if len(key) <= 40 else f"{key[:40]!r}... ({len(key)} characters)"
+                raise ServingError(f"logit_bias keys are token ids (decimal digits 0-9); {shown} is not one",
+                                   param="logit_bias")
             bias[int(key)] = value
         params = SamplingParams(
             max_tokens=max_tokens,

@@ -5,9 +5,9 @@ Works on token ids and strings only; the tensors stay behind the worker.
 
 from __future__ import annotations
 
-from functools import cached_property
+from functools import cached_property, lru_cache
 
-from kvtool.errors import InvalidParameterError
+from kvtool.errors import ContextWindowError, InvalidParameterError
 from kvtool.serving.errors import ModelNotFound, ServingError
 
 TOOL_PROBE = [{"type": "function", "function": {"name": "kvtool_probe", "description": "probe",
@@ -46,8 +46,13 @@ class ServedModel:
         except Exception:  # a template that chokes on tools does not support them
             return False
 
+    def check_prompt_text(self, text: str, where: str = "text") -> None:
+        """400 before tokenizing: a lone surrogate, or more characters than the context window can hold."""
+        check_text(text, where)
+        check_fits(text, self.context_window, self.tokenizer)
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        check_text(text, "text")
+        self.check_prompt_text(text)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def check_ids(self, ids: list[int], what: str = "tokens") -> None:
@@ -72,3 +77,36 @@ def check_text(text: str, where: str) -> None:
     except UnicodeEncodeError as exc:
         raise ServingError(f"{where} contains an unpaired UTF-16 surrogate at character {exc.start}; "
                            "send valid Unicode text", param=where) from None
+
+
+def check_strings(value, where: str) -> None:
+    """check_text on every string (keys too) inside a parsed JSON value; the error names the string's path."""
+    stack = [(value, where)]
+    while stack:  # no recursion: the body may nest as deep as the JSON parser allowed
+        item, path = stack.pop()
+        if isinstance(item, str):
+            check_text(item, path)
+        elif isinstance(item, dict):
+            for key in item:
+                if isinstance(key, str):
+                    check_text(key, f"{path} (a key)")
+            stack.extend((v, f"{path}.{k}") for k, v in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(item))))
+
+
+@lru_cache(maxsize=8)
+def max_piece_chars(tokenizer) -> int:
+    """The longest token in characters (vocab strings: a byte-level BPE string has one character per byte, so
+    never fewer than the text it covers), computed once per tokenizer."""
+    return max(1, max(map(len, tokenizer.get_vocab()), default=1))
+
+
+def check_fits(text: str, window: int, tokenizer) -> None:
+    """The context-window 400 without tokenizing: text longer than `window` of the longest token cannot fit
+    (so a many-megabyte prompt costs no tokenizer time or memory)."""
+    most = window * max_piece_chars(tokenizer)
+    if len(text) > most:
+        raise ContextWindowError(f"the prompt has {len(text)} characters, more than the model's context window of "
+                                 f"{window} tokens can hold (at most {most} characters, "
+                                 f"{max_piece_chars(tokenizer)} per token); shorten the prompt")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import queue
 import threading
 from pathlib import Path
@@ -20,10 +21,14 @@ from typing import Any, Callable, Literal, Union
 
 from fastapi import APIRouter
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from kvtool.errors import KvtoolError
+from kvtool.serving.protocol import SEED_RANGE
+from kvtool.serving.served import check_fits, check_strings, check_text
 from kvtool.viz.config import VizConfig
+
+log = logging.getLogger("kvtool.viz")
 
 STATIC = Path(__file__).parent / "static"
 ASSETS = {"inspect.js": "text/javascript", "inspect.css": "text/css"}
@@ -54,7 +59,7 @@ class GenerateRequest(Conversation):
     max_tokens: int = VizConfig.inspect_max_tokens
     temperature: float = VizConfig.temperature
     top_p: float = 1.0
-    seed: int | None = None
+    seed: int | None = Field(default=None, **SEED_RANGE)  # the chat route's range (what torch can seed)
 
 
 def error_response(exc: KvtoolError) -> JSONResponse:
@@ -64,10 +69,17 @@ def error_response(exc: KvtoolError) -> JSONResponse:
 def conversation_ids(model, req: Conversation) -> tuple[list[int], str]:
     from kvtool.viz.inputs import parse_conversation, prompt_ids, render_conversation
 
+    # lone surrogates and prompts too long for any context window: a 400 before the tokenizer sees them
     if req.messages is not None:
         messages, tools = parse_conversation({"messages": req.messages, "tools": req.tools})
+        check_strings(messages, "messages")
+        check_strings(tools, "tools")
         text = render_conversation(model, messages, tools, req.add_generation_prompt)
+        check_fits(text, model.context_window, model.tokenizer)
         return model.encode(text), text
+    if req.prompt is not None:
+        check_text(req.prompt, "prompt")
+        check_fits(req.prompt, model.context_window, model.tokenizer)
     ids = prompt_ids(model, req.prompt)
     return ids, req.prompt or ""
 
@@ -159,14 +171,16 @@ def inspect_router(get_model: Callable[[], Any], run_exclusive: Callable[[Callab
     @router.post("/v1/viz/generate")
     async def generate(req: GenerateRequest):
         from kvtool.config import SamplingParams
+        from kvtool.viz.probs import check_ids
         from kvtool.viz.tokens import ChannelTracker
 
         try:
             model = get_model()
             if req.ids is not None:
-                ids, text = list(req.ids), model.decode(req.ids)
-            else:
-                ids, text = conversation_ids(model, req)
+                ids = check_ids(model, req.ids)  # before decoding: a negative id overflows the tokenizer
+                text = model.decode(ids)
+            else:  # rendering and tokenizing: off the event loop
+                ids, text = await asyncio.to_thread(conversation_ids, model, req)
             params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                                     seed=req.seed).validate()
             engine().check_prompt(ids, params)
@@ -190,10 +204,17 @@ def inspect_router(get_model: Callable[[], Any], run_exclusive: Callable[[Callab
                 events.put({"type": "done", "finish_reason": gen.finish_reason, "timings": gen.timings.to_dict()})
             except KvtoolError as exc:
                 events.put({"type": "error", "message": str(exc)})
+
+        def run():  # whatever fails, the stream gets an error event and ends (never a silent [DONE])
+            try:
+                run_exclusive(produce)
+            except Exception as exc:
+                log.exception("viz generate failed")
+                events.put({"type": "error", "message": f"internal server error: {type(exc).__name__}: {exc}"})
             finally:
                 events.put(None)
 
-        threading.Thread(target=lambda: run_exclusive(produce), daemon=True, name="viz-generate").start()
+        threading.Thread(target=run, daemon=True, name="viz-generate").start()
 
         async def stream():
             try:
