@@ -98,8 +98,8 @@ class SamplingParams:
                 bad("logit_bias", f"key {token!r} is not a token id (an integer >= 0)")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100.0 <= value <= 100.0:
                 bad("logit_bias", f"the bias of token {token} is {value!r}; it must be a number in [-100, 100]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
+            bad("seed", "must be an integer in [-2^63, 2^64)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not isinstance(s, str) or not s for s in self.stop):

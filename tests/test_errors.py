@@ -108,3 +108,53 @@ def test_cli_answers_in_a_json_schema(capsys, tmp_path):
     out = capsys.readouterr()
     assert "[stop]" in out.err
     jsonschema.validate(json.loads(out.out), schema)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["generate", "hi", "--temperature", "1", "--seed", str(10**24)], "seed=1000000000000000000000000: must be an integer in"),
+    (["serve", "--port", "70000"], "--port must be in 0..65535, got 70000"),
+    (["skill", "eval", ".", "--repair", "bogus"], "unknown repair strategy 'bogus'"),
+    (["skill", "eval", ".", "--repair", "recompute_deviation:ratio=2.0"], "ratio must be in [0, 1]"),
+    (["skill", "eval", ".", "--blocks", "0"], "--blocks must be >= 1, got 0"),
+    (["skill", "eval", ".", "--scaling", "a,b"], "--scaling takes block counts separated by commas")])
+def test_cli_options_are_checked_before_the_model_loads(capsys, argv, words):
+    code, text = run_cli(capsys, *argv, "--model", "/unused")  # loading /unused would say "not found"
+    assert code == 2 and words in text and "not found" not in text and "Traceback" not in text
+
+
+def test_a_device_torch_does_not_know_is_named():
+    from kvtool.models.loading import pick_device
+
+    with pytest.raises(ModelLoadError, match="unknown device 'banana'; use auto, cpu, cuda, cuda:N or mps"):
+        pick_device("banana")
+
+
+def test_a_schema_file_that_is_not_utf8_is_one_line(capsys, tmp_path):
+    path = tmp_path / "schema.json"
+    path.write_bytes(b"\xff\xfe{}")
+    code, text = run_cli(capsys, "generate", "hi", "--json-schema", str(path), "--model", "/unused")
+    assert code == 2 and "not UTF-8 text" in text and "Traceback" not in text
+
+
+def test_a_path_the_command_cannot_write_is_one_line(capsys, monkeypatch, tmp_path):
+    import kvtool.cli.info as info
+
+    def writes_into_a_folder(args):
+        raise IsADirectoryError(21, "Is a directory", str(tmp_path / "out.tmp"), None, str(tmp_path))
+
+    monkeypatch.setattr(info, "run", writes_into_a_folder)
+    code, text = run_cli(capsys, "info", "--model", "/unused")
+    assert code == 2 and f"Is a directory: {tmp_path / 'out.tmp'} -> {tmp_path}" in text and "Traceback" not in text
+
+
+@pytest.mark.real_model
+def test_text_that_is_not_valid_unicode(smollm2, capsys):
+    from kvtool.testing.models import smollm2_gguf
+
+    with pytest.raises(InvalidParameterError, match="not valid UTF-8 / Unicode .* at character 2"):
+        smollm2.encode("hi\ud800")
+    code, text = run_cli(capsys, "generate", "\udced\udca0\udc80", "--model", str(smollm2_gguf()), "--max-tokens", "2")
+    assert code == 2 and "not valid UTF-8" in text and "Traceback" not in text
+    code, text = run_cli(capsys, "bench", "prefix", "--model", str(smollm2_gguf()), "--block-size", "0",
+                         "--no-baseline", "--prefix-tokens", "32", "--suffix-tokens", "4", "--repeats", "1")
+    assert code == 2 and "--block-size must be an integer >= 1, got 0" in text and "Traceback" not in text

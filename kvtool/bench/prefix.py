@@ -73,6 +73,8 @@ def run_prefix_bench(bm, cfg: PrefixBenchConfig | None = None,
 
     cfg, name, runner = cfg or PrefixBenchConfig(), bm.name, bm.runner
 
+    if not isinstance(cfg.block_size, int) or cfg.block_size < 1:
+        raise InvalidParameterError(f"--block-size must be an integer >= 1, got {cfg.block_size!r}")
     if cfg.prefix_tokens % cfg.block_size:
         raise InvalidParameterError(f"--prefix-tokens ({cfg.prefix_tokens}) must be a multiple of the block size "
                                     f"({cfg.block_size}) so the whole prefix can hit")

@@ -45,6 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     except KvtoolError as exc:
         print(f"kvtool: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a path the command cannot read or write (a folder, a file in the way, no permission)
+        where = f": {exc.filename}" if exc.filename else ""
+        where += f" -> {exc.filename2}" if getattr(exc, "filename2", None) else ""
+        print(f"kvtool: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 2
+    except UnicodeDecodeError as exc:  # a file given as text (messages, a schema) that is not UTF-8
+        print(f"kvtool: error: an input file is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+              "save it as UTF-8", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

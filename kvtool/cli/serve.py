@@ -54,6 +54,8 @@ def register(subparsers) -> None:
 def config_from_args(args) -> ServerConfig:
     from kvtool.errors import InvalidParameterError
 
+    if not 0 <= args.port <= 65535:
+        raise InvalidParameterError(f"--port must be in 0..65535, got {args.port}")
     for name in ("max_active", "max_queue", "kv_bytes", "max_body_bytes"):
         least = 0 if name == "max_queue" else 1
         if getattr(args, name, None) is not None and getattr(args, name) < least:

@@ -134,8 +134,18 @@ def run_eval(args) -> int:
     from kvtool.skills.cases import EVAL_PREAMBLES, run_skill_eval
     from kvtool.skills.plot import plot_eval
 
+    from kvtool.errors import InvalidParameterError
+    from kvtool.skills.repair import make_repair
+
+    for spec in args.repair or []:  # a bad spec is refused before the model loads and the reference runs
+        make_repair(spec)
+    if args.blocks < 1:
+        raise InvalidParameterError(f"--blocks must be >= 1, got {args.blocks}")
+    try:
+        counts = [int(c) for c in args.scaling.split(",") if c.strip()]
+    except ValueError:
+        raise InvalidParameterError(f"--scaling takes block counts separated by commas, got {args.scaling!r}") from None
     model = load_from_args(args)
-    counts = [int(c) for c in args.scaling.split(",") if c.strip()]
     record = run_skill_eval(model, args.path, blocks=args.blocks, prefix_tokens=args.prefix_tokens,
                             repairs=args.repair, n_greedy=args.greedy_tokens, queries=args.queries,
                             repeats=args.repeats, scaling=counts, preambles=args.preamble or EVAL_PREAMBLES,

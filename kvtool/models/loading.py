@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kvtool.errors import ModelLoadError
+from kvtool.errors import InvalidParameterError, ModelLoadError
 from kvtool.models import gguf
 from kvtool.models.host import tune_host_allocator
 from kvtool.models.runner import ModelRunner
@@ -31,7 +31,10 @@ def pick_device(device: str = "auto") -> torch.device:
             raise ModelLoadError(f"device {device!r} was asked for but CUDA is not available")
         if device == "mps" and not torch.backends.mps.is_available():
             raise ModelLoadError("device 'mps' was asked for but MPS is not available")
-        return torch.device(device)
+        try:
+            return torch.device(device)
+        except RuntimeError:
+            raise ModelLoadError(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or mps") from None
     if torch.cuda.is_available():
         return torch.device("cuda")
     if torch.backends.mps.is_available():
@@ -74,6 +77,11 @@ class LoadedModel:
         return self.spec.kv_bytes_per_token(self.runner.dtype.itemsize)
 
     def encode(self, text: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate, or bytes the command line could not decode
+            raise InvalidParameterError(f"the text is not valid UTF-8 / Unicode (an unpaired surrogate or an "
+                                        f"undecodable byte at character {exc.start}); send valid UTF-8 text") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
