@@ -113,6 +113,7 @@ def test_cli_answers_in_a_json_schema(capsys, tmp_path):
 @pytest.mark.parametrize("argv,words", [
     (["generate", "hi", "--temperature", "1", "--seed", str(10**24)], "seed=1000000000000000000000000: must be an integer in"),
     (["serve", "--port", "70000"], "--port must be in 0..65535, got 70000"),
+    (["generate", "hi", "--system", "be brief"], "--system is the system message of a chat; add --chat"),
     (["skill", "eval", ".", "--repair", "bogus"], "unknown repair strategy 'bogus'"),
     (["skill", "eval", ".", "--repair", "recompute_deviation:ratio=2.0"], "ratio must be in [0, 1]"),
     (["skill", "eval", ".", "--blocks", "0"], "--blocks must be >= 1, got 0"),

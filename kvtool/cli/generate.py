@@ -28,6 +28,8 @@ def run(args) -> int:
     params = sampling_from_args(args)
     if args.suffix is not None and args.chat:
         raise InvalidParameterError("--suffix (fill in the middle) takes a raw prompt; drop --chat")
+    if args.system is not None and not args.chat:
+        raise InvalidParameterError("--system is the system message of a chat; add --chat (a raw prompt has none)")
     model = load_from_args(args)
     ids = None
     if args.suffix is not None:

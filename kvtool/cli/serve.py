@@ -68,7 +68,7 @@ def config_from_args(args) -> ServerConfig:
 
 
 def run(args) -> int:
-    from kvtool.serving.server import serve
+    from kvtool.serving.server import check_listen, serve
     from kvtool.skills.preamble import canonical_preamble
     from kvtool.skills.repair import make_repair
 
@@ -79,16 +79,20 @@ def run(args) -> int:
         raise InvalidParameterError(f"--skills {args.skills!r} is not a folder of skills (NAME/SKILL.md or *.md)")
     make_repair(args.skill_repair)  # a bad spec fails before the model loads
     canonical_preamble(args.skill_preamble)
+    check_listen(cfg.host, cfg.port)  # so does a port in use
     model = load_from_args(args)
     auth = "API key required" if cfg.api_key else "no API key"
     weights = model.info.get("weights", "dense")
-    print(f"kvtool: serving {cfg.served_model_name or model.name} on http://{cfg.host}:{cfg.port}/v1 "
-          f"({model.info.get('device')}, {model.info.get('dtype')}{'' if weights == 'dense' else f', {weights} weights'}, "
-          f"{auth})", file=sys.stderr)
+
+    def announce():  # once the engine (prefix cache, skills) is built from valid options
+        print(f"kvtool: serving {cfg.served_model_name or model.name} on http://{cfg.host}:{cfg.port}/v1 "
+              f"({model.info.get('device')}, {model.info.get('dtype')}"
+              f"{'' if weights == 'dense' else f', {weights} weights'}, {auth})", file=sys.stderr)
+
     from kvtool.config import EngineConfig
 
     engine_config = EngineConfig(cache_bytes=args.cache_bytes, enable_prefix_cache=not args.no_prefix_cache,
                                  skills_dir=args.skills, skill_repair=args.skill_repair,
                                  skill_preamble=args.skill_preamble)
-    serve(model, cfg, engine_config=engine_config, log_level=args.log_level)
+    serve(model, cfg, engine_config=engine_config, log_level=args.log_level, on_ready=announce)
     return 0

@@ -4,19 +4,45 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 import uvicorn
 
 from kvtool.config import EngineConfig
 from kvtool.serving.app import create_app
 from kvtool.serving.config import ServerConfig
+from kvtool.serving.errors import ServingError
 
 
 def serve(model, server_config: ServerConfig | None = None, engine_config: EngineConfig | None = None,
-          log_level: str = "info") -> None:
+          log_level: str = "info", on_ready: Callable[[], None] | None = None) -> None:
+    """Build the app (engine, prefix cache, skills), call on_ready (the CLI's "serving ..." line), serve."""
     cfg = server_config or ServerConfig()
     app = create_app(model, engine_config, cfg)
+    if on_ready is not None:
+        on_ready()
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=log_level)
+
+
+def check_listen(host: str, port: int) -> None:
+    """ServingError when (host, port) cannot be listened on (in use, or no such address): said before the
+    model loads, in one line, instead of uvicorn's log after it."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ServingError(f"cannot listen on host {host!r}: {exc.strerror}; give an address of this machine "
+                           "(--host 127.0.0.1, or 0.0.0.0 for all)") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            why = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be listened on ({exc.strerror})"
+            raise ServingError(f"port {port} on {host} {why}; pick another with --port") from None
 
 
 class BackgroundServer:

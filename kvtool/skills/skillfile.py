@@ -82,6 +82,8 @@ def read_skill(path: str | Path) -> Skill:
 def skill_files(folder: str | Path) -> list[Path]:
     """SKILL.md files of a skills directory, sorted: NAME/SKILL.md folders, then loose *.md files."""
     folder = Path(folder)
+    if not folder.exists():
+        raise SkillFileError(f"{folder}: no such file or folder")
     if not folder.is_dir():
         raise SkillFileError(f"{folder}: not a directory of skills (expected NAME/SKILL.md folders or *.md files)")
     files = sorted(folder.glob("*/SKILL.md")) + sorted(p for p in folder.glob("*.md")

@@ -26,8 +26,9 @@ def test_flags_reach_serve(monkeypatch, capsys):
         name, info = "fake", {"device": "cpu", "dtype": "float32"}
 
     monkeypatch.setattr(cli, "load_from_args", lambda args: FakeModel())
-    monkeypatch.setattr(server, "serve", lambda model, cfg, engine_config, log_level: seen.update(
-        cfg=cfg, engine=engine_config, level=log_level))
+    monkeypatch.setattr(server, "check_listen", lambda host, port: None)
+    monkeypatch.setattr(server, "serve", lambda model, cfg, engine_config, log_level, on_ready: (on_ready(), seen.update(
+        cfg=cfg, engine=engine_config, level=log_level)))
     rc = main(["serve", "--port", "9123", "--host", "0.0.0.0", "--api-key", "k", "--max-queue", "3",
                "--max-active", "2", "--tool-parser", "hermes", "--default-max-tokens", "64", "--log-level", "warning",
                "--cache-bytes", "1000000", "--kv-bytes", "5000000"])
@@ -66,7 +67,9 @@ def test_skills_flags_reach_the_engine_config(monkeypatch, tmp_path):
         name, info = "fake", {"device": "cpu", "dtype": "float32"}
 
     monkeypatch.setattr(cli, "load_from_args", lambda args: FakeModel())
-    monkeypatch.setattr(server, "serve", lambda model, cfg, engine_config, log_level: seen.update(engine=engine_config))
+    monkeypatch.setattr(server, "check_listen", lambda host, port: None)
+    monkeypatch.setattr(server, "serve", lambda model, cfg, engine_config, log_level, on_ready: seen.update(
+        engine=engine_config))
     assert main(["serve", "--skills", str(tmp_path), "--skill-repair", "recompute_deviation:ratio=0.2",
                  "--skill-preamble", "conversation"]) == 0
     assert seen["engine"].skills_dir == str(tmp_path)
@@ -98,6 +101,23 @@ def test_weights_flag_reaches_the_loader_and_the_banner(monkeypatch, capsys):
 
     seen = {}
     monkeypatch.setattr(cli, "load_from_args", lambda args: seen.update(weights=args.weights) or FakeModel())
-    monkeypatch.setattr(server, "serve", lambda model, cfg, engine_config, log_level: None)
+    monkeypatch.setattr(server, "check_listen", lambda host, port: None)
+    monkeypatch.setattr(server, "serve", lambda model, cfg, engine_config, log_level, on_ready: on_ready())
     assert main(["serve", "--weights", "int4"]) == 0
     assert seen["weights"] == "int4" and "(cpu, float32, int4 weights, no API key)" in capsys.readouterr().err
+
+
+def test_a_port_in_use_or_a_bad_host_is_said_before_the_model_loads(monkeypatch, capsys):
+    import socket
+
+    import kvtool.cli.serve as cli
+
+    monkeypatch.setattr(cli, "load_from_args", lambda args: pytest.fail("the model must not load"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+        assert f"port {port} on 127.0.0.1 is in use; pick another with --port" in capsys.readouterr().err
+    assert main(["serve", "--host", "no-such-host.invalid"]) == 2
+    assert "cannot listen on host 'no-such-host.invalid'" in capsys.readouterr().err

@@ -42,7 +42,7 @@ def test_directory_catalog(tmp_path):
 
 
 def test_directory_errors(tmp_path):
-    with pytest.raises(SkillFileError, match="not a directory"):
+    with pytest.raises(SkillFileError, match="no such file or folder"):
         read_skills(tmp_path / "nope")
     with pytest.raises(SkillFileError, match="no skills found"):
         read_skills(tmp_path)
@@ -62,3 +62,11 @@ def test_example_skills_parse():
 
     skills = read_skills(Path(__file__).resolve().parents[2] / "examples" / "skills")
     assert {s.name for s in skills} >= {"pdf", "xlsx", "git-commit", "code-review"}
+
+
+def test_a_missing_path_is_said_to_be_missing(tmp_path):
+    with pytest.raises(SkillFileError, match="nope: no such file or folder"):
+        skill_files(tmp_path / "nope")
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(SkillFileError, match="file.txt: not a directory of skills"):
+        skill_files(tmp_path / "file.txt")
