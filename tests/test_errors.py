@@ -117,6 +117,8 @@ def test_cli_answers_in_a_json_schema(capsys, tmp_path):
     (["skill", "eval", ".", "--repair", "bogus"], "unknown repair strategy 'bogus'"),
     (["skill", "eval", ".", "--repair", "recompute_deviation:ratio=2.0"], "ratio must be in [0, 1]"),
     (["skill", "eval", ".", "--blocks", "0"], "--blocks must be >= 1, got 0"),
+    (["skill", "eval", ".", "--repeats", "-1"], "--repeats must be >= 0, got -1"),
+    (["skill", "eval", ".", "--queries", "9"], "--queries must be in 1..4, got 9"),
     (["skill", "eval", ".", "--scaling", "a,b"], "--scaling takes block counts separated by commas")])
 def test_cli_options_are_checked_before_the_model_loads(capsys, argv, words):
     code, text = run_cli(capsys, *argv, "--model", "/unused")  # loading /unused would say "not found"

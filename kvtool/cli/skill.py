@@ -53,7 +53,8 @@ def register(subparsers) -> None:
                         f"{', '.join(REPAIRS)}; default sweep: {' '.join(DEFAULT_SWEEP)})")
     e.add_argument("--greedy-tokens", type=int, default=32)
     e.add_argument("--queries", type=int, default=4, help="queries scored after the same blocks (1-4)")
-    e.add_argument("--repeats", type=int, default=1, help="timed runs per measurement after a warm-up")
+    e.add_argument("--repeats", type=int, default=1,
+                   help="timed runs per measurement after a warm-up (0: the warm-up run only)")
     e.add_argument("--scaling", default="1,2,4", help="block counts for TTFT vs block tokens ('' to skip)")
     e.add_argument("--preamble", action="append", type=_preamble, default=None,
                    help=f"compile the skills with this preamble and score each (repeatable; default: "
@@ -139,8 +140,14 @@ def run_eval(args) -> int:
 
     for spec in args.repair or []:  # a bad spec is refused before the model loads and the reference runs
         make_repair(spec)
-    if args.blocks < 1:
-        raise InvalidParameterError(f"--blocks must be >= 1, got {args.blocks}")
+    from kvtool.skills.cases import MORE_QUERIES
+
+    for flag, value, least in (("--blocks", args.blocks, 1), ("--greedy-tokens", args.greedy_tokens, 1),
+                               ("--repeats", args.repeats, 0), ("--prefix-tokens", args.prefix_tokens, 0)):
+        if value < least:
+            raise InvalidParameterError(f"{flag} must be >= {least}, got {value}")
+    if not 1 <= args.queries <= len(MORE_QUERIES) + 1:
+        raise InvalidParameterError(f"--queries must be in 1..{len(MORE_QUERIES) + 1}, got {args.queries}")
     try:
         counts = [int(c) for c in args.scaling.split(",") if c.strip()]
     except ValueError:
