@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from kvtool.errors import ContextWindowError, KvtoolError
 from kvtool.serving.errors import error_from_exception
 from kvtool.serving.limits import too_deep_message
-from kvtool.serving.served import check_fits, check_strings, check_text
+from kvtool.serving.served import check_fits, check_prompt_text, check_strings
 
 
 class CacheRequestError(KvtoolError):
@@ -153,8 +153,7 @@ def token_ids_from_body(body: dict, get_model, cache) -> list[int]:
     if given == ["prompt"]:
         if not isinstance(body["prompt"], str) or not body["prompt"]:
             raise CacheRequestError("'prompt' must be a non-empty string", param="prompt")
-        check_text(body["prompt"], "prompt")
-        check_fits(body["prompt"], model.context_window, model.tokenizer)
+        check_prompt_text(model, body["prompt"], "prompt")
         return model.encode(body["prompt"])
     messages, tools = body["messages"], body.get("tools")
     if (not isinstance(messages, list) or not messages

@@ -47,9 +47,7 @@ class ServedModel:
             return False
 
     def check_prompt_text(self, text: str, where: str = "text") -> None:
-        """400 before tokenizing: a lone surrogate, or more characters than the context window can hold."""
-        check_text(text, where)
-        check_fits(text, self.context_window, self.tokenizer)
+        check_prompt_text(self, text, where)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         self.check_prompt_text(text)
@@ -100,6 +98,13 @@ def max_piece_chars(tokenizer) -> int:
     """The longest token in characters (vocab strings: a byte-level BPE string has one character per byte, so
     never fewer than the text it covers), computed once per tokenizer."""
     return max(1, max(map(len, tokenizer.get_vocab()), default=1))
+
+
+def check_prompt_text(model, text: str, where: str) -> None:
+    """400 before tokenizing: a lone surrogate, or more characters than model's context window can hold (model:
+    anything with context_window and tokenizer, a ServedModel or a LoadedModel)."""
+    check_text(text, where)
+    check_fits(text, model.context_window, model.tokenizer)
 
 
 def check_fits(text: str, window: int, tokenizer) -> None:

@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 
 from kvtool.errors import KvtoolError
 from kvtool.serving.protocol import SEED_RANGE
-from kvtool.serving.served import check_fits, check_strings, check_text
+from kvtool.serving.served import check_fits, check_prompt_text, check_strings
 from kvtool.viz.config import VizConfig
 
 log = logging.getLogger("kvtool.viz")
@@ -78,8 +78,7 @@ def conversation_ids(model, req: Conversation) -> tuple[list[int], str]:
         check_fits(text, model.context_window, model.tokenizer)
         return model.encode(text), text
     if req.prompt is not None:
-        check_text(req.prompt, "prompt")
-        check_fits(req.prompt, model.context_window, model.tokenizer)
+        check_prompt_text(model, req.prompt, "prompt")
     ids = prompt_ids(model, req.prompt)
     return ids, req.prompt or ""
 
