@@ -6,11 +6,15 @@ The CLI and the server read their defaults from these dataclasses.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from kvtool.errors import InvalidParameterError
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes; the server's seed fields use it too
+REAL = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+FLAGS = ("ignore_eos", "include_stop_str_in_output")
 
 
 @dataclass
@@ -67,17 +71,24 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise InvalidParameterError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
 
+        for name in REAL:
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
+                bad(name, "must be a number")
+        for name in FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false")
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 bad(f.name, "must be a finite number")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1")
         if not 0.0 <= self.temperature <= 100.0:
             bad("temperature", "must be in [0, 100]")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             bad("top_k", "must be an integer >= 0 (0 disables it)")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
@@ -98,18 +109,25 @@ class SamplingParams:
                 bad("logit_bias", f"key {token!r} is not a token id (an integer >= 0)")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100.0 <= value <= 100.0:
                 bad("logit_bias", f"the bias of token {token} is {value!r}; it must be a number in [-100, 100]")
-        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
             bad("seed", "must be an integer in [-2^63, 2^64)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, (list, tuple)) or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of token ids >= 0")
-        if self.response_format not in ("text", "json_object", "json_schema"):
+        if not isinstance(self.response_format, str) or self.response_format not in ("text", "json_object",
+                                                                                     "json_schema"):
             bad("response_format", "must be 'text', 'json_object' or 'json_schema'")
         if (self.response_format == "json_schema") != (self.json_schema is not None):
             bad("json_schema", "give a schema exactly when response_format is 'json_schema'")
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            bad("json_schema", "must be a JSON Schema object (a dict)")
+        if not isinstance(self.json_suffix, str):
+            bad("json_suffix", "must be a string")
         if self.json_suffix and self.response_format == "text":
             bad("json_suffix", "follows the JSON object of a JSON mode; response_format is 'text'")
         if self.json_schema is not None:
@@ -150,3 +168,19 @@ class SamplingParams:
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 20):
                 bad(name, "must be an integer in [0, 20]")
         return self
+
+
+def as_sampling_params(value: SamplingParams | Mapping | None) -> SamplingParams:
+    """None (the defaults), a SamplingParams, or a mapping of its fields ({"max_tokens": 16, ...})."""
+    if value is None:
+        return SamplingParams()
+    if isinstance(value, SamplingParams):
+        return value
+    if isinstance(value, Mapping):
+        names = {f.name for f in fields(SamplingParams)}
+        unknown = sorted(str(k) for k in value if k not in names)
+        if unknown:
+            raise InvalidParameterError(f"unknown sampling parameter(s) {unknown}; SamplingParams has "
+                                        f"{', '.join(sorted(names))}")
+        return SamplingParams(**value)
+    raise InvalidParameterError(f"params must be a SamplingParams or a dict of its fields; got {type(value).__name__}")

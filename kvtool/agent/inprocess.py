@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 
 from kvtool.agent.backend import BackendError, StreamDelta, ToolCallFragment, Usage
 from kvtool.config import SamplingParams
+from kvtool.errors import InvalidParameterError
 
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"}
@@ -67,8 +68,8 @@ class InProcessBackend:
         names = [t["function"]["name"] for t in tools or []]
         try:
             prompt = self.model.render(template_messages(messages), tools=tools or None)
-        except Exception as exc:
-            raise BackendError(f"the chat template could not render the conversation: {exc}") from None
+        except InvalidParameterError as exc:
+            raise BackendError(str(exc)) from None
         async with self._lock:
             gen = self.engine.generate(self.model.encode(prompt), params)
             parser = OutputParser(tools=names, fmt=self.fmt)

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from kvtool.errors import ContextWindowError, KvtoolError
+from kvtool.errors import ContextWindowError, InvalidParameterError, KvtoolError
 from kvtool.serving.errors import error_from_exception
 from kvtool.serving.limits import too_deep_message
 from kvtool.serving.served import check_fits, check_prompt_text, check_strings
@@ -165,10 +165,7 @@ def token_ids_from_body(body: dict, get_model, cache) -> list[int]:
     check_strings(tools, "tools")
     try:
         text = model.render(messages, tools=tools, add_generation_prompt=False)
-    except KvtoolError:
-        raise
-    except Exception as exc:  # a template error names what is wrong with the messages
-        raise CacheRequestError(f"the chat template could not render these messages: {exc}",
-                                param="messages") from None
+    except InvalidParameterError as exc:  # a template error names what is wrong with the messages
+        raise CacheRequestError(str(exc), param="messages") from None
     check_fits(text, model.context_window, model.tokenizer)
     return model.encode(text)

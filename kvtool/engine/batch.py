@@ -35,6 +35,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -42,9 +43,10 @@ import torch
 
 from kvtool.cache.kv import KVCache
 from kvtool.cache.manager import PrefixCacheWarning
-from kvtool.config import SamplingParams
+from kvtool.config import SamplingParams, as_sampling_params
 from kvtool.engine.batch_sampling import batchable, sample_rows
 from kvtool.engine.generate import Engine, Generation, OutputState, TokenEvent, scores_prompt
+from kvtool.engine.ids import as_token_ids
 from kvtool.engine.scoring import SCORE_CHUNK, PromptScorer
 from kvtool.errors import InvalidParameterError
 
@@ -91,6 +93,10 @@ class BatchRequest:
 class BatchScheduler:
     def __init__(self, engine: Engine, max_running: int = 16, prefill_budget: int = 256,
                  kv_budget_tokens: int | None = None):
+        for name, value in (("max_running", max_running), ("prefill_budget", prefill_budget),
+                            ("kv_budget_tokens", 1 if kv_budget_tokens is None else kv_budget_tokens)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidParameterError(f"{name} must be an integer >= 1, got {value!r}")
         self.engine = engine
         self.max_running = max_running
         self.prefill_budget = prefill_budget
@@ -382,7 +388,11 @@ def generate_batch(engine: Engine, prompts: list[list[int]], params: SamplingPar
     """Every prompt (token ids) n times through one BatchScheduler, as vLLM's LLM.generate: the finished
     Generations, choice i of prompt p at p * n + i. A list of params gives each prompt its own; a seed s gives
     choice i the seed s + i (it then equals a single run seeded s + i); a prompt's choices prefill it once."""
-    per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise InvalidParameterError(f"prompts must be a list of prompts (token id lists); got {type(prompts).__name__}")
+    prompts = [as_token_ids(ids, f"prompts[{i}]") for i, ids in enumerate(prompts)]
+    per_prompt = [as_sampling_params(p) for p in params] if isinstance(params, list) else \
+        [as_sampling_params(params)] * len(prompts)
     if len(per_prompt) != len(prompts):
         raise InvalidParameterError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts; give one, or "
                                     "one per prompt")

@@ -12,8 +12,9 @@ from typing import Iterator
 
 import torch
 
-from kvtool.config import EngineConfig, SamplingParams
+from kvtool.config import EngineConfig, SamplingParams, as_sampling_params
 from kvtool.engine.detok import IncrementalDetokenizer, StopStringMatcher, decode_piece
+from kvtool.engine.ids import as_token_ids
 from kvtool.engine.sampling import Sample, Sampler
 from kvtool.engine.scoring import score_prompt
 from kvtool.engine.static import BatchedStaticDecoder, StaticDecoder, fast_decode_enabled, prefill_logits
@@ -207,8 +208,8 @@ class Engine:
 
     def new_generation(self, prompt_ids: list[int], params: SamplingParams | None = None) -> tuple[Generation, int]:
         """Validate a request; return its (not yet started) Generation and effective max_tokens."""
-        params = (params or SamplingParams()).validate()
-        prompt_ids = [int(t) for t in prompt_ids]
+        params = as_sampling_params(params).validate()
+        prompt_ids = as_token_ids(prompt_ids)
         max_tokens = self.check_prompt(prompt_ids, params)
         return Generation(prompt_ids=prompt_ids, params=params), max_tokens
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvtool.engine.ids import as_token_ids
 from kvtool.errors import InvalidParameterError, ModelLoadError
 from kvtool.models import gguf
 from kvtool.models.host import tune_host_allocator
@@ -77,6 +79,8 @@ class LoadedModel:
         return self.spec.kv_bytes_per_token(self.runner.dtype.itemsize)
 
     def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidParameterError(f"encode() takes text (a str); got {type(text).__name__}")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:  # a lone surrogate, or bytes the command line could not decode
@@ -85,14 +89,31 @@ class LoadedModel:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = as_token_ids(ids, "decode() ids")
+        size = len(self.tokenizer)
+        bad = [t for t in ids if not 0 <= t < size]
+        if bad:
+            raise InvalidParameterError(f"decode() ids must be in [0, {size}) (the tokenizer's vocabulary); "
+                                        f"got {bad[:5]}")
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
                **template_kwargs) -> str:
         if not self.chat_template:
             raise ModelLoadError(f"model {self.name} has no chat template; use a raw prompt")
-        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **template_kwargs)
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, (list, tuple)) or any(
+                not isinstance(m, Mapping) or not isinstance(m.get("role"), str) for m in messages):
+            raise InvalidParameterError("messages must be a list of dicts, each with a 'role' string "
+                                        "({'role': 'user', 'content': '...'})")
+        if tools is not None and (not isinstance(tools, (list, tuple)) or any(not isinstance(t, Mapping)
+                                                                              for t in tools)):
+            raise InvalidParameterError("tools must be a list of tool dicts ({'type': 'function', 'function': ...})")
+        try:
+            return self.tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **template_kwargs)
+        except Exception as exc:  # the template sees only the caller's messages: its complaints are about them
+            raise InvalidParameterError(f"the chat template could not render these messages: "
+                                        f"{type(exc).__name__}: {exc}") from None
 
     def end_of_turn_ids(self) -> list[int]:
         ids = set()

@@ -186,9 +186,8 @@ def render(served: ServedModel, messages: list[dict], tools: list[dict] | None, 
         kwargs = {**kwargs, "continue_final_message": True}
     try:
         return model.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
-    except Exception as exc:  # the template only sees client data: its complaints are the client's
-        raise bad(f"the chat template could not render these messages: {type(exc).__name__}: {exc}",
-                  "messages") from None
+    except InvalidParameterError as exc:  # the template only sees client data: its complaints are the client's
+        raise bad(str(exc), "messages") from None
 
 
 def forced_tool(choice, tools: list[dict] | None) -> tuple[str, str | None]:

@@ -13,10 +13,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvtool.config import SamplingParams
+from kvtool.config import SEED_RANGE as SEEDS, SamplingParams
 from kvtool.serving.errors import ServingError
 
-SEED_RANGE = dict(ge=-(2**63), lt=2**64)
+SEED_RANGE = dict(ge=SEEDS[0], lt=SEEDS[1])  # pydantic bounds of SamplingParams' range
 TOKEN_ID_KEY = re.compile(r"\s*[0-9]{1,18}\s*")  # a logit_bias key
 
 

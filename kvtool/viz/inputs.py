@@ -119,12 +119,7 @@ def render_conversation(model, messages: list[dict], tools: list[dict] | None = 
         messages, tools = chatml_tools_fallback(messages, tools), None
     else:
         messages = [native_message(m) for m in messages]
-    try:
-        return model.render(messages, tools, add_generation_prompt=add_generation_prompt)
-    except Exception as exc:  # a template error names the bad message; keep it one line
-        if isinstance(exc, InvalidParameterError):
-            raise
-        raise InvalidParameterError(f"the chat template could not render these messages: {exc}") from None
+    return model.render(messages, tools, add_generation_prompt=add_generation_prompt)
 
 
 def prompt_ids(model, prompt: str | None = None, messages: list[dict] | None = None,
