@@ -32,6 +32,7 @@ import torch
 from kvtool.cache.index import PrefixIndex
 from kvtool.cache.kv import KVCache
 from kvtool.cache.store import BlockStore
+from kvtool.engine.ids import as_token_ids
 from kvtool.errors import InvalidParameterError
 
 DEFAULT_BUDGET_FRACTION = 0.25  # of available RAM (CPU, MPS) or free GPU memory (CUDA)
@@ -84,6 +85,8 @@ class PrefixCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, budget_bytes: int,
                  block_size: int = 16, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  eviction: str = "lru", runner=None):
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise InvalidParameterError(f"prefix cache block_size must be an integer >= 1 tokens, got {block_size!r}")
         self.store = BlockStore(num_layers, num_kv_heads, head_dim, block_size, dtype, device)
         self.index = PrefixIndex(block_size, self._capacity(budget_bytes), eviction)
         self.budget_bytes = budget_bytes
@@ -191,7 +194,7 @@ class PrefixCache:
     def pin(self, token_ids: Sequence[int]) -> dict:
         """Keep the full blocks of ``token_ids`` (e.g. system prompt + tools) cached until unpin()
         or reset(). Missing KV is computed with ``self.runner`` on the calling thread."""
-        tokens = [int(t) for t in token_ids]
+        tokens = as_token_ids(token_ids, "pin() token_ids")
         full = len(tokens) // self.block_size * self.block_size
         if not full:
             raise InvalidParameterError(f"pin: {len(tokens)} tokens are less than one cache block "
@@ -223,7 +226,7 @@ class PrefixCache:
 
     def unpin(self, token_ids: Sequence[int]) -> dict:
         """Undo the latest pin() of the same tokens; the blocks become evictable again."""
-        tokens = [int(t) for t in token_ids]
+        tokens = as_token_ids(token_ids, "unpin() token_ids")
         with self._lock:
             try:
                 freed = self.index.unpin_prefix(tokens)

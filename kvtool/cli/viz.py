@@ -196,10 +196,15 @@ def run_position(args) -> int:
 
 
 def parse_span_arg(text: str) -> tuple[str, list[str]]:
+    from kvtool.errors import InvalidParameterError
+
     name, eq, specs = text.partition("=")
     if not eq:
         name, specs = text, text
-    return name, [s for s in specs.split("+") if s]
+    parts = [s for s in specs.split("+") if s]
+    if not name.strip() or not parts:
+        raise InvalidParameterError(f"bad span {text!r}: use NAME=SPEC[+SPEC] or SPEC, e.g. status=tag:agent_status")
+    return name, parts
 
 
 def run_focus(args) -> int:
@@ -207,12 +212,14 @@ def run_focus(args) -> int:
     from kvtool.viz.focus import focus, plot_focus, resolve_spans
     from kvtool.viz.select import parse_indices, parse_rows
 
-    model = checked(args)
-    specs = dict(parse_span_arg(s) for s in [args.span, *args.vs])
     sources = [None] + ([args.compare] if args.compare else [])
     labels = (args.labels or ",".join(["context", "compare"][: len(sources)])).split(",")
-    if len(labels) != len(sources):
-        raise InvalidParameterError(f"--labels needs {len(sources)} comma-separated names")
+    if len(labels) != len(sources):  # checked before the model loads
+        raise InvalidParameterError(f"--labels names each context, {len(sources)} here ("
+                                    f"{'the input and --compare' if args.compare else 'the input; --compare adds one'}"
+                                    f"); got {len(labels)}: {args.labels!r}")
+    specs = dict(parse_span_arg(s) for s in [args.span, *args.vs])
+    model = checked(args)
     layers = parse_indices(args.layers, model.spec.num_layers, "layer")
     results = []
     for src, lab in zip(sources, labels):

@@ -20,11 +20,13 @@ import torch
 
 from kvtool.cache.kv import KVCache
 from kvtool.config import EngineConfig
-from kvtool.errors import ContextWindowError
+from kvtool.engine.ids import as_token_ids
+from kvtool.errors import ContextWindowError, InvalidParameterError
 from kvtool.skills.block import SkillBlock
 from kvtool.skills.repair import PlaceStats, is_query_guided, make_repair
 
 Segment = Union[Sequence[int], SkillBlock]
+LOGITS = ("last", "all", "none")  # which logits of the last token run come back
 
 
 @dataclass
@@ -74,6 +76,10 @@ def compose_segments(runner, segments: Sequence[Segment], repair="none", cache: 
     """Append segments to `cache` (a new one by default); token runs are prefilled, blocks placed."""
     runner = getattr(runner, "runner", runner)
     repair = make_repair(repair)
+    if logits not in LOGITS:
+        raise InvalidParameterError(f"logits must be one of {', '.join(LOGITS)}, got {logits!r}")
+    segments = [seg if isinstance(seg, SkillBlock) else as_token_ids(seg, f"segment {i} (a token run)")
+                for i, seg in enumerate(segments)]
     t0 = time.perf_counter()
     start = cache.offset if cache is not None else 0
     total = check_fits(runner, start, segments)
@@ -126,5 +132,14 @@ def compose_segments(runner, segments: Sequence[Segment], repair="none", cache: 
 def compose(runner, prefix_tokens: Sequence[int], blocks: Sequence[SkillBlock], suffix_tokens: Sequence[int],
             repair="none", logits: str = "last", chunk: int = EngineConfig.prefill_chunk) -> Composition:
     """Cache for [prefix][blocks...][suffix]; `logits` of the suffix's last token ("all": every suffix token)."""
+    if isinstance(blocks, SkillBlock) or not isinstance(blocks, Sequence):
+        raise InvalidParameterError(f"blocks must be a list of SkillBlocks (a single block in a list too); got "
+                                    f"{type(blocks).__name__}")
+    for i, block in enumerate(blocks):
+        if not isinstance(block, SkillBlock):
+            raise InvalidParameterError(f"blocks[{i}] is a {type(block).__name__}, not a SkillBlock "
+                                        "(catalog.block(name) or load_block(path) gives one)")
+    prefix_tokens, suffix_tokens = as_token_ids(prefix_tokens, "prefix_tokens"), as_token_ids(suffix_tokens,
+                                                                                               "suffix_tokens")
     return compose_segments(runner, [list(prefix_tokens), *blocks, list(suffix_tokens)], repair, logits=logits,
                             chunk=chunk)

@@ -187,12 +187,18 @@ def is_query_guided(repair) -> bool:
 def make_repair(spec="none", **knobs):
     """A repair from an instance, a name plus knobs, or a CLI string 'name' / 'name:knob=value,knob=value'."""
     if not isinstance(spec, str):
+        if not (hasattr(spec, "place") or hasattr(spec, "place_all")):
+            raise InvalidParameterError(f"repair must be a strategy name ({', '.join(REPAIRS)}) or a repair "
+                                        f"object; got {type(spec).__name__}")
         return spec
     name, _, rest = spec.partition(":")
     if name not in REPAIRS:
         raise InvalidParameterError(f"unknown repair strategy {name!r}; use one of {', '.join(REPAIRS)}")
     cls = REPAIRS[name]
     allowed = {f.name: f.type for f in fields(cls)}
+    for key in knobs:
+        if key not in allowed:
+            raise InvalidParameterError(f"repair {name!r} has no knob {key!r}; knobs: {', '.join(allowed) or 'none'}")
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         if key not in allowed:

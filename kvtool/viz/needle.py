@@ -29,6 +29,9 @@ NEEDLES = [("The secret passcode for the blue vault is 7314.", "What is the secr
            ("The lighthouse keeper's lucky number is 5829.", "What is the lighthouse keeper's lucky number?", "5829"),
            ("The red train departs from platform 46.", "From which platform does the red train depart?", "46")]
 
+MAX_ANSWER = 24  # greedy tokens of each answer
+QUESTION_ROOM = 160  # tokens beside the filler: chat template, instruction, question, answer
+
 
 @dataclass
 class NeedleResult:
@@ -70,7 +73,7 @@ def needle_prompt(model, context_tokens: int, depth: float, needle: tuple[str, s
     return model.render([{"role": "user", "content": question}])
 
 
-def run_trial(model, ids: list[int], span: tuple[int, int], answer: str, max_new: int = 24) -> dict:
+def run_trial(model, ids: list[int], span: tuple[int, int], answer: str, max_new: int = MAX_ANSWER) -> dict:
     n = len(ids)
     layers, heads = list(range(model.spec.num_layers)), list(range(model.spec.num_heads))
     on_needle = torch.zeros(len(layers), dtype=torch.float64)
@@ -103,11 +106,20 @@ def needle_experiment(model, context_tokens: int, depths: list[float], trials: i
         raise InvalidParameterError(f"--trials must be in 1..{len(NEEDLES)} (one needle each)")
     if context_tokens < 50:
         raise InvalidParameterError("--context-tokens must be at least 50")
+    room = model.context_window - QUESTION_ROOM
+    if context_tokens > room:  # the filler was built (and tokenized) before anything else looked at its length
+        raise InvalidParameterError(f"--context-tokens {context_tokens} does not fit: the model's context window is "
+                                    f"{model.context_window} tokens and the question and answer need about "
+                                    f"{QUESTION_ROOM}; use at most {room}")
     res = NeedleResult(model.name, context_tokens, list(depths))
     for d in depths:
         for t in range(trials):
             needle = NEEDLES[t]
             ids = model.encode(needle_prompt(model, context_tokens, d, needle, seed + t))
+            if len(ids) + MAX_ANSWER > model.context_window:
+                raise InvalidParameterError(f"the needle prompt came to {len(ids)} tokens, which leaves no room for "
+                                            f"a {MAX_ANSWER}-token answer in the context window of "
+                                            f"{model.context_window}; use a smaller --context-tokens")
             span = find_spans(make_tokens(model, ids), "text:" + needle[0])[0]
             trial = {"depth": d, "needle": needle[0], **run_trial(model, ids, span, needle[2])}
             res.trials.append(trial)

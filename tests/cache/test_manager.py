@@ -201,6 +201,14 @@ def test_pin_survives_pressure_and_unpin_releases(model):
         cache.unpin(system)
     with pytest.raises(InvalidParameterError, match="less than one cache block"):
         cache.pin([1, 2])
+    with pytest.raises(InvalidParameterError, match=r"pin\(\) token_ids is str, not token ids"):
+        cache.pin("the system prompt")
+    with pytest.raises(InvalidParameterError, match=r"pin\(\) token_ids must hold integer token ids; got 1.5"):
+        cache.pin([1.5] * 8)  # it was rounded down to token 1
+    with pytest.raises(InvalidParameterError, match=r"unpin\(\) token_ids is str"):
+        cache.unpin("the system prompt")
+    with pytest.raises(InvalidParameterError, match=r"token ids must be in \[0, 256\); got \[999\]"):
+        cache.pin([5] * 7 + [999])  # computing its KV would index past the embedding table
     cache.check_integrity()
 
 
@@ -208,6 +216,8 @@ def test_budget_defaults_and_bad_values(model):
     assert 0 < default_budget("cpu") <= 16 << 30
     with pytest.raises(InvalidParameterError, match="budget"):
         PrefixCache.for_runner(model.runner, budget_bytes=-1)
+    with pytest.raises(InvalidParameterError, match="block_size must be an integer >= 1 tokens, got 0"):
+        PrefixCache.for_runner(model.runner, budget_bytes=1 << 20, block_size=0)
     engine = Engine(model, EngineConfig(enable_prefix_cache=False))
     assert attach_prefix_cache(engine) is None and engine.prefix_cache is None
     engine = Engine(model, EngineConfig(cache_bytes=123_456, prefix_block=8))

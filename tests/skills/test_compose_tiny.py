@@ -208,6 +208,26 @@ def test_repair_registry_and_parsing():
                      ("recompute_attended:ratio=-0.1", "ratio must be"), ("recompute_attended:window=0", "window must")]:
         with pytest.raises(InvalidParameterError, match=why):
             make_repair(bad)
+    with pytest.raises(InvalidParameterError, match="has no knob 'zz'"):
+        make_repair("recompute_first_k", zz=1)
+    with pytest.raises(InvalidParameterError, match="repair must be a strategy name .* or a repair object; got int"):
+        make_repair(5)
+
+
+@pytest.mark.parametrize("call,why", [
+    (lambda t, b: compose(t, "text", b, SUFFIX), "prefix_tokens is str, not token ids"),
+    (lambda t, b: compose(t, PREFIX, b, None), "suffix_tokens must be a list of token ids; got NoneType"),
+    (lambda t, b: compose(t, PREFIX, b[0], SUFFIX), "blocks must be a list of SkillBlocks .*got SkillBlock"),
+    (lambda t, b: compose(t, PREFIX, ["alpha"], SUFFIX), r"blocks\[0\] is a str, not a SkillBlock"),
+    (lambda t, b: compose(t, PREFIX, b, SUFFIX, logits="first"), "logits must be one of last, all, none"),
+    (lambda t, b: compose(t, PREFIX, b, SUFFIX, chunk=0), "chunk must be an integer >= 1 tokens, got 0"),
+    (lambda t, b: compose(t, PREFIX + [t.spec.vocab_size], b, SUFFIX), r"token ids must be in \[0, 256\)"),
+    (lambda t, b: compose_segments(t, [PREFIX, b[0], [1.5]]), r"segment 2 \(a token run\) must hold integer "
+                                                              "token ids; got 1.5"),
+])
+def test_compose_names_a_bad_argument(tiny, tiny_blocks, call, why):
+    with pytest.raises(InvalidParameterError, match=why):
+        call(tiny, tiny_blocks)
 
 
 def test_evaluate_scores_several_queries(tiny, tiny_blocks):

@@ -87,6 +87,13 @@ def test_position_cli_needle(viz, tmp_path):
     (["focus", "--messages", "/no/such.json", "--span", "tag:x"], "does not exist"),
     (["heatmap", "--prompt", "hi there", "--rows", "last:99"], "N must be in"),
     (["position", "--needle", "--depths", "0,2"], "depths must be in [0, 1]"),
+    # the filler for 10^8 tokens was built and tokenized first: the process ran out of memory
+    (["position", "--needle", "--context-tokens", 10**8], "--context-tokens 100000000 does not fit: the model's "
+                                                          "context window is 8192 tokens"),
+    (["focus", "--prompt", "hi there", "--span", ""], "bad span '': use NAME=SPEC[+SPEC] or SPEC"),
+    (["focus", "--prompt", "hi there", "--span", "name="], "bad span 'name='"),
+    (["focus", "--prompt", "hi there", "--span", "text:hi", "--labels", "a,b"], "--labels names each context, 1 "
+                                                                               "here (the input; --compare adds one)"),
 ])
 def test_bad_input_is_one_clear_line(viz, argv, words):
     code, out, err = viz(*argv)
