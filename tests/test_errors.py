@@ -119,7 +119,25 @@ def test_cli_answers_in_a_json_schema(capsys, tmp_path):
     (["skill", "eval", ".", "--blocks", "0"], "--blocks must be >= 1, got 0"),
     (["skill", "eval", ".", "--repeats", "-1"], "--repeats must be >= 0, got -1"),
     (["skill", "eval", ".", "--queries", "9"], "--queries must be in 1..4, got 9"),
-    (["skill", "eval", ".", "--scaling", "a,b"], "--scaling takes block counts separated by commas")])
+    (["skill", "eval", ".", "--scaling", "a,b"], "--scaling takes block counts separated by commas"),
+    (["skill", "eval", ".", "--out", "."], "--out . is a folder; give a file path"),
+    # benchmarks: each of these failed after the model load, some after the whole run
+    (["bench", "ttft", "--repeats", "0"], "--repeats and --max-tokens must be >= 1; got 0 and 1"),
+    (["bench", "ttft", "--block-size", "0"], "--block-size must be an integer >= 1, got 0"),
+    (["bench", "ttft", "--requests", "0"], "--requests and --window-turns must be >= 1"),
+    (["bench", "ttft", "--out", "."], "--out . is a folder; give a file path"),
+    (["bench", "ttft", "--png", f"{__file__}/x.png"], f"cannot be written: {__file__} is a file, not a folder"),
+    (["bench", "ttft", "--endpoint", "localhost:8000"], "--endpoint 'localhost:8000' is not a base URL"),
+    (["bench", "prefix", "--prefix-tokens", "0"], "--prefix-tokens (0) must be a positive multiple of the block"),
+    (["bench", "prefix", "--warmup", "-1"], "--warmup >= 0; got 64, 3 and -1"),
+    (["bench", "skills", "--scaling-repair", "bogus"], "unknown repair strategy 'bogus'"),
+    (["bench", "skills", "--preamble", "bogus"], "unknown skill preamble 'bogus'"),
+    (["bench", "skills", "--scaling=-1"], "--scaling block counts must be >= 0; got [-1]"),
+    (["bench", "decode", "--out", "."], "--out . is a folder"),
+    (["bench", "batching", "--png", "."], "--png . is a folder"),
+    (["bench", "batching", "--endpoint", "notaurl"], "--endpoint 'notaurl' is not a base URL"),
+    (["bench", "all", "--out-dir", __file__], f"--out-dir {__file__} is a file; give a folder path"),
+    (["viz", "sink", "--prompt", "hi", "--json", "."], "--json . is a folder; give a file path")])
 def test_cli_options_are_checked_before_the_model_loads(capsys, argv, words):
     code, text = run_cli(capsys, *argv, "--model", "/unused")  # loading /unused would say "not found"
     assert code == 2 and words in text and "not found" not in text and "Traceback" not in text

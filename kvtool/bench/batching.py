@@ -75,8 +75,9 @@ def add_args(p) -> None:
     p.add_argument("--max-running", type=int, default=c.max_running, help="scheduler batch limit (default: all)")
     p.add_argument("--prefill-budget", type=int, default=c.prefill_budget, help="prefill tokens per scheduler step")
     p.add_argument("--repeats", type=int, default=c.repeats, help="timed runs per engine after a warm-up")
-    p.add_argument("--sequential-streams", type=int, default=c.sequential_streams,
-                   help="streams the single-stream baseline runs one after another (0: skip)")
+    p.add_argument("--sequential-streams", type=int, default=None,
+                   help=f"streams the single-stream baseline runs one after another (0: skip; default: "
+                        f"{c.sequential_streams}, or --streams when fewer)")
     p.add_argument("--temperature", type=float, default=c.temperature,
                    help="0: greedy, outputs compared; > 0: every engine samples at this temperature")
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip transformers")
@@ -87,7 +88,9 @@ def add_args(p) -> None:
 def config_from_args(args) -> BatchingBenchConfig:
     return BatchingBenchConfig(streams=args.streams, new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens,
                                max_running=args.max_running, prefill_budget=args.prefill_budget,
-                               repeats=args.repeats, sequential_streams=args.sequential_streams,
+                               repeats=args.repeats,
+                               sequential_streams=min(BatchingBenchConfig.sequential_streams, args.streams)
+                               if args.sequential_streams is None else args.sequential_streams,
                                baseline=args.baseline, temperature=args.temperature, out=args.out, png=args.png)
 
 

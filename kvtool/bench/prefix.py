@@ -49,6 +49,17 @@ class PrefixBenchConfig:
     seed: int = 0
     out: str | None = None
 
+    def validate(self) -> "PrefixBenchConfig":
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise InvalidParameterError(f"--block-size must be an integer >= 1, got {self.block_size!r}")
+        if self.prefix_tokens < self.block_size or self.prefix_tokens % self.block_size:
+            raise InvalidParameterError(f"--prefix-tokens ({self.prefix_tokens}) must be a positive multiple of the "
+                                        f"block size ({self.block_size}) so the whole prefix can hit")
+        if self.suffix_tokens < 1 or self.repeats < 1 or self.warmup < 0:
+            raise InvalidParameterError(f"--suffix-tokens and --repeats must be >= 1 and --warmup >= 0; got "
+                                        f"{self.suffix_tokens}, {self.repeats} and {self.warmup}")
+        return self
+
 
 def _kvtool_hit(pc, runner, prompt, chunk, expect_cached, prepare_ms: list | None = None,
                 decoder=None) -> tuple[float, int]:
@@ -71,18 +82,10 @@ def run_prefix_bench(bm, cfg: PrefixBenchConfig | None = None,
     """Prefix-cache hit vs cold prefill on ``bm`` (a BenchModel), beside transformers; the JSON record."""
     from kvtool.cache.manager import PrefixCache
 
-    cfg, name, runner = cfg or PrefixBenchConfig(), bm.name, bm.runner
-
-    if not isinstance(cfg.block_size, int) or cfg.block_size < 1:
-        raise InvalidParameterError(f"--block-size must be an integer >= 1, got {cfg.block_size!r}")
-    if cfg.prefix_tokens % cfg.block_size:
-        raise InvalidParameterError(f"--prefix-tokens ({cfg.prefix_tokens}) must be a multiple of the block size "
-                                    f"({cfg.block_size}) so the whole prefix can hit")
+    cfg, name, runner = (cfg or PrefixBenchConfig()).validate(), bm.name, bm.runner
     if cfg.prefix_tokens + cfg.suffix_tokens + 1 > runner.spec.max_position:
         raise InvalidParameterError(f"{cfg.prefix_tokens} + {cfg.suffix_tokens} tokens exceed the model's context "
                                     f"window of {runner.spec.max_position}")
-    if cfg.suffix_tokens < 1 or cfg.repeats < 1:
-        raise InvalidParameterError("--suffix-tokens and --repeats must be >= 1")
     device, vocab = runner.device, runner.spec.vocab_size
     gen = torch.Generator().manual_seed(cfg.seed)
     prefix = torch.randint(100, vocab - 100, (cfg.prefix_tokens,), generator=gen).tolist()

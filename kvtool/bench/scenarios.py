@@ -30,6 +30,15 @@ class ScenarioConfig:
     window_turns: int = 8  # user turns the sliding window keeps
     seed: int = 0
 
+    def validate(self) -> "ScenarioConfig":
+        if not 1 <= self.tools <= len(TOOLS) or not 0 <= self.policy_paragraphs <= len(POLICY):
+            raise InvalidParameterError(f"--tools must be in [1, {len(TOOLS)}] and --policy-paragraphs in "
+                                        f"[0, {len(POLICY)}]; got {self.tools} and {self.policy_paragraphs}")
+        if self.requests < 1 or self.window_turns < 1:
+            raise InvalidParameterError(f"--requests and --window-turns must be >= 1; got {self.requests} and "
+                                        f"{self.window_turns}")
+        return self
+
 
 @dataclass(frozen=True)
 class Scenario:
@@ -248,8 +257,4 @@ def _status_replace(cfg, header):
 
 def build(name: str, cfg: ScenarioConfig, header: str = "") -> list[ChatRequest]:
     """The requests of scenario ``name``; ``header`` starts every system prompt (run isolation)."""
-    if not 1 <= cfg.tools <= len(TOOLS) or not 0 <= cfg.policy_paragraphs <= len(POLICY):
-        raise InvalidParameterError(f"tools must be in [1, {len(TOOLS)}] and policy_paragraphs in [0, {len(POLICY)}]")
-    if cfg.requests < 1 or cfg.window_turns < 1:
-        raise InvalidParameterError("requests and window_turns must be >= 1")
-    return SCENARIOS[name].build(cfg, header)
+    return SCENARIOS[name].build(cfg.validate(), header)

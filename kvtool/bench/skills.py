@@ -48,6 +48,15 @@ class SkillsBenchConfig:
                                         "must be >= 1")
         if self.prefix_tokens < 0 or self.repeats < 0 or not self.repairs:
             raise InvalidParameterError("--prefix-tokens and --repeats must be >= 0, with at least one --repair")
+        if any(c < 0 for c in self.scaling):
+            raise InvalidParameterError(f"--scaling block counts must be >= 0; got {self.scaling}")
+        from kvtool.skills.preamble import parse_preamble
+        from kvtool.skills.repair import make_repair
+
+        for spec in [*self.repairs, *self.scaling_repairs]:  # the scaling sweep ran last: a typo failed after it all
+            make_repair(spec)
+        for spec in self.preambles:
+            parse_preamble(spec)
         return self
 
 

@@ -25,16 +25,22 @@ class TTFTBenchConfig:
     warmup: bool = True  # one untimed request first (lazy init, caches, JIT)
     out: str = "bench-ttft.json"  # the PNG goes next to it
 
+    def validate(self) -> "TTFTBenchConfig":
+        from kvtool.errors import InvalidParameterError
+
+        unknown = [s for s in self.scenarios if s not in SCENARIOS]
+        if unknown:
+            raise InvalidParameterError(f"unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}")
+        if self.repeats < 1 or self.max_tokens < 1:
+            raise InvalidParameterError(f"--repeats and --max-tokens must be >= 1; got {self.repeats} and "
+                                        f"{self.max_tokens}")
+        return self
+
 
 def run_ttft_bench(backend, cfg: TTFTBenchConfig | None = None, scenario_cfg: ScenarioConfig | None = None,
                    log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
     """Run the scenarios on ``backend`` (InProcessBackend or EndpointBackend); return the JSON record."""
-    cfg, scenario_cfg = cfg or TTFTBenchConfig(), scenario_cfg or ScenarioConfig()
-    unknown = [s for s in cfg.scenarios if s not in SCENARIOS]
-    if unknown:
-        from kvtool.errors import InvalidParameterError
-
-        raise InvalidParameterError(f"unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}")
+    cfg, scenario_cfg = (cfg or TTFTBenchConfig()).validate(), (scenario_cfg or ScenarioConfig()).validate()
     run_id = uuid.uuid4().hex[:8]
     isolation = "reset"
     if cfg.warmup:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from kvtool.cli.common import ENGINE, add_model_args
+from kvtool.cli.common import ENGINE, add_model_args, check_writable
 
 
 def _add_model(p) -> None:
@@ -99,6 +99,16 @@ def register(subparsers) -> None:
     a.set_defaults(func=run_all)
 
 
+def check_endpoint(url: str | None) -> None:
+    """An --endpoint is a base URL: say so before the in-process half of a benchmark runs."""
+    from urllib.parse import urlparse
+
+    from kvtool.errors import InvalidParameterError
+
+    if url is not None and (urlparse(url).scheme not in ("http", "https") or not urlparse(url).netloc):
+        raise InvalidParameterError(f"--endpoint {url!r} is not a base URL; give one like http://127.0.0.1:8000")
+
+
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -114,6 +124,7 @@ def run_decode(args) -> int:
     from kvtool.bench.decode import config_from_args, report, run_decode_bench
 
     cfg = config_from_args(args).validate()
+    check_writable(args.out, "--out")
     with _bench_model(args) as bm:
         report(run_decode_bench(bm, cfg, log=_log), args.out)
     return 0
@@ -128,6 +139,14 @@ def run_ttft(args) -> int:
                           warmup=args.warmup, out=args.out)
     scenario_cfg = ScenarioConfig(requests=args.requests, policy_paragraphs=args.policy_paragraphs, tools=args.tools,
                                   window_turns=args.window_turns)
+    cfg.validate(), scenario_cfg.validate()  # all of it before the model loads
+    if args.block_size < 1:
+        from kvtool.errors import InvalidParameterError
+
+        raise InvalidParameterError(f"--block-size must be an integer >= 1, got {args.block_size}")
+    check_writable(args.out, "--out")
+    check_writable(args.png, "--png")
+    check_endpoint(args.endpoint)
     if args.endpoint:
         backend = EndpointBackend(args.endpoint, args.served_model, args.api_key, args.max_tokens)
     else:
@@ -141,7 +160,9 @@ def run_prefix(args) -> int:
     from kvtool.bench.prefix import PrefixBenchConfig, report, run_prefix_bench
 
     cfg = PrefixBenchConfig(prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens, repeats=args.repeats,
-                            warmup=args.warmup, block_size=args.block_size, baseline=args.baseline, out=args.out)
+                            warmup=args.warmup, block_size=args.block_size, baseline=args.baseline,
+                            out=args.out).validate()
+    check_writable(args.out, "--out")
     with _bench_model(args) as bm:
         report(run_prefix_bench(bm, cfg, log=_log), args.out)
     return 0
@@ -151,6 +172,8 @@ def run_skills(args) -> int:
     from kvtool.bench.skills import config_from_args, report, run_skills_bench
 
     cfg = config_from_args(args).validate()
+    check_writable(cfg.out, "--out")
+    check_writable(cfg.plot, "--plot")
     with _bench_model(args) as bm:
         report(run_skills_bench(bm, cfg, log=_log), cfg.out, cfg.plot)
     return 0
@@ -160,6 +183,9 @@ def run_batching(args) -> int:
     from kvtool.bench.batching import config_from_args, report, run_batching_bench
 
     cfg = config_from_args(args).validate()
+    check_writable(cfg.out, "--out")
+    check_writable(cfg.png, "--png")
+    check_endpoint(args.endpoint)
     endpoint = {"url": args.endpoint, "model": args.served_model, "api_key": args.api_key} if args.endpoint else None
     with _bench_model(args) as bm:
         record = run_batching_bench(bm, cfg, endpoint, log=_log)
@@ -173,5 +199,7 @@ def run_all(args) -> int:
     rc = ReportConfig(model=args.model, shape=args.shape, device=args.device, dtype=args.dtype, weights=args.weights,
                       tokenizer=args.tokenizer, endpoint=args.endpoint, served_model=args.served_model,
                       api_key=args.api_key, quick=args.quick, only=args.only, out_dir=args.out_dir)
+    check_writable(args.out_dir, "--out-dir", folder=True)
+    check_endpoint(args.endpoint)
     record = run_report(rc, log=_log)
     return 1 if record["errors"] else 0

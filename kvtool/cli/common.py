@@ -4,12 +4,31 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from kvtool.config import EngineConfig, SamplingParams
 from kvtool.models.loading import WEIGHTS
 
 ENGINE = EngineConfig()
 SAMPLING = SamplingParams()
+
+
+def check_writable(path, what: str = "output", folder: bool = False) -> None:
+    """Refuse an output path that cannot be written, before the model loads and the work is done: a file path
+    that is a folder (or a folder path that is a file), or one under a file. Missing folders are created later."""
+    from kvtool.errors import InvalidParameterError
+
+    if path is None or str(path) in ("", "-"):
+        return
+    p = Path(path)
+    if p.exists() and p.is_dir() != folder:
+        raise InvalidParameterError(f"{what} {path} is {'a file' if folder else 'a folder'}; give a "
+                                    f"{'folder' if folder else 'file'} path")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise InvalidParameterError(f"{what} {path} cannot be written: {parent} is a file, not a folder")
+            break
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvtool.cli.common import add_model_args, load_from_args
+from kvtool.cli.common import add_model_args, check_writable, load_from_args
 
 
 def register(subparsers) -> None:
@@ -152,6 +152,8 @@ def run_eval(args) -> int:
         counts = [int(c) for c in args.scaling.split(",") if c.strip()]
     except ValueError:
         raise InvalidParameterError(f"--scaling takes block counts separated by commas, got {args.scaling!r}") from None
+    check_writable(args.out, "--out")
+    check_writable(args.plot, "--plot")
     model = load_from_args(args)
     record = run_skill_eval(model, args.path, blocks=args.blocks, prefix_tokens=args.prefix_tokens,
                             repairs=args.repair, n_greedy=args.greedy_tokens, queries=args.queries,

@@ -105,9 +105,12 @@ def read_input(args, model, messages_file: str | None = None):
 
 def checked(args):
     """Validate the output path before the (slow) model load."""
+    from kvtool.cli.common import check_writable
     from kvtool.viz.plots import check_output
 
     check_output(args.output)
+    check_writable(args.output, "-o")
+    check_writable(args.json, "--json")
     return load_from_args(args)
 
 

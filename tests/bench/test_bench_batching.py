@@ -126,3 +126,15 @@ def test_prompt_and_new_tokens_must_fit_the_context_window(tiny_bench):
     cfg = BatchingBenchConfig(streams=1, new_tokens=600, sequential_streams=0)
     with pytest.raises(InvalidParameterError, match="context window of 512"):
         run_batching_bench(tiny_bench, cfg, log=lambda s: None)
+
+
+def test_the_sequential_baseline_defaults_to_at_most_the_streams():
+    from kvtool.bench.batching import config_from_args
+    from kvtool.cli import build_parser
+
+    def parsed(*argv):
+        return config_from_args(build_parser().parse_args(["bench", "batching", *argv])).validate()
+
+    assert parsed("--streams", "2").sequential_streams == 2  # the default 4 refused --streams 2
+    assert parsed().sequential_streams == BatchingBenchConfig.sequential_streams
+    assert parsed("--streams", "8", "--sequential-streams", "0").sequential_streams == 0
