@@ -42,7 +42,8 @@ def test_truncated_gguf(tmp_path, capsys):
     with open(src, "rb") as fh:
         cut.write_bytes(fh.read(src.stat().st_size // 3))
     code, text = run_cli(capsys, "info", "--model", str(cut))
-    assert code == 2 and "truncated or corrupt" in text and "Traceback" not in text
+    assert code == 2 and "truncated or corrupt: its" in text and "copy or download it again" in text
+    assert "Traceback" not in text
 
 
 def test_corrupt_gguf_header(tmp_path):

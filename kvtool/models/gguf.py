@@ -55,7 +55,8 @@ def validate(path: Path) -> dict:
     except ModelLoadError:
         raise
     except Exception as exc:  # gguf raises ValueError/IndexError/struct.error on damaged files
-        raise ModelLoadError(f"GGUF file {path} is truncated or corrupt: {exc}") from None
+        raise ModelLoadError(f"GGUF file {path} is truncated or corrupt: its {path.stat().st_size:,} bytes do not hold "
+                             f"the header and tensors it declares; copy or download it again (reader: {exc})") from None
     return {"architecture": arch, "name": name, "tensors": len(reader.tensors)}
 
 
