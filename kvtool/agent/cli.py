@@ -50,8 +50,8 @@ def handler(args: argparse.Namespace) -> int:
         raise KvtoolError(f"--max-iterations must be >= 1, got {args.max_iterations}")
     if args.scripted and not args.demo:
         raise KvtoolError("--scripted replays a demo's script; also pass --demo NAME")
-    config = AgentConfig(endpoint=args.endpoint, model=args.model, api_key=args.api_key,
-                         status_bar=args.status_bar, max_iterations=args.max_iterations, workdir=args.workspace)
+    config = AgentConfig(endpoint=args.endpoint, model=args.model, api_key=args.api_key, status_bar=args.status_bar,
+                         max_iterations=args.max_iterations, workdir=args.workspace).validate()
     extra = []
     if args.skills:
         if args.demo:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtool.agent.retry import RetryPolicy
+from kvtool.errors import InvalidParameterError
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:8000/v1"
 
@@ -38,3 +40,32 @@ class AgentConfig:
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     workdir: str | None = None  # shown in the status bar; None: the process's cwd
     sampling: dict[str, Any] = field(default_factory=dict)  # passed to every model call
+
+    def validate(self) -> "AgentConfig":
+        """Raise InvalidParameterError naming the first bad value; return self."""
+        from kvtool.agent.status_bar import PLACEMENTS, STATUS_FIELDS
+
+        def bad(name: str, why: str) -> None:
+            raise InvalidParameterError(f"invalid agent setting {name}={getattr(self, name)!r}: {why}")
+
+        for name in ("max_iterations", "tool_output_chars", "breaker_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                bad(name, "must be an integer >= 1")
+        for name, low in (("tool_timeout_s", 0.0), ("breaker_cooldown_s", 0.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+                    value < low or (name == "tool_timeout_s" and value == 0):
+                bad(name, "must be a finite number of seconds " + (">= 0" if name == "breaker_cooldown_s" else "> 0"))
+        if self.status_bar not in PLACEMENTS:
+            bad("status_bar", f"choose one of {', '.join(PLACEMENTS)}")
+        if self.status_fields is not None and (not isinstance(self.status_fields, list) or any(
+                f not in STATUS_FIELDS for f in self.status_fields)):
+            bad("status_fields", f"must be a list of status fields: {', '.join(STATUS_FIELDS)}")
+        if not isinstance(self.sampling, dict):
+            bad("sampling", "must be a dict of sampling fields (temperature, max_tokens, ...)")
+        if not isinstance(self.system_prompt, str):
+            bad("system_prompt", "must be a string")
+        if not isinstance(self.retry, RetryPolicy):
+            bad("retry", "must be a RetryPolicy")
+        return self

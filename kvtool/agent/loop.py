@@ -60,10 +60,10 @@ class Agent:
         confirm: Confirm | None = None,
         observer: Observer | None = None,
     ):
-        self.config = config or AgentConfig()
-        if self.config.status_bar not in PLACEMENTS:
-            raise InvalidParameterError(
-                f"unknown status_bar placement {self.config.status_bar!r}; choose one of {', '.join(PLACEMENTS)}")
+        self.config = (config or AgentConfig()).validate()
+        if tools is not None and not isinstance(tools, (ToolRegistry, list, tuple)):
+            raise InvalidParameterError(f"tools must be a list of Tool objects or a ToolRegistry; got "
+                                        f"{type(tools).__name__}")
         self.backend = backend
         self.clock = clock or RealClock()
         self.rng = rng or random.Random()
@@ -197,6 +197,9 @@ class Agent:
     async def run(self, user_text: str | None = None) -> AgentResult:
         """Run until the model answers without tool calls and nothing is pending."""
         if user_text is not None:
+            if not isinstance(user_text, str):
+                raise InvalidParameterError(f"run() takes the user's text (a str) or None; got "
+                                            f"{type(user_text).__name__}")
             self.events.put(user_message(user_text))
         stop_reason, turns_before = "max_iterations", len(self.turns)
         for i in range(self.config.max_iterations):

@@ -55,6 +55,15 @@ class RetryPolicy:
     factor: float = 2.0
     cap_s: float = 60.0
 
+    def __post_init__(self) -> None:
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise KvtoolError(f"RetryPolicy max_attempts must be an integer >= 1 (the first attempt counts), got "
+                              f"{self.max_attempts!r}")
+        for name, low in (("base_s", 0.0), ("factor", 1.0), ("cap_s", 0.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < float("inf"):
+                raise KvtoolError(f"RetryPolicy {name} must be a finite number >= {low:g}, got {value!r}")
+
     def ceiling(self, retry: int) -> float:
         """Upper bound of the wait before retry number `retry` (1-based)."""
         return min(self.cap_s, self.base_s * self.factor ** (retry - 1))

@@ -4,12 +4,15 @@ dispatcher enforces (permission tier, timeout, retries, concurrency, call limits
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
 
 from kvtool.agent.retry import RetryPolicy
 from kvtool.errors import KvtoolError
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class Tier(str, Enum):
@@ -50,6 +53,7 @@ class Tool:
     is_async: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
+        check_declaration(self)
         self.tier = Tier(self.tier)
         self.takes_context = "ctx" in inspect.signature(self.func).parameters
         # callable objects count too: their async-ness is on __call__
@@ -63,6 +67,35 @@ class Tool:
         }
 
 
+def check_declaration(tool: Tool) -> None:
+    """What an OpenAI-compatible server takes as a function tool, and what the dispatcher needs to call it."""
+    import jsonschema
+
+    def bad(why: str) -> None:
+        raise KvtoolError(f"tool {tool.name!r}: {why}")
+
+    if not isinstance(tool.name, str) or not TOOL_NAME.fullmatch(tool.name):
+        bad("the name must be 1-64 letters, digits, '_', '-' or '.' (what OpenAI-compatible servers accept)")
+    if not isinstance(tool.description, str):
+        bad(f"the description must be a string, got {type(tool.description).__name__}")
+    if not isinstance(tool.parameters, dict) or tool.parameters.get("type", "object") != "object":
+        bad("parameters must be a JSON Schema object: {'type': 'object', 'properties': {...}}")
+    try:
+        jsonschema.validators.validator_for(tool.parameters, default=jsonschema.Draft202012Validator) \
+            .check_schema(tool.parameters)
+    except jsonschema.SchemaError as exc:
+        bad(f"parameters is not a valid JSON Schema: {exc.message} (at {'/'.join(map(str, exc.path)) or 'the top'})")
+    if not callable(tool.func):
+        bad(f"func must be callable (a function, async function or callable object), got {type(tool.func).__name__}")
+    if tool.timeout_s is not None and (isinstance(tool.timeout_s, bool) or not isinstance(tool.timeout_s, (int, float))
+                                       or not 0 < tool.timeout_s < float("inf")):
+        bad(f"timeout_s must be a finite number of seconds > 0 or None, got {tool.timeout_s!r}")
+    for name in ("max_calls", "max_calls_per_target"):
+        value = getattr(tool, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            bad(f"{name} must be an integer >= 1 or None, got {value!r}")
+
+
 class ToolRegistry:
     """Tools in registration order; the order is kept stable because re-ordered tool
     definitions change the prompt prefix and cost the whole prefix cache."""
@@ -73,6 +106,8 @@ class ToolRegistry:
             self.add(t)
 
     def add(self, tool: Tool) -> Tool:
+        if not isinstance(tool, Tool):
+            raise KvtoolError(f"a ToolRegistry holds Tool objects; got {type(tool).__name__} {tool!r:.60}")
         if tool.name in self._tools:
             raise KvtoolError(f"tool {tool.name!r} is registered twice; tool names must be unique")
         self._tools[tool.name] = tool
