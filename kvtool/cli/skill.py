@@ -91,6 +91,7 @@ def run_compile(args) -> int:
     path = Path(args.path)
     single = path.is_file() or (path / "SKILL.md").is_file()
     skills = [read_skill(path)] if single else read_skills(path)  # parse errors before loading the model
+    check_writable(args.out, "-o", folder=not single)
     model = load_from_args(args)
     if not single and args.out is None:
         catalog = load_catalog(path, model, cache_dir=args.cache_dir, render=args.render, preamble=args.preamble,

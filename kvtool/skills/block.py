@@ -149,7 +149,8 @@ def load_block(path: str | Path, device="cpu", expected_setup: dict[str, str] | 
 
     path = Path(path)
     if not path.is_file():
-        raise CacheFormatError(f"{path}: no such skill block file")
+        raise CacheFormatError(f"{path}: is a folder, not a skill block (.kvb) file" if path.is_dir() else
+                               f"{path}: no such skill block file")
     try:
         with safe_open(str(path), framework="pt", device="cpu") as fh:
             meta = dict(fh.metadata() or {})

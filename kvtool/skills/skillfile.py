@@ -50,8 +50,11 @@ def parse_skill(text: str, path: str = "<string>") -> Skill:
         raise SkillFileError(f"{path}: the frontmatter is not closed by a '---' line") from None
     try:
         meta = yaml.safe_load("\n".join(parts[1:end])) or {}
-    except yaml.YAMLError as exc:
-        raise SkillFileError(f"{path}: the frontmatter is not valid YAML: {exc}") from None
+    except yaml.YAMLError as exc:  # one line: YAML's own message spans several, with a caret under the spot
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 2}, column {mark.column + 1}" if mark is not None else ""
+        why = getattr(exc, "problem", None) or " ".join(str(exc).split())
+        raise SkillFileError(f"{path}: the frontmatter is not valid YAML: {why}{where}") from None
     if not isinstance(meta, dict):
         raise SkillFileError(f"{path}: the frontmatter must be a YAML mapping with name and description")
     missing = [k for k in ("name", "description") if not str(meta.get(k) or "").strip()]

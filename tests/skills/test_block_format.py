@@ -75,6 +75,8 @@ def test_not_a_block(tmp_path):
         load_block(tmp_path / "pickle.kvb")
     with pytest.raises(CacheFormatError, match="no such skill block"):
         load_block(tmp_path / "missing.kvb")
+    with pytest.raises(CacheFormatError, match="is a folder, not a skill block"):
+        load_block(tmp_path)
 
 
 def test_other_format_version_refused(tiny_blocks, tmp_path):

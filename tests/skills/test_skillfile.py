@@ -17,7 +17,9 @@ def test_parse_good_skill():
 @pytest.mark.parametrize("text,why", [
     ("# no frontmatter\n", "missing YAML frontmatter"),
     ("---\nname: a\ndescription: b\n# never closed\n", "not closed"),
-    ("---\nname: [a\n---\nbody\n", "not valid YAML"),
+    ("---\nname: [a\n---\nbody\n", "not valid YAML: expected ',' or ']', but got '<stream end>' at line 2, column 9$"),
+    ("---\nname: a\ndescription: b: c\n---\nbody\n", "not valid YAML: mapping values are not allowed here at line 3, "
+                                                    "column 15$"),
     ("---\n- a\n- b\n---\nbody\n", "YAML mapping"),
     ("---\ndescription: b\n---\nbody\n", "lacks name"),
     ("---\nname: a\n---\nbody\n", "lacks description"),
@@ -28,7 +30,7 @@ def test_parse_good_skill():
 def test_bad_skill_names_file_and_problem(text, why):
     with pytest.raises(SkillFileError, match=why) as err:
         parse_skill(text, "skills/broken/SKILL.md")
-    assert "skills/broken/SKILL.md" in str(err.value)
+    assert "skills/broken/SKILL.md" in str(err.value) and "\n" not in str(err.value)  # one line, no caret
 
 
 def test_directory_catalog(tmp_path):
