@@ -124,7 +124,12 @@ def test_cli_answers_in_a_json_schema(capsys, tmp_path):
     (["skill", "eval", ".", "--queries", "9"], "--queries must be in 1..4, got 9"),
     (["skill", "eval", ".", "--scaling", "a,b"], "--scaling takes block counts separated by commas"),
     (["skill", "eval", ".", "--out", "."], "--out . is a folder; give a file path"),
-    (["skill", "compile", str(Path(__file__).parents[1] / "examples" / "skills"), "-o", __file__], f"-o {__file__} is a file; give a folder path"),
+    (["skill", "compile", str(Path(__file__).parents[1] / "examples" / "skills"), "-o", __file__],
+     f"-o {__file__} is a file; give a folder path"),
+    (["skill", "compile", str(Path(__file__).parents[1] / "examples" / "skills"), "-o", "out", "--cache-dir", "c"],
+     "--cache-dir is where a folder of skills is cached when no -o is given; with -o the blocks go to that folder"),
+    (["skill", "compile", str(Path(__file__).parents[1] / "examples" / "skills" / "pdf"), "--cache-dir", "c"],
+     "a single skill is written to -o (default: NAME.kvb here)"),  # it wrote pdf.kvb here, saying nothing
     # benchmarks: each of these failed after the model load, some after the whole run
     (["bench", "ttft", "--repeats", "0"], "--repeats and --max-tokens must be >= 1; got 0 and 1"),
     (["bench", "ttft", "--block-size", "0"], "--block-size must be an integer >= 1, got 0"),

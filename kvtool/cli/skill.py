@@ -30,7 +30,7 @@ def register(subparsers) -> None:
                    help=f"what is prefilled before the skill: {' | '.join(NAMES)} | deep:tokens=N (deep: ~"
                         f"{DEEP_TOKENS} tokens of generic agent instructions, then the turn's conversation head; "
                         "conversation: the head only; none: the block starts at position 0). Default: %(default)s")
-    c.add_argument("--cache-dir", default=None, help="skill block cache (default ~/.cache/kvtool/skills)")
+    c.add_argument("--cache-dir", default=None, help="where a folder of skills is cached when no -o is given (default ~/.cache/kvtool/skills)")
     add_model_args(c)
     c.set_defaults(func=run_compile)
 
@@ -91,6 +91,12 @@ def run_compile(args) -> int:
     path = Path(args.path)
     single = path.is_file() or (path / "SKILL.md").is_file()
     skills = [read_skill(path)] if single else read_skills(path)  # parse errors before loading the model
+    if args.cache_dir is not None and (single or args.out is not None):
+        from kvtool.errors import InvalidParameterError
+
+        raise InvalidParameterError("--cache-dir is where a folder of skills is cached when no -o is given; "
+                                    + ("a single skill is written to -o (default: NAME.kvb here)" if single else
+                                       "with -o the blocks go to that folder"))
     check_writable(args.out, "-o", folder=not single)
     model = load_from_args(args)
     if not single and args.out is None:

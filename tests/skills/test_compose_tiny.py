@@ -221,6 +221,8 @@ def test_repair_registry_and_parsing():
     (lambda t, b: compose(t, PREFIX, ["alpha"], SUFFIX), r"blocks\[0\] is a str, not a SkillBlock"),
     (lambda t, b: compose(t, PREFIX, b, SUFFIX, logits="first"), "logits must be one of last, all, none"),
     (lambda t, b: compose(t, PREFIX, b, SUFFIX, chunk=0), "chunk must be an integer >= 1 tokens, got 0"),
+    (lambda t, b: compose(t, PREFIX, b, SUFFIX, repair="recompute_deviation:layer=3"),  # it was the last layer, 2
+     r"recompute_deviation: layer 3 does not exist; the model has 3 layers \(0..2\)"),
     (lambda t, b: compose(t, PREFIX + [t.spec.vocab_size], b, SUFFIX), r"token ids must be in \[0, 256\)"),
     (lambda t, b: compose_segments(t, [PREFIX, b[0], [1.5]]), r"segment 2 \(a token run\) must hold integer "
                                                               "token ids; got 1.5"),
