@@ -30,7 +30,8 @@ def register(subparsers) -> None:
                    help=f"what is prefilled before the skill: {' | '.join(NAMES)} | deep:tokens=N (deep: ~"
                         f"{DEEP_TOKENS} tokens of generic agent instructions, then the turn's conversation head; "
                         "conversation: the head only; none: the block starts at position 0). Default: %(default)s")
-    c.add_argument("--cache-dir", default=None, help="where a folder of skills is cached when no -o is given (default ~/.cache/kvtool/skills)")
+    c.add_argument("--cache-dir", default=None,
+                   help="where a folder of skills is cached when no -o is given (default ~/.cache/kvtool/skills)")
     add_model_args(c)
     c.set_defaults(func=run_compile)
 
