@@ -49,6 +49,14 @@ class InProcessBackend:
     each its own OpenMP team, and the loading thread's team is handed back first (see
     kvtool.models.host.release_openmp_threads), so one team runs every op at full speed."""
 
+    def check_sampling(self, sampling: dict[str, Any]) -> None:
+        """InvalidParameterError for a key this backend does not take, or a value SamplingParams refuses."""
+        unknown = sorted(set(sampling) - SAMPLING_KEYS)
+        if unknown:
+            raise InvalidParameterError(f"AgentConfig.sampling: the in-process backend does not take {unknown}; "
+                                        f"it takes {', '.join(sorted(SAMPLING_KEYS))}")
+        SamplingParams(**{k: v for k, v in sampling.items() if v is not None}).validate()
+
     def __init__(self, engine, tool_format: str = "qwen"):
         from kvtool.models.host import release_openmp_threads
         from kvtool.serving.toolparse import TOOL_FORMATS

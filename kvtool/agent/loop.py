@@ -65,6 +65,8 @@ class Agent:
             raise InvalidParameterError(f"tools must be a list of Tool objects or a ToolRegistry; got "
                                         f"{type(tools).__name__}")
         self.backend = backend
+        if hasattr(backend, "check_sampling"):  # a backend that knows its sampling fields checks them now
+            backend.check_sampling(self.config.sampling)
         self.clock = clock or RealClock()
         self.rng = rng or random.Random()
         self.observer = observer or Observer()

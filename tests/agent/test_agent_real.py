@@ -20,3 +20,15 @@ def test_template_messages_turn_argument_strings_into_objects():
 def test_in_process_agent_calls_a_tool_and_answers(qwen25, tmp_path):
     result, calls = run_weather_task(InProcessBackend(Engine(qwen25)), tmp_path)
     assert result.turns and result.turns[0].usage.prompt_tokens > 0
+
+
+def test_in_process_sampling_keys_and_values_are_checked_when_the_agent_is_built(qwen25):
+    from kvtool.agent import Agent, AgentConfig
+    from kvtool.errors import InvalidParameterError
+
+    backend = InProcessBackend(Engine(qwen25))
+    with pytest.raises(InvalidParameterError, match=r"does not take \['temprature'\]; it takes frequency_penalty"):
+        Agent(backend, [], AgentConfig(sampling={"temprature": 0}))  # the typo was dropped: it sampled at 1.0
+    with pytest.raises(InvalidParameterError, match="invalid sampling parameter top_p=2"):
+        Agent(backend, [], AgentConfig(sampling={"top_p": 2}))
+    assert Agent(backend, [], AgentConfig(sampling={"temperature": 0, "max_tokens": 8})).config.sampling
