@@ -52,19 +52,11 @@ def register(subparsers) -> None:
 
 
 def config_from_args(args) -> ServerConfig:
-    from kvtool.errors import InvalidParameterError
-
-    if not 0 <= args.port <= 65535:
-        raise InvalidParameterError(f"--port must be in 0..65535, got {args.port}")
-    for name in ("max_active", "max_queue", "kv_bytes", "max_body_bytes"):
-        least = 0 if name == "max_queue" else 1
-        if getattr(args, name, None) is not None and getattr(args, name) < least:
-            raise InvalidParameterError(f"--{name.replace('_', '-')} must be >= {least}")
     return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None,
                         served_model_name=args.served_model_name, max_active=args.max_active,
                         max_queue=args.max_queue, default_max_tokens=args.default_max_tokens,
                         tool_parser=args.tool_parser, kv_bytes=getattr(args, "kv_bytes", None),
-                        max_body_bytes=getattr(args, "max_body_bytes", SERVER.max_body_bytes))
+                        max_body_bytes=getattr(args, "max_body_bytes", SERVER.max_body_bytes)).validate()
 
 
 def run(args) -> int:

@@ -121,3 +121,26 @@ def test_a_port_in_use_or_a_bad_host_is_said_before_the_model_loads(monkeypatch,
         assert f"port {port} on 127.0.0.1 is in use; pick another with --port" in capsys.readouterr().err
     assert main(["serve", "--host", "no-such-host.invalid"]) == 2
     assert "cannot listen on host 'no-such-host.invalid'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("settings,words", [
+    (dict(max_active=0), "--max-active must be >= 1, got 0"),
+    (dict(max_queue=-1), "--max-queue must be >= 0, got -1"),
+    (dict(prefill_budget=0), "--prefill-budget must be >= 1, got 0"),
+    (dict(default_max_tokens=0), "--default-max-tokens must be >= 1, got 0"),  # a request without max_tokens got a 400
+    (dict(kv_bytes=True), "--kv-bytes must be >= 1, got True"),
+    (dict(port=-1), "--port must be in 0..65535, got -1"),
+    (dict(tool_parser="hermes2"), "--tool-parser 'hermes2' is not one of"),
+    (dict(api_key=""), "--api-key must be a non-empty string"),
+])
+def test_server_settings_are_checked_for_the_python_api_too(settings, words):
+    from kvtool.errors import InvalidParameterError
+    from kvtool.serving.app import create_app
+
+    with pytest.raises(InvalidParameterError, match=words):
+        create_app(object(), server_config=ServerConfig(**settings))  # refused before the model is touched
+
+
+def test_default_max_tokens_is_checked_on_the_command_line(capsys):
+    assert main(["serve", "--default-max-tokens", "0", "--model", "/unused"]) == 2
+    assert "--default-max-tokens must be >= 1, got 0" in capsys.readouterr().err
