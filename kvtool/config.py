@@ -35,6 +35,33 @@ class EngineConfig:
     skill_repair: str = "recompute_attended:ratio=0.1"  # how spliced blocks are repaired (kvtool.skills.repair)
     skill_preamble: str = "deep:tokens=2048"  # what blocks are compiled after (kvtool.skills.preamble)
 
+    def validate(self) -> "EngineConfig":
+        """Raise InvalidParameterError naming the first bad value; return self. Engine() runs it."""
+        from kvtool.skills.preamble import parse_preamble
+        from kvtool.skills.repair import make_repair
+
+        def bad(name: str, why: str) -> None:
+            raise InvalidParameterError(f"invalid engine setting {name}={getattr(self, name)!r}: {why}")
+
+        for name, optional, least in (("prefill_chunk", False, 1), ("prefix_block", False, 1),
+                                      ("static_max_tokens", False, 1), ("cache_bytes", True, 0),
+                                      ("static_kv_bytes", True, 1)):
+            value = getattr(self, name)
+            if not (optional and value is None) and (isinstance(value, bool) or not isinstance(value, int)
+                                                     or value < least):
+                bad(name, f"must be an integer >= {least}" + (" or None" if optional else ""))
+        choices = {"fast_decode": ("auto", "on", "off"), "weights": ("dense", "int4")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                bad(name, f"must be one of {', '.join(allowed)}")
+        if not isinstance(self.enable_prefix_cache, bool):
+            bad("enable_prefix_cache", "must be true or false")
+        if self.skills_dir is not None and not isinstance(self.skills_dir, str):
+            bad("skills_dir", "must be a folder path (str) or None")
+        make_repair(self.skill_repair)
+        parse_preamble(self.skill_preamble)
+        return self
+
 
 @dataclass
 class SamplingParams:

@@ -116,3 +116,32 @@ def test_model_text_helpers_are_checked(smollm2):
                                                     "UndefinedError: .*'content'"):
         smollm2.render([{"role": "user"}])
     assert smollm2.render(({"role": "user", "content": "hi"},)).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(prefill_chunk=0), "prefill_chunk=0: must be an integer >= 1"),
+    (dict(prefix_block=0), "prefix_block=0: must be an integer >= 1"),
+    (dict(static_max_tokens=-1), "static_max_tokens=-1: must be an integer >= 1"),
+    (dict(cache_bytes="1G"), "cache_bytes='1G': must be an integer >= 0 or None"),
+    (dict(static_kv_bytes=0), "static_kv_bytes=0: must be an integer >= 1 or None"),
+    (dict(fast_decode="cuda"), "fast_decode='cuda': must be one of auto, on, off"),
+    (dict(weights="int8"), "weights='int8': must be one of dense, int4"),
+    (dict(enable_prefix_cache="no"), "enable_prefix_cache='no': must be true or false"),
+    (dict(skill_repair="magic"), "unknown repair strategy 'magic'"),
+    (dict(skill_preamble="long"), "unknown skill preamble 'long'"),
+])
+def test_engine_settings_are_named(kwargs, words):
+    from kvtool.config import EngineConfig
+
+    with pytest.raises(InvalidParameterError, match=words):
+        EngineConfig(**kwargs).validate()
+
+
+@pytest.mark.real_model
+def test_an_engine_checks_its_settings_when_built(smollm2):
+    from kvtool.config import EngineConfig
+
+    with pytest.raises(InvalidParameterError, match="prefill_chunk=0"):
+        Engine(smollm2, EngineConfig(prefill_chunk=0))  # it failed at the first prefill, as a runner 'chunk'
+    with pytest.raises(InvalidParameterError, match="static_max_tokens=0"):
+        Engine(smollm2, EngineConfig(fast_decode="on", static_max_tokens=0))  # a bare ValueError at first use

@@ -108,7 +108,7 @@ class Engine:
     def __init__(self, model, config: EngineConfig | None = None, prefix_cache=None):
         self.model = model
         self.runner = model.runner
-        self.config = config or EngineConfig()
+        self.config = (config or EngineConfig()).validate()
         self.prefix_cache = prefix_cache  # optional: prepare(prompt, runner) / commit(handle, ids, cache)
         # [/ publish(handle, ids, cache): cache a running request's prompt once prefilled (BatchScheduler)]
         self.end_of_turn = frozenset(model.end_of_turn_ids())
