@@ -17,6 +17,11 @@ REAL = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty
 FLAGS = ("ignore_eos", "include_stop_str_in_output")
 
 
+def is_whole(value, least: int = 0) -> bool:
+    """An int (a bool is not one) >= least: the check behind every count, size and id kvtool takes."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
 @dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL
@@ -47,8 +52,7 @@ class EngineConfig:
                                       ("static_max_tokens", False, 1), ("cache_bytes", True, 0),
                                       ("static_kv_bytes", True, 1)):
             value = getattr(self, name)
-            if not (optional and value is None) and (isinstance(value, bool) or not isinstance(value, int)
-                                                     or value < least):
+            if not (optional and value is None) and not is_whole(value, least):
                 bad(name, f"must be an integer >= {least}" + (" or None" if optional else ""))
         choices = {"fast_decode": ("auto", "on", "off"), "weights": ("dense", "int4")}
         for name, allowed in choices.items():
@@ -108,14 +112,13 @@ class SamplingParams:
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 bad(f.name, "must be a finite number")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
-                                            or self.max_tokens < 1):
+        if self.max_tokens is not None and not is_whole(self.max_tokens, 1):
             bad("max_tokens", "must be an integer >= 1")
         if not 0.0 <= self.temperature <= 100.0:
             bad("temperature", "must be in [0, 100]")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+        if not is_whole(self.top_k):
             bad("top_k", "must be an integer >= 0 (0 disables it)")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
@@ -125,26 +128,25 @@ class SamplingParams:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", "must be in [-2, 2]")
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+        if not is_whole(self.min_tokens):
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
         if not isinstance(self.logit_bias, dict):
             bad("logit_bias", "must map token ids to biases")
         for token, value in self.logit_bias.items():
-            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            if not is_whole(token):
                 bad("logit_bias", f"key {token!r} is not a token id (an integer >= 0)")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100.0 <= value <= 100.0:
                 bad("logit_bias", f"the bias of token {token} is {value!r}; it must be a number in [-100, 100]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+        if self.seed is not None and (not is_whole(self.seed, SEED_RANGE[0]) or self.seed >= SEED_RANGE[1]):
             bad("seed", "must be an integer in [-2^63, 2^64)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be a list of non-empty strings")
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(
-                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+                not is_whole(t) for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of token ids >= 0")
         if not isinstance(self.response_format, str) or self.response_format not in ("text", "json_object",
                                                                                      "json_schema"):
@@ -163,7 +165,7 @@ class SamplingParams:
             check_schema(self.json_schema)
         if self.allowed_token_ids is not None and (
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
-                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
+                or any(not is_whole(t) for t in self.allowed_token_ids)):
             bad("allowed_token_ids", "must be a non-empty list of token ids >= 0")
         if self.choice is not None:
             if not isinstance(self.choice, list) or not self.choice or any(
@@ -192,7 +194,7 @@ class SamplingParams:
                                    "give stop_token_ids")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
-            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 20):
+            if k is not None and (not is_whole(k) or k > 20):
                 bad(name, "must be an integer in [0, 20]")
         return self
 

@@ -50,7 +50,9 @@ class StreamDelta:
 
 
 class ChatBackend(Protocol):
-    """`stream` is an async generator; extra keyword arguments are sampling options."""
+    """`stream` is an async generator; extra keyword arguments are sampling options. A backend that knows
+    which options it takes may also have `check_sampling(sampling: dict)`, which Agent() calls to refuse bad
+    AgentConfig.sampling before the first model call (InProcessBackend does)."""
 
     def stream(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], **sampling: Any

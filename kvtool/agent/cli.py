@@ -51,7 +51,7 @@ def handler(args: argparse.Namespace) -> int:
     if args.scripted and not args.demo:
         raise KvtoolError("--scripted replays a demo's script; also pass --demo NAME")
     config = AgentConfig(endpoint=args.endpoint, model=args.model, api_key=args.api_key, status_bar=args.status_bar,
-                         max_iterations=args.max_iterations, workdir=args.workspace).validate()
+                         max_iterations=args.max_iterations, workdir=args.workspace)
     extra = []
     if args.skills:
         if args.demo:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtool.agent.retry import RetryPolicy
+from kvtool.config import is_whole
 from kvtool.errors import InvalidParameterError
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:8000/v1"
@@ -50,13 +51,13 @@ class AgentConfig:
 
         for name in ("max_iterations", "tool_output_chars", "breaker_threshold"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_whole(value, 1):
                 bad(name, "must be an integer >= 1")
-        for name, low in (("tool_timeout_s", 0.0), ("breaker_cooldown_s", 0.0)):
+        for name, zero_ok in (("tool_timeout_s", False), ("breaker_cooldown_s", True)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
-                    value < low or (name == "tool_timeout_s" and value == 0):
-                bad(name, "must be a finite number of seconds " + (">= 0" if name == "breaker_cooldown_s" else "> 0"))
+                    value < 0 or (value == 0 and not zero_ok):
+                bad(name, "must be a finite number of seconds " + (">= 0" if zero_ok else "> 0"))
         if self.status_bar not in PLACEMENTS:
             bad("status_bar", f"choose one of {', '.join(PLACEMENTS)}")
         if self.status_fields is not None and (not isinstance(self.status_fields, list) or any(

@@ -49,14 +49,6 @@ class InProcessBackend:
     each its own OpenMP team, and the loading thread's team is handed back first (see
     kvtool.models.host.release_openmp_threads), so one team runs every op at full speed."""
 
-    def check_sampling(self, sampling: dict[str, Any]) -> None:
-        """InvalidParameterError for a key this backend does not take, or a value SamplingParams refuses."""
-        unknown = sorted(set(sampling) - SAMPLING_KEYS)
-        if unknown:
-            raise InvalidParameterError(f"AgentConfig.sampling: the in-process backend does not take {unknown}; "
-                                        f"it takes {', '.join(sorted(SAMPLING_KEYS))}")
-        SamplingParams(**{k: v for k, v in sampling.items() if v is not None}).validate()
-
     def __init__(self, engine, tool_format: str = "qwen"):
         from kvtool.models.host import release_openmp_threads
         from kvtool.serving.toolparse import TOOL_FORMATS
@@ -67,6 +59,14 @@ class InProcessBackend:
         self._lock = asyncio.Lock()
         release_openmp_threads()
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-model")
+
+    def check_sampling(self, sampling: dict[str, Any]) -> None:
+        """InvalidParameterError for a key this backend does not take, or a value SamplingParams refuses."""
+        unknown = sorted(set(sampling) - SAMPLING_KEYS)
+        if unknown:
+            raise InvalidParameterError(f"AgentConfig.sampling: the in-process backend does not take {unknown}; "
+                                        f"it takes {', '.join(sorted(SAMPLING_KEYS))}")
+        SamplingParams(**{k: v for k, v in sampling.items() if v is not None}).validate()
 
     async def stream(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
                      **sampling: Any) -> AsyncIterator[StreamDelta]:

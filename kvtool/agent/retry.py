@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from kvtool.config import is_whole
 from kvtool.errors import KvtoolError
 
 
@@ -56,7 +57,7 @@ class RetryPolicy:
     cap_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+        if not is_whole(self.max_attempts, 1):
             raise KvtoolError(f"RetryPolicy max_attempts must be an integer >= 1 (the first attempt counts), got "
                               f"{self.max_attempts!r}")
         for name, low in (("base_s", 0.0), ("factor", 1.0), ("cap_s", 0.0)):

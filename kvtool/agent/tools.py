@@ -10,6 +10,7 @@ from enum import Enum
 from typing import Any, Callable
 
 from kvtool.agent.retry import RetryPolicy
+from kvtool.config import is_whole
 from kvtool.errors import KvtoolError
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -92,7 +93,7 @@ def check_declaration(tool: Tool) -> None:
         bad(f"timeout_s must be a finite number of seconds > 0 or None, got {tool.timeout_s!r}")
     for name in ("max_calls", "max_calls_per_target"):
         value = getattr(tool, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if value is not None and not is_whole(value, 1):
             bad(f"{name} must be an integer >= 1 or None, got {value!r}")
 
 

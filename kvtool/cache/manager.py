@@ -32,6 +32,7 @@ import torch
 from kvtool.cache.index import PrefixIndex
 from kvtool.cache.kv import KVCache
 from kvtool.cache.store import BlockStore
+from kvtool.config import is_whole
 from kvtool.engine.ids import as_token_ids
 from kvtool.errors import InvalidParameterError
 
@@ -85,7 +86,7 @@ class PrefixCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, budget_bytes: int,
                  block_size: int = 16, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  eviction: str = "lru", runner=None):
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        if not is_whole(block_size, 1):
             raise InvalidParameterError(f"prefix cache block_size must be an integer >= 1 tokens, got {block_size!r}")
         self.store = BlockStore(num_layers, num_kv_heads, head_dim, block_size, dtype, device)
         self.index = PrefixIndex(block_size, self._capacity(budget_bytes), eviction)
@@ -108,7 +109,7 @@ class PrefixCache:
                    dtype=runner.dtype, device=runner.device, eviction=eviction, runner=runner)
 
     def _capacity(self, budget_bytes) -> int:
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+        if not is_whole(budget_bytes):
             raise InvalidParameterError(f"prefix cache budget must be an int >= 0 bytes, got {budget_bytes!r}")
         return budget_bytes // self.store.bytes_per_block
 

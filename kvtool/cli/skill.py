@@ -140,16 +140,13 @@ def run_info(args) -> int:
 
 
 def run_eval(args) -> int:
-    from kvtool.skills.cases import EVAL_PREAMBLES, run_skill_eval
-    from kvtool.skills.plot import plot_eval
-
     from kvtool.errors import InvalidParameterError
+    from kvtool.skills.cases import EVAL_PREAMBLES, MORE_QUERIES, run_skill_eval
+    from kvtool.skills.plot import plot_eval
     from kvtool.skills.repair import make_repair
 
     for spec in args.repair or []:  # a bad spec is refused before the model loads and the reference runs
         make_repair(spec)
-    from kvtool.skills.cases import MORE_QUERIES
-
     for flag, value, least in (("--blocks", args.blocks, 1), ("--greedy-tokens", args.greedy_tokens, 1),
                                ("--repeats", args.repeats, 0), ("--prefix-tokens", args.prefix_tokens, 0)):
         if value < least:

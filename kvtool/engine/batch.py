@@ -43,7 +43,7 @@ import torch
 
 from kvtool.cache.kv import KVCache
 from kvtool.cache.manager import PrefixCacheWarning
-from kvtool.config import SamplingParams, as_sampling_params
+from kvtool.config import SamplingParams, as_sampling_params, is_whole
 from kvtool.engine.batch_sampling import batchable, sample_rows
 from kvtool.engine.generate import Engine, Generation, OutputState, TokenEvent, scores_prompt
 from kvtool.engine.ids import as_token_ids
@@ -95,7 +95,7 @@ class BatchScheduler:
                  kv_budget_tokens: int | None = None):
         for name, value in (("max_running", max_running), ("prefill_budget", prefill_budget),
                             ("kv_budget_tokens", 1 if kv_budget_tokens is None else kv_budget_tokens)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_whole(value, 1):
                 raise InvalidParameterError(f"{name} must be an integer >= 1, got {value!r}")
         self.engine = engine
         self.max_running = max_running

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtool.cache.kv import KVCache
+from kvtool.config import is_whole
 from kvtool.errors import InvalidParameterError
 from kvtool.kernels import cpu_decode, cpu_gemm, quant
 from kvtool.models.rope import apply_rope, cos_sin, inv_frequencies
@@ -421,7 +422,7 @@ class ModelRunner(nn.Module):
         """Forward in chunks of `chunk` tokens; returns the logits of the last chunk (or all, concatenated)."""
         ids = torch.as_tensor(input_ids if isinstance(input_ids, torch.Tensor) else list(input_ids),
                               dtype=torch.long).reshape(-1)
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        if not is_whole(chunk, 1):
             raise InvalidParameterError(f"chunk must be an integer >= 1 tokens, got {chunk!r}")
         vocab = self.spec.vocab_size
         if ids.device.type == "cpu" and ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab):

@@ -132,9 +132,7 @@ def mount_skills(engine: Engine, served: ServedModel, prefix_cache, catalog=None
 def create_app(model, engine_config: EngineConfig | None = None, server_config: ServerConfig | None = None,
                prefix_cache=None, skills=None) -> FastAPI:
     """The app; `skills` is a SkillCatalog to serve (else EngineConfig.skills_dir is loaded, if set)."""
-    cfg = (server_config or ServerConfig()).validate()
-    if cfg.tool_parser not in TOOL_FORMATS:
-        raise KvtoolError(f"unknown tool parser {cfg.tool_parser!r}; choose one of {sorted(TOOL_FORMATS)}")
+    cfg = (server_config or ServerConfig()).validate()  # names an unknown tool parser too
     fmt = TOOL_FORMATS[cfg.tool_parser]
     served = ServedModel(model, cfg.served_model_name)
     engine = Engine(model, engine_config, prefix_cache)

@@ -24,19 +24,17 @@ class ServerConfig:
 
     def validate(self) -> "ServerConfig":
         """InvalidParameterError naming the first bad value (by its `kvtool serve` flag); return self."""
+        from kvtool.config import is_whole
         from kvtool.errors import InvalidParameterError
         from kvtool.serving.toolparse import TOOL_FORMATS
 
-        def integer(value) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        if not integer(self.port) or not 0 <= self.port <= 65535:
+        if not is_whole(self.port) or self.port > 65535:
             raise InvalidParameterError(f"--port must be in 0..65535, got {self.port}")
         for name, least, optional in (("max_active", 1, False), ("max_queue", 0, False), ("prefill_budget", 1, False),
                                       ("kv_bytes", 1, True), ("max_body_bytes", 1, False),
                                       ("default_max_tokens", 1, True)):
             value = getattr(self, name)
-            if not (optional and value is None) and (not integer(value) or value < least):
+            if not (optional and value is None) and not is_whole(value, least):
                 raise InvalidParameterError(f"--{name.replace('_', '-')} must be >= {least}, got {value!r}")
         if self.tool_parser not in TOOL_FORMATS:
             raise InvalidParameterError(f"--tool-parser {self.tool_parser!r} is not one of {', '.join(TOOL_FORMATS)}")

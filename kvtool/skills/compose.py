@@ -81,10 +81,6 @@ def compose_segments(runner, segments: Sequence[Segment], repair="none", cache: 
     segments = [seg if isinstance(seg, SkillBlock) else as_token_ids(seg, f"segment {i} (a token run)")
                 for i, seg in enumerate(segments)]
     t0 = time.perf_counter()
-    layer = getattr(repair, "layer", None)
-    if isinstance(layer, int) and layer >= runner.spec.num_layers:
-        raise InvalidParameterError(f"{repair.name}: layer {layer} does not exist; the model has "
-                                    f"{runner.spec.num_layers} layers (0..{runner.spec.num_layers - 1})")
     start = cache.offset if cache is not None else 0
     total = check_fits(runner, start, segments)
     for seg in segments:

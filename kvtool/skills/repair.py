@@ -133,12 +133,15 @@ class RecomputeDeviation:
     def place(self, runner, cache, block) -> PlaceStats:
         from kvtool.skills.selective import recompute_selected
 
+        if self.layer >= runner.spec.num_layers:  # before any KV is placed
+            raise InvalidParameterError(f"{self.name}: layer {self.layer} does not exist; the model has "
+                                        f"{runner.spec.num_layers} layers (0..{runner.spec.num_layers - 1})")
         start = cache.offset
         append_relocated(runner, cache, block)
         result = recompute_selected(runner, cache, block.token_ids, start, float(self.ratio), self.layer,
                                     self.score, self.first)
-        layers = min(self.layer, runner.spec.num_layers - 1) + 1
-        return PlaceStats(block.name, start, len(block), recomputed=len(result.selected), partial_layers=layers)
+        return PlaceStats(block.name, start, len(block), recomputed=len(result.selected),
+                          partial_layers=self.layer + 1)
 
 
 @dataclass
