@@ -9,45 +9,18 @@ metadata and the tensor bytes, verified on load.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from kvtool.cache.kvfile import SETUP_FIELDS, read_checked, rope_info, setup_mismatches, setup_of, write_checked
 from kvtool.errors import CacheFormatError
 
 FORMAT = "kvtool.skill-block"
 FORMAT_VERSION = "1"
-# Fields a block must match to be used with a model (the "setup"); compared one by one on load.
-SETUP_FIELDS = ("model", "config_hash", "tokenizer_hash", "dtype", "rope")
-
-
-_ROPE_INFO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # runner -> rope_info (no host sync per use)
-
-
-def rope_info(runner) -> str:
-    """The RoPE setting as canonical JSON: rope parameters, attention scaling, inv_freq bytes."""
-    if runner not in _ROPE_INFO:
-        freq = runner.inv_freq.detach().float().cpu().contiguous()
-        _ROPE_INFO[runner] = json.dumps({"rope": runner.spec.rope, "attention_scaling": float(runner.rope_scaling),
-                                         "head_dim": runner.spec.head_dim,
-                                         "inv_freq_sha256": hashlib.sha256(freq.numpy().tobytes()).hexdigest()[:16]},
-                                        sort_keys=True, default=str)
-    return _ROPE_INFO[runner]
-
-
-def setup_of(model=None, runner=None, name: str | None = None) -> dict[str, str]:
-    """What a block must match: a LoadedModel's fingerprint plus RoPE; or a bare runner's (no tokenizer)."""
-    runner = runner if runner is not None else model.runner
-    if model is not None:
-        fp = model.fingerprint()
-    else:
-        fp = {"model": name or "unnamed", "config_hash": runner.spec.config_hash(), "tokenizer_hash": "none",
-              "dtype": runner.precision}
-    return {**{k: str(v) for k, v in fp.items()}, "rope": rope_info(runner)}
+__all__ = ["FORMAT", "FORMAT_VERSION", "SETUP_FIELDS", "SkillBlock", "compile_ids", "load_block", "rope_info",
+           "save_block", "setup_of"]
 
 
 @dataclass
@@ -75,10 +48,7 @@ class SkillBlock:
 
     def check_setup(self, expected: dict[str, str], source: str = "") -> None:
         """Refuse a block made for another model, tokenizer, dtype or RoPE setting, naming each mismatch."""
-        labels = {"model": "model", "config_hash": "model config", "tokenizer_hash": "tokenizer",
-                  "dtype": "dtype", "rope": "RoPE setting"}
-        diffs = [f"{labels[k]}: block has {self.setup.get(k)!r}, this model has {expected.get(k)!r}"
-                 for k in SETUP_FIELDS if self.setup.get(k) != expected.get(k)]
+        diffs = setup_mismatches(self.setup, expected)
         if diffs:
             where = f" ({source})" if source else ""
             raise CacheFormatError(f"skill block {self.name!r}{where} was compiled for a different setup: "
@@ -117,56 +87,17 @@ def compile_ids(runner, ids: list[int], setup: dict[str, str], name: str, preamb
                       dict(setup), dict(meta or {}))
 
 
-def _digest(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
-    for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def save_block(block: SkillBlock, path: str | Path) -> Path:
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    tensors = {"keys": block.keys.detach().cpu().contiguous(), "values": block.values.detach().cpu().contiguous(),
-               "token_ids": torch.tensor(block.token_ids, dtype=torch.int64)}
-    meta = {**{k: str(v) for k, v in block.meta.items()}, **block.setup, "format": FORMAT,
-            "format_version": FORMAT_VERSION, "name": block.name, "keys_layout": "post_rope",
-            "canonical_start": str(block.canonical_start), "n_tokens": str(len(block))}
-    meta["sha256"] = _digest(meta, tensors)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(path)
-    return path
+    tensors = {"keys": block.keys, "values": block.values, "token_ids": torch.tensor(block.token_ids, dtype=torch.int64)}
+    meta = {**block.meta, **block.setup, "format": FORMAT, "format_version": FORMAT_VERSION, "name": block.name,
+            "keys_layout": "post_rope", "canonical_start": block.canonical_start, "n_tokens": len(block)}
+    return write_checked(path, tensors, meta)
 
 
 def load_block(path: str | Path, device="cpu", expected_setup: dict[str, str] | None = None) -> SkillBlock:
     """Read and verify a .kvb file; with expected_setup, also refuse a block made for another setup."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    if not path.is_file():
-        raise CacheFormatError(f"{path}: is a folder, not a skill block (.kvb) file" if path.is_dir() else
-                               f"{path}: no such skill block file")
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as fh:
-            meta = dict(fh.metadata() or {})
-            tensors = {name: fh.get_tensor(name) for name in fh.keys()}
-    except Exception as exc:  # safetensors raises its own error types for truncated/garbled files
-        raise CacheFormatError(f"{path}: not a readable skill block (truncated, corrupted or not safetensors): "
-                               f"{exc}") from None
-    if meta.get("format") != FORMAT:
-        raise CacheFormatError(f"{path}: not a kvtool skill block (format {meta.get('format')!r})")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CacheFormatError(f"{path}: skill block format version {meta.get('format_version')!r}; this kvtool "
-                               f"reads version {FORMAT_VERSION}. Recompile with `kvtool skill compile`.")
-    stored = meta.pop("sha256", None)
-    if set(tensors) != {"keys", "values", "token_ids"} or stored != _digest(meta, tensors):
-        raise CacheFormatError(f"{path}: checksum mismatch: the file was modified after it was written "
-                               "(tampered or damaged); recompile it")
+    meta, tensors = read_checked(path, "skill block (.kvb)", FORMAT, FORMAT_VERSION, {"keys", "values", "token_ids"},
+                                 "Recompile with `kvtool skill compile`.")
     keys, values, ids = tensors["keys"], tensors["values"], tensors["token_ids"]
     n = int(meta["n_tokens"])
     if keys.dim() != 4 or keys.shape != values.shape or keys.shape[2] != n or ids.shape != (n,):
