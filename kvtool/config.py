@@ -33,6 +33,7 @@ class EngineConfig:
     cache_bytes: int | None = None  # prefix-cache byte budget; None = a fraction of free memory
     prefix_block: int = 16  # tokens per prefix-cache block
     enable_prefix_cache: bool = True
+    cache_file: str | None = None  # a .kvc file: the prefix cache is loaded from it (if it exists) and saved to it
     fast_decode: str = "auto"  # static-shape decode (CUDA graphs on CUDA): auto (CUDA only) | on | off
     static_max_tokens: int = 8192  # the fast path's KV slots; longer requests take the reference path
     static_kv_bytes: int | None = None  # batched fast path's K/V buffers; None: 25% of free device memory
@@ -60,6 +61,10 @@ class EngineConfig:
                 bad(name, f"must be one of {', '.join(allowed)}")
         if not isinstance(self.enable_prefix_cache, bool):
             bad("enable_prefix_cache", "must be true or false")
+        if self.cache_file is not None and (not isinstance(self.cache_file, str) or not self.cache_file):
+            bad("cache_file", "must be a file path (str) or None")
+        if self.cache_file is not None and not self.enable_prefix_cache:
+            bad("cache_file", "saves the prefix cache, which enable_prefix_cache=False turns off")
         if self.skills_dir is not None and not isinstance(self.skills_dir, str):
             bad("skills_dir", "must be a folder path (str) or None")
         make_repair(self.skill_repair)

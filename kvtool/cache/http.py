@@ -5,6 +5,7 @@
     POST /v1/cache/pin     keep a prefix cached: {"messages": [...], "tools": [...]} (rendered with the
                            chat template, no generation prompt), {"prompt": "text"} or {"token_ids": [...]}
     POST /v1/cache/unpin   undo a pin; same body
+    POST /v1/cache/save    write the cache to the server's --cache-file now (it is also written at shutdown)
 
 Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
 """
@@ -39,10 +40,11 @@ def error_response(exc: KvtoolError) -> JSONResponse:
 
 
 def cache_router(get_manager: Callable[[], object], get_model: Callable[[], object] | None = None,
-                 check_name: Callable[[str | None], None] | None = None) -> APIRouter:
+                 check_name: Callable[[str | None], None] | None = None, cache_file: str | None = None) -> APIRouter:
     """Routes over ``get_manager()`` (a PrefixCache, or None when the cache is off). ``get_model()``
     returns the LoadedModel used to render messages and encode prompts for pin/unpin; ``check_name(model)``
-    refuses a body's ``model`` that is not the served one (404, as every other route does)."""
+    refuses a body's ``model`` that is not the served one (404, as every other route does); ``cache_file``
+    is where /v1/cache/save writes (None: the route says how to set one)."""
     router = APIRouter()
 
     def manager():
@@ -68,6 +70,23 @@ def cache_router(get_manager: Callable[[], object], get_model: Callable[[], obje
             return {"object": "prefix_cache.reset", **freed, "cache": cache.stats()}
         except KvtoolError as exc:
             return error_response(exc)
+
+    @router.post("/v1/cache/save")
+    async def save():
+        try:
+            cache = manager()
+            if cache_file is None:
+                raise CacheRequestError("this server has no cache file to save to; start it with --cache-file PATH "
+                                        "(EngineConfig.cache_file)", status_code=404, code="no_cache_file",
+                                        type_="not_found_error")
+            model = get_model() if get_model is not None else None
+            result = await run_in_threadpool(cache.save, cache_file, model)  # copying the KV: off the loop
+            return {"object": "prefix_cache.save", **result, "cache": cache.stats()}
+        except KvtoolError as exc:
+            return error_response(exc)
+        except OSError as exc:
+            return error_response(CacheRequestError(f"could not write the cache file {cache_file}: {exc}",
+                                                    status_code=500, code="cache_file_unwritable", type_="server_error"))
 
     async def pin_or_unpin(request: Request, action: str):
         try:

@@ -156,6 +156,12 @@ class PrefixIndex:
             self.stats.hit_tokens += len(ids) * self.block_size
         return ids
 
+    def snapshot(self) -> tuple[list[Block], list[tuple[int, ...]]]:
+        """Live blocks, parents before children (a parent exists when its child is created, and ids
+        grow), and the tokens of every permanent pin, once per pin (for saving; kvtool.cache.persist)."""
+        blocks = [self._blocks[i] for i in sorted(self._blocks)]
+        return blocks, [key for key, stack in self._pin_records.items() for _ in stack]
+
     # ---- mutation ------------------------------------------------------------------------
 
     def insert(self, tokens: Sequence[int]) -> InsertResult:

@@ -31,6 +31,7 @@ import torch
 
 from kvtool.cache.index import PrefixIndex
 from kvtool.cache.kv import KVCache
+from kvtool.cache.kvfile import setup_of
 from kvtool.cache.store import BlockStore
 from kvtool.config import is_whole
 from kvtool.engine.ids import as_token_ids
@@ -98,6 +99,7 @@ class PrefixCache:
         self._queries = self._query_tokens = self._hit_tokens = 0
         self._over_budget = 0  # requests (or pins) whose KV did not fit
         self._warned = False
+        self.loaded: dict | None = None  # what the last load() added (kvtool.cache.persist.load_cache)
 
     @classmethod
     def for_runner(cls, runner, budget_bytes: int | None = None, block_size: int = 16,
@@ -251,6 +253,45 @@ class PrefixCache:
         self._epoch += 1
         return len(freed)
 
+    def save(self, path, model=None) -> dict:
+        """Write every cached prefix's KV and pins to ``path`` (a .kvc file, kvtool.cache.persist), for load()
+        in a later process with the same model. ``model``: the LoadedModel this cache serves (its name and
+        tokenizer go into the file's setup); None for a bare runner."""
+        from kvtool.cache.persist import save_cache
+
+        return save_cache(self, path, setup_of(model, self.runner))
+
+    def load(self, path, model=None) -> dict:
+        """Add the prefixes a save() wrote to this cache; a file made for another setup is refused."""
+        from kvtool.cache.persist import load_cache
+
+        self.loaded = load_cache(self, path, setup_of(model, self.runner))
+        return self.loaded
+
+    def export_blocks(self):
+        """(live blocks parents first, pinned token keys, their KV [n, 2, L, H, B, D] on the CPU), consistent."""
+        with self._lock:
+            blocks, pins = self.index.snapshot()
+            return blocks, pins, self.store.export([b.id for b in blocks])
+
+    def import_chain(self, tokens: list[int], block_kv, pin: Sequence[int] | None = None) -> int:
+        """Cache the full blocks of ``tokens``; ``block_kv(i)`` gives (keys, values) [L, H, B, D] of block i, asked
+        only for blocks not cached yet. Then pin_prefix(pin), if given. Returns the tokens cached (fewer when
+        the budget is full of pinned or in-use blocks)."""
+        with self._lock:
+            result = self.index.insert(tokens)
+            self.store.free(result.evicted)
+            for i, block_id in result.new:
+                self.store.put(block_id, *block_kv(i))
+            if pin is not None:
+                self.index.pin_prefix(pin)
+            return len(result.block_ids) * self.block_size
+
+    def cached_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of ``token_ids`` the cache holds (whole blocks); touches them, as a hit would."""
+        with self._lock:
+            return len(self.index.match(list(token_ids), record=False)) * self.block_size
+
     def set_budget(self, budget_bytes: int) -> None:
         with self._lock:
             capacity = self._capacity(budget_bytes)
@@ -311,12 +352,15 @@ class PrefixCache:
 
 def attach_prefix_cache(engine, budget_bytes: int | None = None, block_size: int | None = None,
                         eviction: str = "lru") -> PrefixCache | None:
-    """Give ``engine`` a PrefixCache per its EngineConfig (None, and no cache, if disabled)."""
+    """Give ``engine`` a PrefixCache per its EngineConfig (None, and no cache, if disabled), holding what
+    EngineConfig.cache_file saved, if that file exists."""
     cfg = engine.config
     if not cfg.enable_prefix_cache:
         engine.prefix_cache = None
         return None
     budget = budget_bytes if budget_bytes is not None else cfg.cache_bytes
     cache = PrefixCache.for_runner(engine.runner, budget, block_size or cfg.prefix_block, eviction)
+    if cfg.cache_file is not None and os.path.exists(cfg.cache_file):
+        cache.load(cfg.cache_file, engine.model)
     engine.prefix_cache = cache
     return cache

@@ -31,6 +31,14 @@ def check_writable(path, what: str = "output", folder: bool = False) -> None:
             break
 
 
+def describe_load(loaded: dict | None, when: str = "at shutdown") -> str:
+    """What a prefix cache file gave at start (PrefixCache.loaded), as a phrase for the CLI's start line."""
+    if not loaded:
+        return f"not there yet; it is written {when}"
+    pins = f", {loaded['pins']} pinned prefixes" if loaded["pins"] else ""
+    return f"loaded {loaded['loaded_tokens']} of {loaded['tokens']} cached tokens{pins} in {loaded['ms']:.0f} ms"
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help=f"hub id, HF folder or .gguf file (default: {ENGINE.model} if available, "

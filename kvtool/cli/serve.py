@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from kvtool.cli.common import ENGINE, add_model_args, load_from_args
+from kvtool.cli.common import ENGINE, add_model_args, check_writable, describe_load, load_from_args
 from kvtool.serving.config import ServerConfig
 
 SERVER = ServerConfig()
@@ -38,6 +38,9 @@ def register(subparsers) -> None:
                    help="KV budget of the running requests; beyond it the newest is preempted and recomputed later "
                         "(default: a quarter of available memory, at most 16 GiB)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn cross-request KV reuse off")
+    p.add_argument("--cache-file", default=ENGINE.cache_file, metavar="PATH",
+                   help="load the prefix cache from PATH at start (if it exists) and save it there at shutdown and on "
+                        "POST /v1/cache/save, so a restart keeps the cached prefixes (a .kvc file)")
     p.add_argument("--skills", default=ENGINE.skills_dir, metavar="DIR",
                    help="a skills folder (NAME/SKILL.md, *.md): compile (or load cached) KV blocks at start and "
                         "splice them into prompts that contain a skill; requests may ask for skills by name")
@@ -60,31 +63,33 @@ def config_from_args(args) -> ServerConfig:
 
 
 def run(args) -> int:
+    from kvtool.config import EngineConfig
     from kvtool.serving.server import check_listen, serve
     from kvtool.skills.preamble import canonical_preamble
-    from kvtool.skills.repair import make_repair
 
     cfg = config_from_args(args)
     if args.skills is not None and not os.path.isdir(args.skills):
         from kvtool.errors import InvalidParameterError
 
         raise InvalidParameterError(f"--skills {args.skills!r} is not a folder of skills (NAME/SKILL.md or *.md)")
-    make_repair(args.skill_repair)  # a bad spec fails before the model loads
-    canonical_preamble(args.skill_preamble)
+    canonical_preamble(args.skill_preamble)  # a bad spec fails before the model loads, as does a bad repair:
+    engine_config = EngineConfig(cache_bytes=args.cache_bytes, enable_prefix_cache=not args.no_prefix_cache,
+                                 cache_file=args.cache_file, skills_dir=args.skills, skill_repair=args.skill_repair,
+                                 skill_preamble=args.skill_preamble).validate()  # --cache-file needs the cache
+    check_writable(args.cache_file, "--cache-file")
     check_listen(cfg.host, cfg.port)  # so does a port in use
     model = load_from_args(args)
     auth = "API key required" if cfg.api_key else "no API key"
     weights = model.info.get("weights", "dense")
 
-    def announce():  # once the engine (prefix cache, skills) is built from valid options
+    def announce(app=None):  # once the engine (prefix cache, skills) is built from valid options
         print(f"kvtool: serving {cfg.served_model_name or model.name} on http://{cfg.host}:{cfg.port}/v1 "
               f"({model.info.get('device')}, {model.info.get('dtype')}"
               f"{'' if weights == 'dense' else f', {weights} weights'}, {auth})", file=sys.stderr)
+        if args.cache_file is not None:
+            cache = getattr(app.state, "prefix_cache", None) if app is not None else None
+            print(f"kvtool: prefix cache file {args.cache_file}: {describe_load(cache and cache.loaded)}",
+                  file=sys.stderr)
 
-    from kvtool.config import EngineConfig
-
-    engine_config = EngineConfig(cache_bytes=args.cache_bytes, enable_prefix_cache=not args.no_prefix_cache,
-                                 skills_dir=args.skills, skill_repair=args.skill_repair,
-                                 skill_preamble=args.skill_preamble)
     serve(model, cfg, engine_config=engine_config, log_level=args.log_level, on_ready=announce)
     return 0

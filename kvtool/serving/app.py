@@ -129,6 +129,16 @@ def mount_skills(engine: Engine, served: ServedModel, prefix_cache, catalog=None
     return splicer
 
 
+def save_cache_file(prefix_cache, path: str | None, model) -> None:
+    """At shutdown: write the prefix cache to --cache-file, so the next start answers known prefixes from it."""
+    if prefix_cache is not None and path is not None:
+        try:
+            info = prefix_cache.save(path, model)
+            log.info("saved the prefix cache to %s: %d tokens, %d pins", path, info["tokens"], info["pins"])
+        except Exception as exc:  # shutting down anyway: say why the file was not written
+            log.error("could not save the prefix cache to %s: %s: %s", path, type(exc).__name__, exc)
+
+
 def create_app(model, engine_config: EngineConfig | None = None, server_config: ServerConfig | None = None,
                prefix_cache=None, skills=None) -> FastAPI:
     """The app; `skills` is a SkillCatalog to serve (else EngineConfig.skills_dir is loaded, if set)."""
@@ -150,6 +160,7 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
     async def lifespan(app):
         yield
         worker.stop()
+        save_cache_file(prefix_cache, engine.config.cache_file, model)
 
     app = FastAPI(title="kvtool serve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server that also shows the raw tokens and the chat template.")
@@ -357,8 +368,8 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
     app.include_router(api)
     from kvtool.cache.http import cache_router
 
-    app.include_router(cache_router(lambda: prefix_cache, lambda: model, served.check_name),
-                       dependencies=[Depends(check_key)])
+    cache_routes = cache_router(lambda: prefix_cache, lambda: model, served.check_name, engine.config.cache_file)
+    app.include_router(cache_routes, dependencies=[Depends(check_key)])
     app.state.prefix_cache = prefix_cache
     from kvtool.viz.inspect import inspect_router
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable
@@ -15,12 +16,18 @@ from kvtool.serving.errors import ServingError
 
 
 def serve(model, server_config: ServerConfig | None = None, engine_config: EngineConfig | None = None,
-          log_level: str = "info", on_ready: Callable[[], None] | None = None) -> None:
-    """Build the app (engine, prefix cache, skills), call on_ready (the CLI's "serving ..." line), serve."""
+          log_level: str = "info", on_ready: Callable[..., None] | None = None) -> None:
+    """Build the app (engine, prefix cache, skills), call on_ready(app) (the CLI's "serving ..." line), serve."""
     cfg = server_config or ServerConfig()
+    logger = logging.getLogger("kvtool")
+    if not logger.handlers:  # kvtool's own lines (skills served, cache file saved) beside uvicorn's, alike
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(log_level.upper())
     app = create_app(model, engine_config, cfg)
     if on_ready is not None:
-        on_ready()
+        on_ready(app)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=log_level)
 
 

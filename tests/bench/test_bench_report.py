@@ -238,6 +238,10 @@ def test_prefix_record_takes_the_engines_path(tiny_bench, monkeypatch, fast):
     assert k["hit_ms"]["n"] == k["cold_ms"]["n"] == 2 and k["speedup"] == pytest.approx(
         k["cold_ms"]["median"] / k["hit_ms"]["median"])
     assert rec["cache"]["hit_tokens"] >= 64 * (cfg.warmup + cfg.repeats)
+    # a restart: load the saved cache file, then hit (its own hit must be the whole prefix, or it raises)
+    assert k["file_load_hit_ms"]["n"] == 2 and k["file_bytes"] > 64 * tiny_bench.runner.spec.kv_bytes_per_token(4)
+    assert k["file_speedup"] == pytest.approx(k["cold_ms"]["median"] / k["file_load_hit_ms"]["median"])
+    assert "kvtool .kvc" in prefix_mod.format_table(rec)
 
 
 def test_repeat_words_cuts_filler_to_the_word():

@@ -149,3 +149,50 @@ def test_a_prompt_is_shared_while_its_request_still_decodes(smollm2, engines):
     stats = engine.prefix_cache.stats()
     assert stats["over_budget"] == 0 and stats["queries"] == 2
     engine.prefix_cache.check_integrity()
+
+
+def test_a_saved_cache_serves_a_new_engine_and_another_model_refuses_it(smollm2, qwen25, reference, tmp_path):
+    from kvtool.errors import CacheFormatError
+
+    engine = Engine(smollm2)
+    cache = attach_prefix_cache(engine, budget_bytes=64 << 20)
+    prompts = [chat_ids(smollm2, QUESTION), chat_ids(smollm2, "Do you sell rye bread?")]
+    for prompt in prompts:
+        engine.generate(prompt, GREEDY).run()
+    cache.pin(chat_ids(smollm2, "")[:48])
+    info = cache.save(tmp_path / "smol.kvc", smollm2)
+    assert info["blocks"] == cache.stats()["blocks"] and info["pins"] == 1
+
+    again = Engine(smollm2)
+    loaded = attach_prefix_cache(again, budget_bytes=64 << 20)
+    assert loaded.load(tmp_path / "smol.kvc", smollm2)["loaded_tokens"] == info["tokens"]
+    loaded.check_integrity()
+    for prompt in prompts:
+        got = again.generate(prompt, GREEDY).run()
+        assert got.timings.cached_tokens == (len(prompt) - 1) // 16 * 16 and got.timings.prefill_tokens <= 16
+        assert got.token_ids == reference.generate(prompt).token_ids
+    assert loaded.unpin(chat_ids(smollm2, "")[:48])["unpinned_tokens"] == 48
+
+    other = attach_prefix_cache(Engine(qwen25), budget_bytes=64 << 20)
+    with pytest.raises(CacheFormatError, match="different setup: model: file has 'SmolLM2-135M-Instruct.Q4_1', "
+                                               "this model has 'Qwen2.5-Coder-0.5B-Instruct-Q4_K_M'"):
+        other.load(tmp_path / "smol.kvc", qwen25)
+    assert other.stats()["blocks"] == 0
+
+
+def test_generate_cache_file_skips_the_prefill_of_a_prompt_seen_before(tmp_path, capsys):
+    from kvtool.cli import main
+    from kvtool.testing.models import smollm2_gguf
+
+    path = tmp_path / "gen.kvc"
+    argv = ["generate", QUESTION, "--chat", "--system", SYSTEM, "--model", str(smollm2_gguf()), "--max-tokens", "8",
+            "--temperature", "0", "--cache-file", str(path)]
+    assert main(argv) == 0
+    first = capsys.readouterr()
+    assert "not there yet; it is written after this run" in first.err and "| cached 0 tok" in first.err
+    assert f"to {path}" in first.err and path.is_file()
+    assert main(argv) == 0
+    second = capsys.readouterr()
+    assert "kvtool: prefix cache file" in second.err and "loaded" in second.err
+    cached = int(second.err.split("| cached ")[1].split(" tok")[0])
+    assert cached >= 48 and second.out == first.out  # the system turn and the question came from the file

@@ -144,3 +144,25 @@ def test_server_settings_are_checked_for_the_python_api_too(settings, words):
 def test_default_max_tokens_is_checked_on_the_command_line(capsys):
     assert main(["serve", "--default-max-tokens", "0", "--model", "/unused"]) == 2
     assert "--default-max-tokens must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_cache_file_reaches_the_engine_and_needs_the_prefix_cache(monkeypatch, capsys, tmp_path):
+    import kvtool.cli.serve as cli
+    import kvtool.serving.server as server
+
+    seen = {}
+
+    class FakeModel:
+        name, info = "fake", {"device": "cpu", "dtype": "float32"}
+
+    monkeypatch.setattr(cli, "load_from_args", lambda args: seen.setdefault("loaded", FakeModel()))
+    monkeypatch.setattr(server, "check_listen", lambda host, port: None)
+    monkeypatch.setattr(server, "serve", lambda model, cfg, engine_config, log_level, on_ready: seen.update(
+        engine=engine_config))
+    assert main(["serve", "--cache-file", str(tmp_path / "c.kvc")]) == 0
+    assert seen["engine"].cache_file == str(tmp_path / "c.kvc")
+    seen.clear()
+    assert main(["serve", "--cache-file", str(tmp_path / "c.kvc"), "--no-prefix-cache"]) == 2
+    assert "cache_file" in capsys.readouterr().err and "loaded" not in seen  # refused before the model loads
+    assert main(["serve", "--cache-file", str(tmp_path)]) == 2
+    assert f"--cache-file {tmp_path} is a folder" in capsys.readouterr().err

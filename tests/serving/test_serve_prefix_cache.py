@@ -44,3 +44,35 @@ def test_pin_keeps_a_system_prompt(smol):
     assert pin.status_code == 200, pin.text
     bad = smol.post("/v1/cache/pin", json={"nonsense": 1})
     assert bad.status_code == 400 and "error" in bad.json()
+
+
+def test_a_cache_file_keeps_the_prefixes_across_a_restart(smollm2, smol, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from kvtool.config import EngineConfig
+    from kvtool.errors import CacheFormatError
+    from kvtool.serving import ServerConfig, create_app
+
+    path = tmp_path / "serve.kvc"
+    config = EngineConfig(cache_file=str(path))
+    with TestClient(create_app(smollm2, config, ServerConfig(default_max_tokens=6))) as client:
+        first = ask(client, "Is Lyon far from Paris?")
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        saved = client.post("/v1/cache/save")
+        assert saved.status_code == 200, saved.text
+        assert saved.json()["tokens"] > 0 and saved.json()["bytes"] == path.stat().st_size
+        pin = client.post("/v1/cache/pin", json={"messages": [{"role": "system", "content": SYSTEM}]})
+        assert pin.status_code == 200, pin.text
+    # shutdown saved it again, with the pin; a restarted server starts from it
+    with TestClient(create_app(smollm2, config, ServerConfig(default_max_tokens=6))) as client:
+        assert client.get("/v1/cache").json()["pinned_blocks"] == pin.json()["pinned_tokens"] // 16 > 0
+        again = ask(client, "Is Lyon far from Paris?")
+        n = again["usage"]["prompt_tokens"]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
+        assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+    r = smol.post("/v1/cache/save")  # a server started without --cache-file
+    assert r.status_code == 404 and "--cache-file" in r.json()["error"]["message"]
+    path.write_bytes(b"not a cache")
+    with pytest.raises(CacheFormatError, match="not a readable prefix cache"):
+        create_app(smollm2, config)

@@ -1,0 +1,152 @@
+"""Save a PrefixCache to a file and load it back: cached prefixes survive a restart.
+
+As llama.cpp's ``--prompt-cache`` and mlx-lm's ``cache_prompt`` do for one prompt, but for the whole
+prefix tree: a server restarted with ``--cache-file`` answers its first request on a known system
+prompt + tools from the cache, and ``kvtool generate --cache-file`` skips the prefill of a prompt
+it has seen. A .kvc file is a checked KV file (kvtool.cache.kvfile: safetensors, sha256, setup):
+
+    kv           [N, 2, L, H, B, D]  keys (post-RoPE, at the block's positions) then values, cache dtype
+    tokens       [N, B]              each block's token ids
+    parents      [N]                 the parent's row in this file, -1 for a root; parents come first
+    recency      [N]                 rank by last use, 0 = least recent
+    pin_tokens   [P]                 the token ids of every permanent pin, concatenated
+    pin_lengths  [K]                 their lengths
+
+Loading inserts the pinned prefixes first (pinned as they go in, so nothing loaded later evicts them),
+then every chain root..leaf from the least to the most recently used: when the budget is smaller than
+the file, the index's own eviction keeps the most recent chains. The block size may differ from the
+saving cache's (chains are re-cut). Blocks detached by a reset but still held by a running request
+are not saved; hit counts (the lfu policy's key) start again from zero.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from kvtool.cache.kvfile import read_checked, setup_mismatches, write_checked
+from kvtool.cache.manager import PrefixCacheWarning
+from kvtool.errors import CacheFormatError
+
+FORMAT = "kvtool.prefix-cache"
+FORMAT_VERSION = "1"
+TENSORS = {"kv", "tokens", "parents", "recency", "pin_tokens", "pin_lengths"}
+KIND = "prefix cache (.kvc)"
+
+
+def save_cache(cache, path: str | Path, setup: dict[str, str]) -> dict:
+    """Write ``cache`` (a PrefixCache) to ``path``; returns what was written."""
+    start = time.perf_counter()
+    blocks, pins, kv = cache.export_blocks()
+    row = {b.id: j for j, b in enumerate(blocks)}
+    n, bs = len(blocks), cache.block_size
+    recency = torch.empty(n, dtype=torch.int64)
+    recency[sorted(range(n), key=lambda j: blocks[j].last_used)] = torch.arange(n)
+    tensors = {
+        "kv": kv,
+        "tokens": torch.tensor([b.tokens for b in blocks], dtype=torch.int64).reshape(n, bs),
+        "parents": torch.tensor([-1 if b.parent is None else row[b.parent] for b in blocks], dtype=torch.int64),
+        "recency": recency,
+        "pin_tokens": torch.tensor([t for key in pins for t in key], dtype=torch.int64),
+        "pin_lengths": torch.tensor([len(key) for key in pins], dtype=torch.int64),
+    }
+    meta = {**setup, "format": FORMAT, "format_version": FORMAT_VERSION, "block_size": bs, "n_blocks": n,
+            "keys_layout": "post_rope"}
+    path = write_checked(path, tensors, meta)
+    return {"path": str(path), "blocks": n, "tokens": n * bs, "pins": len(pins), "bytes": path.stat().st_size,
+            "ms": round(1000 * (time.perf_counter() - start), 1)}
+
+
+def load_cache(cache, path: str | Path, setup: dict[str, str]) -> dict:
+    """Add the prefixes saved in ``path`` to ``cache``; CacheFormatError for a bad file or another setup."""
+    start = time.perf_counter()
+    meta, t = read_checked(path, KIND, FORMAT, FORMAT_VERSION, TENSORS,
+                           "Delete it; the server or `kvtool generate --cache-file` writes a new one.")
+    diffs = setup_mismatches(meta, setup, what="file")
+    if diffs:
+        raise CacheFormatError(f"{path}: this prefix cache was saved for a different setup: " + "; ".join(diffs)
+                               + ". Its KV cannot be used with this model: delete the file or give another path.")
+    kv, tokens, parents = t["kv"], t["tokens"], t["parents"].tolist()
+    _check_layout(path, cache, kv, tokens, parents, t["recency"], t["pin_tokens"], t["pin_lengths"])
+    n, bs = tokens.shape
+    rows = tokens.tolist()
+    by_key = {(parents[j], tuple(rows[j])): j for j in range(n)}
+
+    def chain(ids: list[int]) -> list[int]:  # rows of the saved blocks that spell ids, from a root
+        out, parent = [], -1
+        for i in range(len(ids) // bs):
+            j = by_key.get((parent, tuple(ids[i * bs : (i + 1) * bs])))
+            if j is None:
+                break
+            out.append(j)
+            parent = j
+        return out
+
+    def block_kv(path_rows: list[int]):  # i -> (keys, values) [L, H, B', D] of block i in the loading cache
+        if cache.block_size == bs:  # the saved blocks as they are: no copy of the chain
+            return lambda i: (kv[path_rows[i], 0], kv[path_rows[i], 1])
+        joined, b = [], cache.block_size  # another block size: the chain's KV [2, L, H, T, D], made when first
+        # asked for, then cut anew
+
+        def cut(i):
+            if not joined:
+                part = kv[path_rows]
+                joined.append(part.permute(1, 2, 3, 0, 4, 5).reshape(*part.shape[1:4], -1, part.shape[-1]))
+            return joined[0][0, :, :, i * b : (i + 1) * b], joined[0][1, :, :, i * b : (i + 1) * b]
+
+        return cut
+
+    def tokens_of(path_rows: list[int]) -> list[int]:
+        return [token for j in path_rows for token in rows[j]]
+
+    pins, offset = [], 0
+    for length in t["pin_lengths"].tolist():
+        pins.append(t["pin_tokens"][offset : offset + length].tolist())
+        offset += length
+    for key in pins:
+        rows_ = chain(key)
+        cache.import_chain(tokens_of(rows_), block_kv(rows_), pin=key)
+    has_child = set(parents)
+    recency = t["recency"].tolist()
+    chains = []
+    for leaf in sorted((j for j in range(n) if j not in has_child), key=recency.__getitem__):
+        rows_ = [leaf]
+        while parents[rows_[-1]] != -1:
+            rows_.append(parents[rows_[-1]])
+        chains.append(rows_[::-1])
+        cache.import_chain(tokens_of(chains[-1]), block_kv(chains[-1]))
+    # rows whose tokens are all cached now (asked in load order, so recency stays as loaded), and those that
+    # could be: with another block size, a chain's last tokens short of a whole block are not
+    loaded, whole = set(), set()
+    for rows_ in chains:
+        loaded.update(rows_[: cache.cached_tokens(tokens_of(rows_)) // bs])
+        whole.update(rows_[: len(rows_) * bs // cache.block_size * cache.block_size // bs])
+    if len(loaded) < len(whole):
+        warnings.warn(PrefixCacheWarning(
+            f"{path}: the prefix cache budget holds {len(loaded) * bs} of the {len(whole) * bs} tokens of the prefixes "
+            "saved there; the least recently used were left out (raise --cache-bytes to load them all)"), stacklevel=3)
+    return {"path": str(path), "blocks": n, "tokens": n * bs, "loaded_tokens": len(loaded) * bs, "pins": len(pins),
+            "ms": round(1000 * (time.perf_counter() - start), 1)}
+
+
+def _check_layout(path, cache, kv, tokens, parents, recency, pin_tokens, pin_lengths) -> None:
+    """CacheFormatError unless the tensors are shaped as save_cache writes them, for this cache's model."""
+    store = cache.store
+    if tokens.dim() != 2 or tokens.shape[1] < 1:
+        raise CacheFormatError(f"{path}: tokens must be [blocks, block_size], got {tuple(tokens.shape)}")
+    n, bs = tokens.shape
+    want = (n, 2, store.num_layers, store.num_kv_heads, bs, store.head_dim)
+    if tuple(kv.shape) != want:
+        raise CacheFormatError(f"{path}: kv is {tuple(kv.shape)}; this model needs [blocks, 2, layers, kv_heads, "
+                               f"block_size, head_dim] = {list(want)}")
+    if kv.dtype != store.dtype:
+        raise CacheFormatError(f"{path}: KV is {kv.dtype}, this cache holds {store.dtype}")
+    if len(parents) != n or tuple(recency.shape) != (n,):
+        raise CacheFormatError(f"{path}: parents and recency must have one entry per block ({n})")
+    if any(not -1 <= p < j for j, p in enumerate(parents)):
+        raise CacheFormatError(f"{path}: a block's parent is not an earlier block of the file")
+    if pin_lengths.dim() != 1 or (pin_lengths < 0).any() or int(pin_lengths.sum()) != pin_tokens.numel():
+        raise CacheFormatError(f"{path}: pin_lengths do not add up to the {pin_tokens.numel()} pinned tokens")
