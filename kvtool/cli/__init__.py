@@ -14,6 +14,7 @@ from kvtool.errors import KvtoolError
 
 SUBCOMMAND_MODULES = [
     "kvtool.cli.generate",
+    "kvtool.cli.chat",
     "kvtool.cli.bench",
     "kvtool.cli.info",
     "kvtool.cli.serve",
