@@ -12,7 +12,7 @@ Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Awaitable, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -40,11 +40,14 @@ def error_response(exc: KvtoolError) -> JSONResponse:
 
 
 def cache_router(get_manager: Callable[[], object], get_model: Callable[[], object] | None = None,
-                 check_name: Callable[[str | None], None] | None = None, cache_file: str | None = None) -> APIRouter:
+                 check_name: Callable[[str | None], None] | None = None, cache_file: str | None = None,
+                 prefill: Callable[[list[int]], Awaitable[None]] | None = None) -> APIRouter:
     """Routes over ``get_manager()`` (a PrefixCache, or None when the cache is off). ``get_model()``
     returns the LoadedModel used to render messages and encode prompts for pin/unpin; ``check_name(model)``
     refuses a body's ``model`` that is not the served one (404, as every other route does); ``cache_file``
-    is where /v1/cache/save writes (None: the route says how to set one)."""
+    is where /v1/cache/save writes (None: the route says how to set one); ``prefill(ids)`` caches a pin's
+    KV before it is pinned (the server runs it as a request of the batch, so running streams keep going;
+    None: pin() computes what is missing on the calling thread)."""
     router = APIRouter()
 
     def manager():
@@ -99,6 +102,8 @@ def cache_router(get_manager: Callable[[], object], get_model: Callable[[], obje
             ids = await run_in_threadpool(token_ids_from_body, body, get_model, cache)  # tokenizing: off the loop
             if action == "pin":
                 check_pin_fits(ids, get_model, cache)
+                if prefill is not None:
+                    await prefill(ids)
             result = await run_in_threadpool(getattr(cache, action), ids)
             return {"object": f"prefix_cache.{action}", **result, "cache": cache.stats()}
         except KvtoolError as exc:

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvtool.config import EngineConfig
+from kvtool.config import EngineConfig, SamplingParams
 from kvtool.engine import Engine
 from kvtool.errors import InvalidParameterError, KvtoolError
 from kvtool.models.fim import fim_format, plain_ids
@@ -368,7 +368,12 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
     app.include_router(api)
     from kvtool.cache.http import cache_router
 
-    cache_routes = cache_router(lambda: prefix_cache, lambda: model, served.check_name, engine.config.cache_file)
+    async def prefill_in_batch(ids: list[int]) -> None:  # a pin's KV, chunked beside the running streams
+        async for _ in worker.submit(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)):
+            pass
+
+    cache_routes = cache_router(lambda: prefix_cache, lambda: model, served.check_name, engine.config.cache_file,
+                                prefill_in_batch)
     app.include_router(cache_routes, dependencies=[Depends(check_key)])
     app.state.prefix_cache = prefix_cache
     from kvtool.viz.inspect import inspect_router

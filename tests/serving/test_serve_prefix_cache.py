@@ -40,8 +40,15 @@ def test_second_request_with_the_same_prefix_hits(smol):
 
 
 def test_pin_keeps_a_system_prompt(smol):
+    smol.post("/v1/cache/reset")
+    before = smol.get("/v1/cache").json()
     pin = smol.post("/v1/cache/pin", json={"messages": [{"role": "system", "content": SYSTEM}]})
     assert pin.status_code == 200, pin.text
+    after = pin.json()["cache"]
+    # its KV was computed as a request of the batch (one more query), then pinned
+    assert after["queries"] == before["queries"] + 1 and after["pinned_blocks"] == pin.json()["pinned_tokens"] // 16
+    hit = ask(smol, "Is Lyon far from Paris?")
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] >= pin.json()["pinned_tokens"]
     bad = smol.post("/v1/cache/pin", json={"nonsense": 1})
     assert bad.status_code == 400 and "error" in bad.json()
 
