@@ -6,6 +6,7 @@
                            chat template, no generation prompt), {"prompt": "text"} or {"token_ids": [...]}
     POST /v1/cache/unpin   undo a pin; same body
     POST /v1/cache/save    write the cache to the server's --cache-file now (it is also written at shutdown)
+    GET  /v1/cache/tree    the cached prefixes as a tree of segments, each with its text (?max_chars=N, ?token_ids=true)
 
 Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
 """
@@ -65,6 +66,16 @@ def cache_router(get_manager: Callable[[], object], get_model: Callable[[], obje
         except KvtoolError as exc:
             return error_response(exc)
 
+    @router.get("/v1/cache/tree")
+    async def tree(max_chars: int = 200, token_ids: bool = False):
+        try:
+            cache = manager()
+            if max_chars < 0:
+                raise CacheRequestError(f"max_chars must be >= 0, got {max_chars}", param="max_chars")
+            return await run_in_threadpool(describe_tree, cache, get_model, max_chars, token_ids)
+        except KvtoolError as exc:
+            return error_response(exc)
+
     @router.post("/v1/cache/reset")
     def reset():
         try:
@@ -118,6 +129,23 @@ def cache_router(get_manager: Callable[[], object], get_model: Callable[[], obje
         return await pin_or_unpin(request, "unpin")
 
     return router
+
+
+def describe_tree(cache, get_model, max_chars: int, token_ids: bool) -> dict:
+    """The cache's tree (PrefixCache.tree) with each segment's text, cut to its first and last max_chars / 2
+    (max_chars 0: no text)."""
+    from kvtool.cache.tree import walk
+
+    model = get_model() if get_model is not None else None
+    tree = cache.tree()
+    for segment in walk(tree):
+        ids = segment["token_ids"] if token_ids else segment.pop("token_ids")
+        if model is not None and max_chars:
+            text = model.decode(ids)
+            half = max_chars // 2
+            segment["text"] = text if len(text) <= max_chars else f"{text[:half]} … {text[len(text) - half:]}"
+    return {"object": "prefix_cache.tree", "block_size": cache.block_size, "segments": sum(1 for _ in walk(tree)),
+            "tree": tree}
 
 
 async def _json_object(request: Request) -> dict:

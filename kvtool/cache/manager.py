@@ -268,6 +268,13 @@ class PrefixCache:
         self.loaded = load_cache(self, path, setup_of(model, self.runner))
         return self.loaded
 
+    def tree(self) -> list[dict]:
+        """What is cached, as a tree of segments: shared prefixes and where requests diverge (kvtool.cache.tree)."""
+        from kvtool.cache.tree import segments
+
+        with self._lock:
+            return segments(self.index.snapshot()[0], self.block_size)
+
     def export_blocks(self):
         """(live blocks parents first, pinned token keys, their KV [n, 2, L, H, B, D] on the CPU), consistent."""
         with self._lock:

@@ -83,3 +83,25 @@ def test_a_cache_file_keeps_the_prefixes_across_a_restart(smollm2, smol, tmp_pat
     path.write_bytes(b"not a cache")
     with pytest.raises(CacheFormatError, match="not a readable prefix cache"):
         create_app(smollm2, config)
+
+
+def test_the_cache_tree_shows_the_shared_system_prompt_and_where_questions_diverge(smol):
+    smol.post("/v1/cache/reset")
+    for question in ("Is Lyon far from Paris?", "What should I pack for Oslo?", "Is Lyon far from Paris?"):
+        ask(smol, question)
+    r = smol.get("/v1/cache/tree")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    root = body["tree"][0]
+    assert len(body["tree"]) == 1 and body["segments"] >= 3
+    assert root["start"] == 0 and root["text"].startswith("<|im_start|>system\nYou are a careful assistant")
+    assert len(root["children"]) == 2 and all(c["start"] == root["tokens"] for c in root["children"])
+    lyon = root["children"][0]  # walked most: asked twice
+    assert "Lyon" in lyon["text"] and lyon["hits"] > root["children"][1]["hits"]
+    assert "token_ids" not in root and len(smol.get("/v1/cache/tree?token_ids=true").json()["tree"][0]["token_ids"]) \
+        == root["tokens"]
+    assert "text" not in smol.get("/v1/cache/tree?max_chars=0").json()["tree"][0]
+    short = smol.get("/v1/cache/tree?max_chars=20").json()["tree"][0]["text"]
+    assert len(short) == 23 and " … " in short
+    bad = smol.get("/v1/cache/tree?max_chars=-1")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_chars"

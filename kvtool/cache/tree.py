@@ -1,0 +1,45 @@
+"""What the prefix cache holds, as a tree of segments: the shared prefixes and where requests diverge.
+
+A segment is a maximal run of blocks each with exactly one cached child (a radix-tree node over the
+block chains); its children are the continuations that diverge after it. For a context engineer this
+is the picture behind the hit rate: one long system-prompt segment with many short conversation
+children is a cache doing its job; many roots that differ in their first block mean a prefix that
+changes per request (a timestamp, a re-ordered tool list). Pure Python over PrefixIndex.snapshot().
+"""
+
+from __future__ import annotations
+
+
+def segments(blocks, block_size: int) -> list[dict]:
+    """Root segments, children nested: start/tokens (positions), block_ids, token_ids, pinned_tokens and in_use_tokens
+    (blocks with a permanent pin / held by a running request), hits (lookups and inserts that walked into it).
+    Built with a stack, not recursion: a long chat that diverges every turn nests hundreds deep."""
+    by_id = {b.id: b for b in blocks}
+    roots: list[dict] = []
+    todo = [(b, 0, roots) for b in blocks if b.parent is None]
+    while todo:
+        first, start, siblings = todo.pop()
+        run = [first]
+        while len(run[-1].children) == 1:
+            run.append(by_id[next(iter(run[-1].children))])
+        segment = {"start": start, "tokens": len(run) * block_size, "block_ids": [b.id for b in run],
+                   "token_ids": [t for b in run for t in b.tokens],
+                   "pinned_tokens": sum(block_size for b in run if b.pins),
+                   "in_use_tokens": sum(block_size for b in run if b.refcount), "hits": first.hits, "children": []}
+        siblings.append(segment)
+        todo += [(by_id[c], start + segment["tokens"], segment["children"]) for c in run[-1].children]
+    order = [roots]
+    while order:  # most visited first, at every level
+        level = order.pop()
+        level.sort(key=lambda s: (-s["hits"], s["block_ids"][0]))
+        order += [s["children"] for s in level]
+    return roots
+
+
+def walk(tree: list[dict]):
+    """Every segment of a tree, parents before children."""
+    todo = list(reversed(tree))
+    while todo:
+        segment = todo.pop()
+        yield segment
+        todo += reversed(segment["children"])
