@@ -134,16 +134,15 @@ def cache_router(get_manager: Callable[[], object], get_model: Callable[[], obje
 def describe_tree(cache, get_model, max_chars: int, token_ids: bool) -> dict:
     """The cache's tree (PrefixCache.tree) with each segment's text, cut to its first and last max_chars / 2
     (max_chars 0: no text)."""
-    from kvtool.cache.tree import walk
+    from kvtool.cache.tree import add_text, walk
 
     model = get_model() if get_model is not None else None
     tree = cache.tree()
-    for segment in walk(tree):
-        ids = segment["token_ids"] if token_ids else segment.pop("token_ids")
-        if model is not None and max_chars:
-            text = model.decode(ids)
-            half = max_chars // 2
-            segment["text"] = text if len(text) <= max_chars else f"{text[:half]} … {text[len(text) - half:]}"
+    if model is not None and max_chars:
+        add_text(tree, model.decode, max_chars)
+    if not token_ids:
+        for segment in walk(tree):
+            del segment["token_ids"]
     return {"object": "prefix_cache.tree", "block_size": cache.block_size, "segments": sum(1 for _ in walk(tree)),
             "tree": tree}
 

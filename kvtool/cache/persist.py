@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kvtool.cache.kvfile import read_checked, setup_mismatches, write_checked
+from kvtool.cache.kvfile import SETUP_FIELDS, read_checked, setup_mismatches, write_checked
 from kvtool.cache.manager import PrefixCacheWarning
 from kvtool.errors import CacheFormatError
 
@@ -60,20 +60,80 @@ def save_cache(cache, path: str | Path, setup: dict[str, str]) -> dict:
             "ms": round(1000 * (time.perf_counter() - start), 1)}
 
 
+def read_file(path: str | Path) -> dict:
+    """The checked contents of a .kvc file: meta, kv, rows (token ids per block), parents, recency, pins."""
+    meta, t = read_checked(path, KIND, FORMAT, FORMAT_VERSION, TENSORS,
+                           "Delete it; the server or `kvtool generate --cache-file` writes a new one.")
+    tokens, parents, recency = t["tokens"], t["parents"].tolist(), t["recency"]
+    if tokens.dim() != 2 or tokens.shape[1] < 1:
+        raise CacheFormatError(f"{path}: tokens must be [blocks, block_size], got {tuple(tokens.shape)}")
+    n = tokens.shape[0]
+    if len(parents) != n or tuple(recency.shape) != (n,) or t["kv"].dim() != 6 or t["kv"].shape[0] != n:
+        raise CacheFormatError(f"{path}: kv, parents and recency must have one entry per block ({n})")
+    if any(not -1 <= p < j for j, p in enumerate(parents)):
+        raise CacheFormatError(f"{path}: a block's parent is not an earlier block of the file")
+    lengths, flat = t["pin_lengths"], t["pin_tokens"]
+    if lengths.dim() != 1 or (lengths < 0).any() or int(lengths.sum()) != flat.numel():
+        raise CacheFormatError(f"{path}: pin_lengths do not add up to the {flat.numel()} pinned tokens")
+    pins, offset = [], 0
+    for length in lengths.tolist():
+        pins.append(flat[offset : offset + length].tolist())
+        offset += length
+    return {"meta": meta, "kv": t["kv"], "rows": tokens.tolist(), "parents": parents, "recency": recency.tolist(),
+            "pins": pins, "block_size": tokens.shape[1]}
+
+
+def chains(saved: dict) -> list[list[int]]:
+    """Rows root..leaf of every saved chain, from the least to the most recently used leaf."""
+    parents, recency = saved["parents"], saved["recency"]
+    has_child, out = set(parents), []
+    for leaf in sorted((j for j in range(len(parents)) if j not in has_child), key=recency.__getitem__):
+        rows = [leaf]
+        while parents[rows[-1]] != -1:
+            rows.append(parents[rows[-1]])
+        out.append(rows[::-1])
+    return out
+
+
+def describe_file(path: str | Path) -> dict:
+    """What a .kvc file holds (no model needed): its setup, sizes, and the tree of its prefixes (kvtool.cache.tree,
+    without hits: a file does not keep them)."""
+    from kvtool.cache.index import PrefixIndex
+    from kvtool.cache.tree import segments, walk
+
+    saved = read_file(path)
+    bs, n = saved["block_size"], len(saved["rows"])
+    index = PrefixIndex(bs, max(n, 1))
+    for rows in chains(saved):
+        index.insert([t for j in rows for t in saved["rows"][j]])
+    for key in saved["pins"]:
+        index.pin_prefix(key)
+    tree = segments(index.snapshot()[0], bs)
+    for segment in walk(tree):
+        del segment["hits"], segment["block_ids"], segment["in_use_tokens"]
+    meta = saved["meta"]
+    return {"path": str(path), "setup": {k: meta.get(k) for k in SETUP_FIELDS}, "dtype": str(saved["kv"].dtype),
+            "block_size": bs, "blocks": n, "tokens": n * bs, "pins": len(saved["pins"]),
+            "bytes": Path(path).stat().st_size, "tree": tree}
+
+
 def load_cache(cache, path: str | Path, setup: dict[str, str]) -> dict:
     """Add the prefixes saved in ``path`` to ``cache``; CacheFormatError for a bad file or another setup."""
     start = time.perf_counter()
-    meta, t = read_checked(path, KIND, FORMAT, FORMAT_VERSION, TENSORS,
-                           "Delete it; the server or `kvtool generate --cache-file` writes a new one.")
-    diffs = setup_mismatches(meta, setup, what="file")
+    saved = read_file(path)
+    diffs = setup_mismatches(saved["meta"], setup, what="file")
     if diffs:
         raise CacheFormatError(f"{path}: this prefix cache was saved for a different setup: " + "; ".join(diffs)
                                + ". Its KV cannot be used with this model: delete the file or give another path.")
-    kv, tokens, parents = t["kv"], t["tokens"], t["parents"].tolist()
-    _check_layout(path, cache, kv, tokens, parents, t["recency"], t["pin_tokens"], t["pin_lengths"])
-    n, bs = tokens.shape
-    rows = tokens.tolist()
-    by_key = {(parents[j], tuple(rows[j])): j for j in range(n)}
+    kv, rows, bs = saved["kv"], saved["rows"], saved["block_size"]
+    store, n = cache.store, len(rows)
+    want = (n, 2, store.num_layers, store.num_kv_heads, bs, store.head_dim)
+    if tuple(kv.shape) != want:
+        raise CacheFormatError(f"{path}: kv is {tuple(kv.shape)}; this model needs [blocks, 2, layers, kv_heads, "
+                               f"block_size, head_dim] = {list(want)}")
+    if kv.dtype != store.dtype:
+        raise CacheFormatError(f"{path}: KV is {kv.dtype}, this cache holds {store.dtype}")
+    by_key = {(p, tuple(rows[j])): j for j, p in enumerate(saved["parents"])}
 
     def chain(ids: list[int]) -> list[int]:  # rows of the saved blocks that spell ids, from a root
         out, parent = [], -1
@@ -102,26 +162,17 @@ def load_cache(cache, path: str | Path, setup: dict[str, str]) -> dict:
     def tokens_of(path_rows: list[int]) -> list[int]:
         return [token for j in path_rows for token in rows[j]]
 
-    pins, offset = [], 0
-    for length in t["pin_lengths"].tolist():
-        pins.append(t["pin_tokens"][offset : offset + length].tolist())
-        offset += length
+    pins = saved["pins"]
     for key in pins:
         rows_ = chain(key)
         cache.import_chain(tokens_of(rows_), block_kv(rows_), pin=key)
-    has_child = set(parents)
-    recency = t["recency"].tolist()
-    chains = []
-    for leaf in sorted((j for j in range(n) if j not in has_child), key=recency.__getitem__):
-        rows_ = [leaf]
-        while parents[rows_[-1]] != -1:
-            rows_.append(parents[rows_[-1]])
-        chains.append(rows_[::-1])
-        cache.import_chain(tokens_of(chains[-1]), block_kv(chains[-1]))
+    saved_chains = chains(saved)
+    for rows_ in saved_chains:
+        cache.import_chain(tokens_of(rows_), block_kv(rows_))
     # rows whose tokens are all cached now (asked in load order, so recency stays as loaded), and those that
     # could be: with another block size, a chain's last tokens short of a whole block are not
     loaded, whole = set(), set()
-    for rows_ in chains:
+    for rows_ in saved_chains:
         loaded.update(rows_[: cache.cached_tokens(tokens_of(rows_)) // bs])
         whole.update(rows_[: len(rows_) * bs // cache.block_size * cache.block_size // bs])
     if len(loaded) < len(whole):
@@ -130,23 +181,3 @@ def load_cache(cache, path: str | Path, setup: dict[str, str]) -> dict:
             "saved there; the least recently used were left out (raise --cache-bytes to load them all)"), stacklevel=3)
     return {"path": str(path), "blocks": n, "tokens": n * bs, "loaded_tokens": len(loaded) * bs, "pins": len(pins),
             "ms": round(1000 * (time.perf_counter() - start), 1)}
-
-
-def _check_layout(path, cache, kv, tokens, parents, recency, pin_tokens, pin_lengths) -> None:
-    """CacheFormatError unless the tensors are shaped as save_cache writes them, for this cache's model."""
-    store = cache.store
-    if tokens.dim() != 2 or tokens.shape[1] < 1:
-        raise CacheFormatError(f"{path}: tokens must be [blocks, block_size], got {tuple(tokens.shape)}")
-    n, bs = tokens.shape
-    want = (n, 2, store.num_layers, store.num_kv_heads, bs, store.head_dim)
-    if tuple(kv.shape) != want:
-        raise CacheFormatError(f"{path}: kv is {tuple(kv.shape)}; this model needs [blocks, 2, layers, kv_heads, "
-                               f"block_size, head_dim] = {list(want)}")
-    if kv.dtype != store.dtype:
-        raise CacheFormatError(f"{path}: KV is {kv.dtype}, this cache holds {store.dtype}")
-    if len(parents) != n or tuple(recency.shape) != (n,):
-        raise CacheFormatError(f"{path}: parents and recency must have one entry per block ({n})")
-    if any(not -1 <= p < j for j, p in enumerate(parents)):
-        raise CacheFormatError(f"{path}: a block's parent is not an earlier block of the file")
-    if pin_lengths.dim() != 1 or (pin_lengths < 0).any() or int(pin_lengths.sum()) != pin_tokens.numel():
-        raise CacheFormatError(f"{path}: pin_lengths do not add up to the {pin_tokens.numel()} pinned tokens")

@@ -43,3 +43,11 @@ def walk(tree: list[dict]):
         segment = todo.pop()
         yield segment
         todo += reversed(segment["children"])
+
+
+def add_text(tree: list[dict], decode, max_chars: int) -> None:
+    """Give every segment its text, decode(token_ids), cut to its first and last max_chars / 2 characters."""
+    half = max_chars // 2
+    for segment in walk(tree):
+        text = decode(segment["token_ids"])
+        segment["text"] = text if len(text) <= max_chars else f"{text[:half]} … {text[len(text) - half:]}"

@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = [
     "kvtool.cli.bench",
     "kvtool.cli.info",
     "kvtool.cli.serve",
+    "kvtool.cli.cache",
     "kvtool.agent.cli",
     "kvtool.cli.viz",
     "kvtool.cli.skill",

@@ -3,6 +3,8 @@ cached tokens, faults (tiny budget, reset mid-generation, interleaved requests),
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvtool import SamplingParams
@@ -196,3 +198,33 @@ def test_generate_cache_file_skips_the_prefill_of_a_prompt_seen_before(tmp_path,
     assert "kvtool: prefix cache file" in second.err and "loaded" in second.err
     cached = int(second.err.split("| cached ")[1].split(" tok")[0])
     assert cached >= 48 and second.out == first.out  # the system turn and the question came from the file
+
+
+def test_cache_info_describes_a_saved_file(smollm2, tmp_path, capsys):
+    from kvtool.cli import main
+    from kvtool.testing.models import smollm2_gguf
+
+    engine = Engine(smollm2)
+    cache = attach_prefix_cache(engine, budget_bytes=64 << 20)
+    for question in (QUESTION, "Do you sell rye bread?"):
+        engine.generate(chat_ids(smollm2, question), GREEDY).run()
+    cache.pin(chat_ids(smollm2, "")[:48])
+    path = tmp_path / "info.kvc"
+    cache.save(path, smollm2)
+    assert main(["cache", "info", str(path), "--json"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert described["setup"]["model"] == smollm2.name and described["blocks"] == cache.stats()["blocks"]
+    root = described["tree"][0]
+    assert len(described["tree"]) == 1 and len(root["children"]) == 2 and root["pinned_tokens"] >= 48
+    assert "text" not in root  # no model asked for: no tokenizer to decode with
+    assert main(["cache", "info", str(path), "--text", "--model", str(smollm2_gguf())]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{path}: prefix cache of {smollm2.name} (float32), ")
+    assert lines[1].startswith(f"  [0, {root['tokens']}) {root['tokens']} tokens, ") and "careful assistant" in lines[1]
+    assert len(lines) == 4 and all(line.startswith(f"    [{root['tokens']}, ") for line in lines[2:])
+    assert any("rye" in line for line in lines[2:])
+
+    assert main(["cache", "info", str(tmp_path / "none.kvc")]) == 2
+    assert "no such prefix cache file" in capsys.readouterr().err
+    assert main(["cache", "info", str(path), "--text", "--model", str(smollm2_gguf()), "--dtype", "bfloat16"]) == 2
+    assert "saved for another setup (dtype: file has 'float32', this model has 'bfloat16')" in capsys.readouterr().err

@@ -1,0 +1,55 @@
+"""`kvtool cache info FILE`: what a saved prefix cache (.kvc) holds, without a server."""
+
+from __future__ import annotations
+
+import json
+
+from kvtool.cli.common import add_model_args, load_from_args
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("cache", help="inspect a saved prefix cache (.kvc, from --cache-file)")
+    sub = p.add_subparsers(dest="cache_command", metavar="<action>", required=True)
+    i = sub.add_parser("info", help="verify a .kvc file; print its setup, sizes and the tree of its prefixes")
+    i.add_argument("path", help="the .kvc file")
+    i.add_argument("--text", action="store_true", help="decode each segment with the model (--model) it was saved for")
+    i.add_argument("--max-chars", type=int, default=120, help="characters of text per segment (default: %(default)s)")
+    i.add_argument("--json", action="store_true", help="print the description as JSON")
+    add_model_args(i)
+    i.set_defaults(func=info)
+
+
+def info(args) -> int:
+    from kvtool.cache.kvfile import setup_of, setup_mismatches
+    from kvtool.cache.persist import describe_file
+    from kvtool.cache.tree import add_text, walk
+    from kvtool.errors import InvalidParameterError
+
+    if args.max_chars < 1:
+        raise InvalidParameterError(f"--max-chars must be >= 1, got {args.max_chars}")
+    described = describe_file(args.path)
+    if args.text:
+        model = load_from_args(args)
+        diffs = setup_mismatches(described["setup"], setup_of(model), what="file")
+        if diffs:
+            raise InvalidParameterError(f"--text: {args.path} was saved for another setup ({'; '.join(diffs)}); "
+                                        "give the model it was saved for with --model")
+        add_text(described["tree"], model.decode, args.max_chars)
+    for segment in walk(described["tree"]):
+        del segment["token_ids"]
+    if args.json:
+        print(json.dumps(described, indent=1))
+        return 0
+    s = described["setup"]
+    print(f"{described['path']}: prefix cache of {s['model']} ({s['dtype']}), {described['tokens']} tokens in "
+          f"{described['blocks']} blocks of {described['block_size']}, {described['pins']} pins, "
+          f"{described['bytes'] / 1e6:.1f} MB")
+    todo = [(segment, 1) for segment in reversed(described["tree"])]
+    while todo:
+        segment, depth = todo.pop()
+        pinned = f", {segment['pinned_tokens']} pinned" if segment["pinned_tokens"] else ""
+        text = f": {json.dumps(segment['text'], ensure_ascii=False)}" if "text" in segment else ""
+        print(f"{'  ' * depth}[{segment['start']}, {segment['start'] + segment['tokens']}) {segment['tokens']} tokens"
+              f"{pinned}{text}")
+        todo += [(child, depth + 1) for child in reversed(segment["children"])]
+    return 0
