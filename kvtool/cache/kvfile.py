@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 import weakref
 from pathlib import Path
 
@@ -65,7 +67,9 @@ def digest(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
 
 
 def write_checked(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Path:
-    """Write tensors (moved to CPU) and meta plus its sha256, atomically (a temp file, then a rename)."""
+    """Write tensors (moved to CPU) and meta plus its sha256, atomically: a temp file of this writer's own, then a
+    rename, so concurrent writers of one path each leave a whole file (the last one wins). The file is the
+    owner's only (mode 0600, as mkstemp makes it): a cache holds the token ids of every prompt in it."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -73,7 +77,9 @@ def write_checked(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict
     meta = {k: str(v) for k, v in meta.items()}
     meta["sha256"] = digest(meta, tensors)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # one per writer
+    os.close(handle)
+    tmp = Path(name)
     try:
         save_file(tensors, str(tmp), metadata=meta)
         tmp.replace(path)

@@ -169,8 +169,18 @@ def test_a_failed_save_keeps_the_old_file(model, saved, tmp_path, monkeypatch):
     monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
     with pytest.raises(OSError, match="No space left"):
         cache.save(target)
-    assert target.read_bytes() == path.read_bytes() and not list(tmp_path.glob("*.tmp"))
+    assert target.read_bytes() == path.read_bytes() and [p.name for p in tmp_path.iterdir()] == ["keep.kvc"]
     monkeypatch.undo()
+    assert fresh(model).load(target)["loaded_tokens"] == saved[2]["tokens"]
+
+
+def test_concurrent_saves_of_one_path_each_leave_a_whole_file(model, saved, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    cache, target = saved[0], tmp_path / "shared.kvc"
+    with ThreadPoolExecutor(4) as pool:  # e.g. POST /v1/cache/save while the server shuts down
+        list(pool.map(lambda _: cache.save(target), range(8)))
+    assert [p.name for p in tmp_path.iterdir()] == ["shared.kvc"] and target.stat().st_mode & 0o077 == 0
     assert fresh(model).load(target)["loaded_tokens"] == saved[2]["tokens"]
 
 
