@@ -257,9 +257,32 @@ def test_http_router_on_a_bare_app(model):
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = client.post("/v1/cache/unpin", json={"token_ids": ids})
     assert r.status_code == 400 and "no pin" in r.json()["error"]["message"]
+    r = client.post("/v1/cache/save")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "no_cache_file"
+    tree = client.get("/v1/cache/tree?token_ids=true").json()  # no model: ids, no text
+    assert tree["segments"] == 0 and tree["tree"] == []
     holder["cache"] = None
     r = client.get("/v1/cache")
     assert r.status_code == 404 and r.json()["error"]["code"] == "prefix_cache_disabled"
+    assert client.get("/v1/cache/tree").status_code == 404 and client.post("/v1/cache/save").status_code == 404
+
+
+def test_http_save_to_a_path_that_cannot_be_written_is_a_500_that_says_why(model, tmp_path):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from kvtool.cache.http import cache_router
+
+    engine, cache = cached_engine(model)
+    out = engine.generate(rand_ids(12, 5), GREEDY).run().token_ids
+    (tmp_path / "a-file").write_text("x")
+    app = FastAPI()
+    app.include_router(cache_router(lambda: cache, cache_file=str(tmp_path / "a-file" / "c.kvc")))
+    r = TestClient(app).post("/v1/cache/save")
+    assert r.status_code == 500 and r.json()["error"]["code"] == "cache_file_unwritable"
+    assert "could not write the cache file" in r.json()["error"]["message"]
+    tree = TestClient(app).get("/v1/cache/tree?token_ids=true").json()["tree"]
+    assert tree[0]["token_ids"] == (rand_ids(12, 5) + out)[:20]  # 12 + 12 tokens, 23 with KV: 5 blocks of 4
 
 
 # ---- long random workload: a real BlockStore with tiny tensors, a fake model whose KV at position p
