@@ -1,4 +1,4 @@
-"""`kvtool.load(model)`: a hub id, a local HF folder, or a GGUF file -> LoadedModel."""
+"""`kvtool.load(model)`: a hub id, a local HF folder, a GGUF file or an Ollama model -> LoadedModel."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from kvtool.engine.ids import as_token_ids
 from kvtool.errors import InvalidParameterError, ModelLoadError
-from kvtool.models import gguf
+from kvtool.models import gguf, ollama
 from kvtool.models.host import tune_host_allocator
 from kvtool.models.runner import ModelRunner
 from kvtool.models.spec import ModelSpec
@@ -134,7 +134,11 @@ class LoadedModel:
 
 
 def resolve_folder(model: str) -> tuple[Path, str]:
-    """(HF folder, display name) for a hub id, a local folder, or a GGUF file."""
+    """(HF folder, display name) for a hub id, a local folder, a GGUF file (an Ollama blob is named after its
+    manifest) or 'ollama:NAME[:TAG]' (kvtool.models.ollama)."""
+    if model.startswith(ollama.PREFIX):
+        blob, name = ollama.resolve(model)
+        return gguf.converted_folder(blob), name
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -143,10 +147,11 @@ def resolve_folder(model: str) -> tuple[Path, str]:
     if path.is_file():
         if not gguf.is_gguf(path):
             raise ModelLoadError(f"{path} is neither a model folder nor a GGUF file (no GGUF magic bytes)")
-        name = path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.name
+        name = path.name[: -len(".gguf")] if path.name.endswith(".gguf") else ollama.blob_name(path) or path.name
         return gguf.converted_folder(path), name
     if model.endswith(".gguf") or model.startswith(("/", ".", "~")) or model.count("/") != 1:
-        raise ModelLoadError(f"model {model!r} not found: no such file or folder, and not a hub id like 'org/name'")
+        raise ModelLoadError(f"model {model!r} not found: no such file or folder, and not a hub id like 'org/name' "
+                             "or an Ollama model like 'ollama:qwen3:0.6b'")
     return hub_folder(model), model
 
 
