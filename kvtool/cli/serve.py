@@ -72,10 +72,11 @@ def run(args) -> int:
         from kvtool.errors import InvalidParameterError
 
         raise InvalidParameterError(f"--skills {args.skills!r} is not a folder of skills (NAME/SKILL.md or *.md)")
-    canonical_preamble(args.skill_preamble)  # a bad spec fails before the model loads, as does a bad repair:
+    # bad preamble or repair specs, and a --cache-file without the prefix cache, fail before the model loads
+    canonical_preamble(args.skill_preamble)
     engine_config = EngineConfig(cache_bytes=args.cache_bytes, enable_prefix_cache=not args.no_prefix_cache,
                                  cache_file=args.cache_file, skills_dir=args.skills, skill_repair=args.skill_repair,
-                                 skill_preamble=args.skill_preamble).validate()  # --cache-file needs the cache
+                                 skill_preamble=args.skill_preamble).validate()
     check_writable(args.cache_file, "--cache-file")
     check_listen(cfg.host, cfg.port)  # so does a port in use
     model = load_from_args(args)
