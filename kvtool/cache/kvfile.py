@@ -58,9 +58,15 @@ def setup_mismatches(have: dict[str, str], expected: dict[str, str], what: str =
 
 
 def digest(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
+    return _hash(meta, tensors, tensors.__getitem__)
+
+
+def _hash(meta: dict[str, str], names, get) -> str:
+    """sha256 over the metadata and each tensor's name, dtype, shape and bytes, by name; get(name) -> tensor,
+    asked one at a time, so a reader need not hold them all."""
     h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
-    for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
+    for name in sorted(names):
+        t = get(name).detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, not a copy
     return h.hexdigest()
@@ -88,33 +94,72 @@ def write_checked(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict
     return path
 
 
-def read_checked(path: str | Path, kind: str, fmt: str, version: str, names: set[str],
-                 remedy: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """(meta without sha256, tensors) of a file written by write_checked, or CacheFormatError naming the path.
+class CheckedFile:
+    """A file written by write_checked, opened and verified (its sha256, one tensor at a time, so nothing but
+    the tensor being hashed is held); then ``tensor(name)`` reads tensors one by one. A context manager.
 
     kind: what the file is, for messages ('skill block (.kvb)'); fmt/version: the expected `format` and
-    `format_version`; names: the tensor names it must hold; remedy: what to do about a bad file."""
-    from safetensors import safe_open
+    `format_version`; remedy: what to do about a bad file. Every problem is a CacheFormatError naming the path."""
 
-    path = Path(path)
-    short = kind.split(" (")[0]
-    if not path.is_file():
-        raise CacheFormatError(f"{path}: is a folder, not a {kind} file" if path.is_dir() else
-                               f"{path}: no such {short} file")
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as fh:
-            meta = dict(fh.metadata() or {})
-            tensors = {name: fh.get_tensor(name) for name in fh.keys()}
-    except Exception as exc:  # safetensors raises its own error types for truncated/garbled files
-        raise CacheFormatError(f"{path}: not a readable {short} (truncated, corrupted or not safetensors): "
-                               f"{exc}") from None
-    if meta.get("format") != fmt:
-        raise CacheFormatError(f"{path}: not a kvtool {short} (format {meta.get('format')!r})")
-    if meta.get("format_version") != version:
-        raise CacheFormatError(f"{path}: {short} format version {meta.get('format_version')!r}; this kvtool "
-                               f"reads version {version}. {remedy}")
-    stored = meta.pop("sha256", None)
-    if set(tensors) != names or stored != digest(meta, tensors):
-        raise CacheFormatError(f"{path}: checksum mismatch: the file was modified after it was written "
-                               f"(tampered or damaged); {remedy[0].lower() + remedy[1:]}")
-    return meta, tensors
+    def __init__(self, path: str | Path, kind: str, fmt: str, version: str, remedy: str):
+        self.path, self.kind, self.short = Path(path), kind, kind.split(" (")[0]
+        self.fmt, self.version, self.remedy = fmt, version, remedy
+        self.meta: dict[str, str] = {}
+        self.names: set[str] = set()
+        self._fh = None
+
+    def __enter__(self) -> "CheckedFile":
+        from safetensors import safe_open
+
+        path, short = self.path, self.short
+        if not path.is_file():
+            raise CacheFormatError(f"{path}: is a folder, not a {self.kind} file" if path.is_dir() else
+                                   f"{path}: no such {short} file")
+        try:
+            self._fh = safe_open(str(path), framework="pt", device="cpu").__enter__()
+            meta, self.names = dict(self._fh.metadata() or {}), set(self._fh.keys())
+            if meta.get("format") == self.fmt and meta.get("format_version") == self.version:
+                stored = meta.pop("sha256", None)
+                intact = stored == _hash(meta, self.names, self._fh.get_tensor)
+        except Exception as exc:  # safetensors raises its own error types for truncated/garbled files
+            self.__exit__(None, None, None)
+            raise CacheFormatError(f"{path}: not a readable {short} (truncated, corrupted or not safetensors): "
+                                   f"{exc}") from None
+        try:
+            if meta.get("format") != self.fmt:
+                raise CacheFormatError(f"{path}: not a kvtool {short} (format {meta.get('format')!r})")
+            if meta.get("format_version") != self.version:
+                raise CacheFormatError(f"{path}: {short} format version {meta.get('format_version')!r}; this "
+                                       f"kvtool reads version {self.version}. {self.remedy}")
+            if not intact:
+                self.tampered()
+        except CacheFormatError:
+            self.__exit__(None, None, None)
+            raise
+        self.meta = meta
+        return self
+
+    def tampered(self, why: str = "") -> None:
+        """Raise the checksum error (also for a verified file whose tensors are not what its format holds)."""
+        raise CacheFormatError(f"{self.path}: checksum mismatch: the file was modified after it was written "
+                               f"(tampered or damaged{why}); {self.remedy[0].lower() + self.remedy[1:]}")
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            self.tampered(f": it holds no tensor {name!r}")
+        return self._fh.get_tensor(name)
+
+    def __exit__(self, *exc) -> None:
+        if self._fh is not None:
+            self._fh.__exit__(None, None, None)
+            self._fh = None
+
+
+def read_checked(path: str | Path, kind: str, fmt: str, version: str, names: set[str],
+                 remedy: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(meta without sha256, tensors) of a small file written by write_checked that holds exactly ``names``
+    (see CheckedFile for the other arguments and the errors)."""
+    with CheckedFile(path, kind, fmt, version, remedy) as f:
+        if f.names != names:
+            f.tampered()
+        return f.meta, {name: f.tensor(name) for name in names}

@@ -276,10 +276,12 @@ class PrefixCache:
             return segments(self.index.snapshot()[0], self.block_size)
 
     def export_blocks(self):
-        """(live blocks parents first, pinned token keys, their KV [n, 2, L, H, B, D] on the CPU), consistent."""
+        """A consistent snapshot for saving: [(id, parent, tokens, last_used)] of the live blocks, parents first;
+        the pinned token keys; each block's KV tensor [2, L, H, B, D] (the store's own, not copies)."""
         with self._lock:
             blocks, pins = self.index.snapshot()
-            return blocks, pins, self.store.export([b.id for b in blocks])
+            rows = [(b.id, b.parent, b.tokens, b.last_used) for b in blocks]
+            return rows, pins, self.store.tensors([b.id for b in blocks])
 
     def import_chain(self, tokens: list[int], block_kv, pin: Sequence[int] | None = None) -> int:
         """Cache the full blocks of ``tokens``; ``block_kv(i)`` gives (keys, values) [L, H, B, D] of block i, asked

@@ -5,7 +5,7 @@ prefix tree: a server restarted with ``--cache-file`` answers its first request 
 prompt + tools from the cache, and ``kvtool generate --cache-file`` skips the prefill of a prompt
 it has seen. A .kvc file is a checked KV file (kvtool.cache.kvfile: safetensors, sha256, setup):
 
-    kv           [N, 2, L, H, B, D]  keys (post-RoPE, at the block's positions) then values, cache dtype
+    kv.<j>       [2, L, H, B, D]     block j's keys (post-RoPE, at its positions) then values, cache dtype
     tokens       [N, B]              each block's token ids
     parents      [N]                 the parent's row in this file, -1 for a root; parents come first
     recency      [N]                 rank by last use, 0 = least recent
@@ -15,7 +15,8 @@ it has seen. A .kvc file is a checked KV file (kvtool.cache.kvfile: safetensors,
 Loading inserts the pinned prefixes first (pinned as they go in, so nothing loaded later evicts them),
 then every chain root..leaf from the least to the most recently used: when the budget is smaller than
 the file, the index's own eviction keeps the most recent chains. The block size may differ from the
-saving cache's (chains are re-cut). Blocks detached by a reset but still held by a running request
+saving cache's (chains are re-cut). One tensor per block keeps memory flat: saving a CPU cache copies
+no KV, and loading verifies the checksum and then reads block by block, so neither holds the cache twice. Blocks detached by a reset but still held by a running request
 are not saved; hit counts (the lfu policy's key) start again from zero.
 """
 
@@ -27,13 +28,13 @@ from pathlib import Path
 
 import torch
 
-from kvtool.cache.kvfile import SETUP_FIELDS, read_checked, setup_mismatches, write_checked
+from kvtool.cache.kvfile import SETUP_FIELDS, CheckedFile, setup_mismatches, write_checked
 from kvtool.cache.manager import PrefixCacheWarning
 from kvtool.errors import CacheFormatError
 
 FORMAT = "kvtool.prefix-cache"
 FORMAT_VERSION = "1"
-TENSORS = {"kv", "tokens", "parents", "recency", "pin_tokens", "pin_lengths"}
+INDEX_TENSORS = ("tokens", "parents", "recency", "pin_tokens", "pin_lengths")  # and kv.<j> per block
 KIND = "prefix cache (.kvc)"
 
 
@@ -41,35 +42,47 @@ def save_cache(cache, path: str | Path, setup: dict[str, str]) -> dict:
     """Write ``cache`` (a PrefixCache) to ``path``; returns what was written."""
     start = time.perf_counter()
     blocks, pins, kv = cache.export_blocks()
-    row = {b.id: j for j, b in enumerate(blocks)}
+    row = {block_id: j for j, (block_id, *_) in enumerate(blocks)}
     n, bs = len(blocks), cache.block_size
     recency = torch.empty(n, dtype=torch.int64)
-    recency[sorted(range(n), key=lambda j: blocks[j].last_used)] = torch.arange(n)
+    recency[sorted(range(n), key=lambda j: blocks[j][3])] = torch.arange(n)
     tensors = {
-        "kv": kv,
-        "tokens": torch.tensor([b.tokens for b in blocks], dtype=torch.int64).reshape(n, bs),
-        "parents": torch.tensor([-1 if b.parent is None else row[b.parent] for b in blocks], dtype=torch.int64),
+        **{block_name(j): t for j, t in enumerate(kv)},
+        "tokens": torch.tensor([tokens for _, _, tokens, _ in blocks], dtype=torch.int64).reshape(n, bs),
+        "parents": torch.tensor([-1 if parent is None else row[parent] for _, parent, _, _ in blocks],
+                                dtype=torch.int64),
         "recency": recency,
         "pin_tokens": torch.tensor([t for key in pins for t in key], dtype=torch.int64),
         "pin_lengths": torch.tensor([len(key) for key in pins], dtype=torch.int64),
     }
     meta = {**setup, "format": FORMAT, "format_version": FORMAT_VERSION, "block_size": bs, "n_blocks": n,
-            "keys_layout": "post_rope"}
+            "keys_layout": "post_rope", "kv_dtype": str(cache.store.dtype).replace("torch.", "")}
     path = write_checked(path, tensors, meta)
     return {"path": str(path), "blocks": n, "tokens": n * bs, "pins": len(pins), "bytes": path.stat().st_size,
             "ms": round(1000 * (time.perf_counter() - start), 1)}
 
 
-def read_file(path: str | Path) -> dict:
-    """The checked contents of a .kvc file: meta, kv, rows (token ids per block), parents, recency, pins."""
-    meta, t = read_checked(path, KIND, FORMAT, FORMAT_VERSION, TENSORS,
-                           "Delete it; the server or `kvtool generate --cache-file` writes a new one.")
+def block_name(j: int) -> str:
+    return f"kv.{j:07d}"
+
+
+def open_file(path: str | Path) -> CheckedFile:
+    """The .kvc file at ``path``, verified when entered (``with open_file(path) as f``)."""
+    return CheckedFile(path, KIND, FORMAT, FORMAT_VERSION,
+                       "Delete it; the server or `kvtool generate --cache-file` writes a new one.")
+
+
+def read_index(f: CheckedFile) -> dict:
+    """What an open .kvc holds besides the KV: rows (token ids per block), parents, recency, pins, block_size."""
+    path, t = f.path, {name: f.tensor(name) for name in INDEX_TENSORS}
     tokens, parents, recency = t["tokens"], t["parents"].tolist(), t["recency"]
     if tokens.dim() != 2 or tokens.shape[1] < 1:
         raise CacheFormatError(f"{path}: tokens must be [blocks, block_size], got {tuple(tokens.shape)}")
     n = tokens.shape[0]
-    if len(parents) != n or tuple(recency.shape) != (n,) or t["kv"].dim() != 6 or t["kv"].shape[0] != n:
-        raise CacheFormatError(f"{path}: kv, parents and recency must have one entry per block ({n})")
+    if f.names != set(INDEX_TENSORS) | {block_name(j) for j in range(n)}:
+        f.tampered(": its KV tensors are not one per block")
+    if len(parents) != n or tuple(recency.shape) != (n,):
+        raise CacheFormatError(f"{path}: parents and recency must have one entry per block ({n})")
     if any(not -1 <= p < j for j, p in enumerate(parents)):
         raise CacheFormatError(f"{path}: a block's parent is not an earlier block of the file")
     lengths, flat = t["pin_lengths"], t["pin_tokens"]
@@ -79,8 +92,8 @@ def read_file(path: str | Path) -> dict:
     for length in lengths.tolist():
         pins.append(flat[offset : offset + length].tolist())
         offset += length
-    return {"meta": meta, "kv": t["kv"], "rows": tokens.tolist(), "parents": parents, "recency": recency.tolist(),
-            "pins": pins, "block_size": tokens.shape[1]}
+    return {"meta": f.meta, "rows": tokens.tolist(), "parents": parents, "recency": recency.tolist(), "pins": pins,
+            "block_size": tokens.shape[1]}
 
 
 def chains(saved: dict) -> list[list[int]]:
@@ -101,7 +114,8 @@ def describe_file(path: str | Path) -> dict:
     from kvtool.cache.index import PrefixIndex
     from kvtool.cache.tree import segments, walk
 
-    saved = read_file(path)
+    with open_file(path) as f:
+        saved = read_index(f)
     bs, n = saved["block_size"], len(saved["rows"])
     index = PrefixIndex(bs, max(n, 1))
     for rows in chains(saved):
@@ -112,7 +126,7 @@ def describe_file(path: str | Path) -> dict:
     for segment in walk(tree):
         del segment["hits"], segment["block_ids"], segment["in_use_tokens"]
     meta = saved["meta"]
-    return {"path": str(path), "setup": {k: meta.get(k) for k in SETUP_FIELDS}, "dtype": str(saved["kv"].dtype),
+    return {"path": str(path), "setup": {k: meta.get(k) for k in SETUP_FIELDS}, "dtype": meta.get("kv_dtype"),
             "block_size": bs, "blocks": n, "tokens": n * bs, "pins": len(saved["pins"]),
             "bytes": Path(path).stat().st_size, "tree": tree}
 
@@ -120,19 +134,27 @@ def describe_file(path: str | Path) -> dict:
 def load_cache(cache, path: str | Path, setup: dict[str, str]) -> dict:
     """Add the prefixes saved in ``path`` to ``cache``; CacheFormatError for a bad file or another setup."""
     start = time.perf_counter()
-    saved = read_file(path)
+    with open_file(path) as f:
+        return _load(cache, f, setup, start)
+
+
+def _load(cache, f: CheckedFile, setup: dict[str, str], start: float) -> dict:
+    path = f.path
+    saved = read_index(f)
     diffs = setup_mismatches(saved["meta"], setup, what="file")
     if diffs:
         raise CacheFormatError(f"{path}: this prefix cache was saved for a different setup: " + "; ".join(diffs)
                                + ". Its KV cannot be used with this model: delete the file or give another path.")
-    kv, rows, bs = saved["kv"], saved["rows"], saved["block_size"]
-    store, n = cache.store, len(rows)
-    want = (n, 2, store.num_layers, store.num_kv_heads, bs, store.head_dim)
-    if tuple(kv.shape) != want:
-        raise CacheFormatError(f"{path}: kv is {tuple(kv.shape)}; this model needs [blocks, 2, layers, kv_heads, "
-                               f"block_size, head_dim] = {list(want)}")
-    if kv.dtype != store.dtype:
-        raise CacheFormatError(f"{path}: KV is {kv.dtype}, this cache holds {store.dtype}")
+    rows, bs, store = saved["rows"], saved["block_size"], cache.store
+    n, want = len(rows), (2, store.num_layers, store.num_kv_heads, saved["block_size"], store.head_dim)
+
+    def row(j: int) -> torch.Tensor:  # block j's KV [2, L, H, B, D], read from the file now
+        kv = f.tensor(block_name(j))
+        if tuple(kv.shape) != want or kv.dtype != store.dtype:
+            raise CacheFormatError(f"{path}: block {j} is {kv.dtype} {tuple(kv.shape)}; this cache holds "
+                                   f"{store.dtype} [2, layers, kv_heads, block_size, head_dim] = {list(want)}")
+        return kv
+
     by_key = {(p, tuple(rows[j])): j for j, p in enumerate(saved["parents"])}
 
     def chain(ids: list[int]) -> list[int]:  # rows of the saved blocks that spell ids, from a root
@@ -146,15 +168,14 @@ def load_cache(cache, path: str | Path, setup: dict[str, str]) -> dict:
         return out
 
     def block_kv(path_rows: list[int]):  # i -> (keys, values) [L, H, B', D] of block i in the loading cache
-        if cache.block_size == bs:  # the saved blocks as they are: no copy of the chain
-            return lambda i: (kv[path_rows[i], 0], kv[path_rows[i], 1])
-        joined, b = [], cache.block_size  # another block size: the chain's KV [2, L, H, T, D], made when first
+        if cache.block_size == bs:  # the saved blocks as they are, each read when it is needed
+            return lambda i: tuple(row(path_rows[i]))
+        joined, b = [], cache.block_size  # another block size: the chain's KV [2, L, H, T, D], read when first
         # asked for, then cut anew
 
         def cut(i):
             if not joined:
-                part = kv[path_rows]
-                joined.append(part.permute(1, 2, 3, 0, 4, 5).reshape(*part.shape[1:4], -1, part.shape[-1]))
+                joined.append(torch.cat([row(j) for j in path_rows], dim=3))
             return joined[0][0, :, :, i * b : (i + 1) * b], joined[0][1, :, :, i * b : (i + 1) * b]
 
         return cut
@@ -178,6 +199,6 @@ def load_cache(cache, path: str | Path, setup: dict[str, str]) -> dict:
     if len(loaded) < len(whole):
         warnings.warn(PrefixCacheWarning(
             f"{path}: the prefix cache budget holds {len(loaded) * bs} of the {len(whole) * bs} tokens of the prefixes "
-            "saved there; the least recently used were left out (raise --cache-bytes to load them all)"), stacklevel=3)
+            "saved there; the least recently used were left out (raise --cache-bytes to load them all)"), stacklevel=4)
     return {"path": str(path), "blocks": n, "tokens": n * bs, "loaded_tokens": len(loaded) * bs, "pins": len(pins),
             "ms": round(1000 * (time.perf_counter() - start), 1)}

@@ -109,12 +109,10 @@ class BlockStore:
             out[:, :, :, j * b : (j + 1) * b] = self._blocks[block_id]
         return out
 
-    def export(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """[n, 2, L, H, B, D] on the CPU: a copy of the blocks' KV, in order (for saving)."""
-        out = torch.empty((len(block_ids),) + self.block_shape, dtype=self.dtype)
-        for j, block_id in enumerate(block_ids):  # block by block: no second copy on the device
-            out[j].copy_(self._blocks[block_id])
-        return out
+    def tensors(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        """The blocks' own [2, L, H, B, D] tensors, in order (for saving: blocks are immutable once put, so
+        these stay valid after the store frees them, and reading them copies nothing)."""
+        return [self._blocks[i] for i in block_ids]
 
     def free(self, block_ids: Iterable[int]) -> None:
         block_ids = list(block_ids)

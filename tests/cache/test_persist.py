@@ -213,3 +213,20 @@ def test_random_trees_round_trip_under_any_budget(model, tmp_path_factory, seed,
     for tokens in prompts:
         n = target.cached_tokens(tokens)
         assert torch.equal(chain_kv(target, tokens), chain_kv(source, tokens)[:, :, :, :n])
+
+
+def test_a_verified_file_whose_tensors_do_not_match_its_blocks_is_refused(model, saved, tmp_path):
+    from kvtool.cache.kvfile import CheckedFile, write_checked
+    from kvtool.cache.persist import FORMAT, FORMAT_VERSION, block_name
+
+    with CheckedFile(saved[1], "prefix cache (.kvc)", FORMAT, FORMAT_VERSION, "Delete it.") as f:
+        meta, tensors = dict(f.meta), {name: f.tensor(name) for name in f.names}
+    missing = dict(tensors)
+    del missing[block_name(3)]
+    write_checked(tmp_path / "missing.kvc", missing, meta)  # a valid checksum over the wrong contents
+    with pytest.raises(CacheFormatError, match="checksum mismatch.*its KV tensors are not one per block"):
+        fresh(model).load(tmp_path / "missing.kvc")
+    halved = {**tensors, block_name(0): tensors[block_name(0)].half()}
+    write_checked(tmp_path / "half.kvc", halved, meta)
+    with pytest.raises(CacheFormatError, match=r"block 0 is torch.float16 .*this cache holds torch.float32"):
+        fresh(model).load(tmp_path / "half.kvc")
