@@ -130,4 +130,9 @@ def test_bench_ttft_cli_end_to_end_in_process(smollm2, tmp_path, monkeypatch, ca
     assert all(r["cached_tokens"] <= 16 for r in rows["timestamp"]["results"][0])
     assert rows["timestamp"]["hit_rate_after_first"] < 0.1 < rows["shared-prefix"]["hit_rate_after_first"]
     assert record["tools_rendering"] == "system-text" and record["isolation"] == "reset"
+    # where the requests parted in the cache: the timestamp's block, the shared prefix's question
+    stamp, shared = rows["timestamp"]["fork"], rows["shared-prefix"]["fork"]
+    assert stamp["roots"] <= 2 and stamp["fork_at_token"] <= 16 and len(set(stamp["branches"])) == 2
+    assert shared["roots"] == 1 and shared["fork_at_token"] >= 0.8 * first["prompt_tokens"] // 16 * 16 - 16
+    assert any("timestamp: requests part at token" in line for line in stdout)
     assert all(r["ttft_ms"] >= r["engine_ttft_ms"] > 0 for row in rows.values() for r in row["results"][0])

@@ -4,6 +4,7 @@ OpenAI-compatible endpoint (kvtool serve, vLLM, llama.cpp server), measured the 
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Iterator
@@ -131,6 +132,19 @@ class InProcessBackend:
     def reset(self) -> bool:
         self.cache.reset()
         return True
+
+    def fork(self, chars: int = 24) -> dict:
+        """Where the requests since the last reset parted in the prefix cache (kvtool.cache.tree): the position of
+        the first fork (None: one chain) and each branch's text from a little before the branches differ (the
+        fork is at a block boundary), e.g. the seconds of a timestamp."""
+        tree = self.cache.tree()
+        level, at = tree, 0
+        while len(level) == 1:
+            at, level = level[0]["start"] + level[0]["tokens"], level[0]["children"]
+        texts = [self.model.decode(s["token_ids"]) for s in level[:4]]
+        same = max(0, len(os.path.commonprefix(texts)) - 4) if len(texts) > 1 else 0  # from where the texts differ
+        return {"roots": len(tree), "fork_at_token": at if level else None,
+                "branches": [("…" if same else "") + t[same : same + chars] for t in texts]}
 
     def send(self, request: ChatRequest) -> RequestResult:
         t0 = time.perf_counter()

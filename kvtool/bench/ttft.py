@@ -8,6 +8,7 @@ the same after the first request (what the layout lets later requests reuse).
 
 from __future__ import annotations
 
+import json
 import sys
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -61,6 +62,8 @@ def run_ttft_bench(backend, cfg: TTFTBenchConfig | None = None, scenario_cfg: Sc
                 log(f"[{sc.number} {name}] repeat {rep + 1}/{cfg.repeats} request {i + 1}/{len(requests)}: "
                     f"TTFT {res.ttft_ms:.1f} ms, {res.cached_tokens}/{res.prompt_tokens} prompt tokens cached")
         rows.append(scenario_row(sc, results))
+        if hasattr(backend, "fork"):  # in-process: where the last repeat's requests parted in the cache
+            rows[-1]["fork"] = backend.fork()
     record = {"benchmark": "ttft", **backend.describe(), "isolation": isolation, "config": asdict(cfg),
               "scenario_config": asdict(scenario_cfg), "scenarios": rows, "versions": versions()}
     return record
@@ -102,6 +105,12 @@ def format_table(record: dict) -> str:
                      f"{_pct(row['hit_rate']):>6}{_pct(row['hit_rate_after_first']):>7}"
                      f"{row['ttft_ms_p50']:>10.0f}{row['ttft_ms_p90']:>9.0f}{row['ttft_ms_first']:>9.0f}{later:>9}")
     lines.append("TTFT in ms; hit = cached/prompt tokens over all requests, hit>1 = after each first request")
+    for row in record["scenarios"]:
+        fork = row.get("fork")
+        if fork and fork["fork_at_token"] is not None:
+            starts = " | ".join(json.dumps(b, ensure_ascii=False) for b in fork["branches"])
+            lines.append(f"  {row['number']} {row['name']}: requests part at token {fork['fork_at_token']}"
+                         f" ({fork['roots']} root{'s' if fork['roots'] > 1 else ''}); branches start {starts}")
     return "\n".join(lines)
 
 
