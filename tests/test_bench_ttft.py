@@ -136,3 +136,23 @@ def test_bench_ttft_cli_end_to_end_in_process(smollm2, tmp_path, monkeypatch, ca
     assert shared["roots"] == 1 and shared["fork_at_token"] >= 0.8 * first["prompt_tokens"] // 16 * 16 - 16
     assert any("timestamp: requests part at token" in line for line in stdout)
     assert all(r["ttft_ms"] >= r["engine_ttft_ms"] > 0 for row in rows.values() for r in row["results"][0])
+
+
+def test_an_endpoint_with_a_cache_tree_tells_where_requests_part():
+    def segment(start, tokens, text, children=()):
+        return {"start": start, "tokens": tokens, "text": text, "children": list(children)}
+
+    tree = [segment(0, 16, "<|im_start|>system\nCurrent time: 2025-06-02 1",
+                    [segment(16, 32, "4:03:07\nYou are Atlas"), segment(16, 32, "4:03:44\nYou are Atlas")])]
+
+    def handler(request: httpx.Request):
+        if request.url.path == "/v1/cache/tree":
+            assert request.url.params["max_chars"] == "4000"
+            return httpx.Response(200, json={"object": "prefix_cache.tree", "tree": tree})
+        return httpx.Response(404, json={"error": {"message": "no route"}})
+
+    client = httpx.Client(base_url="http://stub", transport=httpx.MockTransport(handler))
+    fork = EndpointBackend("http://stub", "m", client=client).fork()
+    assert fork == {"roots": 1, "fork_at_token": 16, "branches": ["…:03:07\nYou are Atlas", "…:03:44\nYou are Atlas"]}
+    # an engine without the route (vLLM, llama.cpp): no fork, and the run goes on
+    assert EndpointBackend("http://stub", "m", client=scripted_endpoint([])).fork() is None

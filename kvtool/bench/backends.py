@@ -4,7 +4,6 @@ OpenAI-compatible endpoint (kvtool serve, vLLM, llama.cpp server), measured the 
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Iterator
@@ -133,18 +132,12 @@ class InProcessBackend:
         self.cache.reset()
         return True
 
-    def fork(self, chars: int = 24) -> dict:
-        """Where the requests since the last reset parted in the prefix cache (kvtool.cache.tree): the position of
-        the first fork (None: one chain) and each branch's text from a little before the branches differ (the
-        fork is at a block boundary), e.g. the seconds of a timestamp."""
-        tree = self.cache.tree()
-        level, at = tree, 0
-        while len(level) == 1:
-            at, level = level[0]["start"] + level[0]["tokens"], level[0]["children"]
-        texts = [self.model.decode(s["token_ids"]) for s in level[:4]]
-        same = max(0, len(os.path.commonprefix(texts)) - 4) if len(texts) > 1 else 0  # from where the texts differ
-        return {"roots": len(tree), "fork_at_token": at if level else None,
-                "branches": [("…" if same else "") + t[same : same + chars] for t in texts]}
+    def fork(self) -> dict:
+        """Where the requests since the last reset parted in the prefix cache (kvtool.cache.tree.fork_of), e.g.
+        the seconds of a timestamp."""
+        from kvtool.cache.tree import fork_of
+
+        return fork_of(self.cache.tree(), lambda segment: self.model.decode(segment["token_ids"]))
 
     def send(self, request: ChatRequest) -> RequestResult:
         t0 = time.perf_counter()
@@ -184,6 +177,18 @@ class EndpointBackend:
             except Exception:
                 pass
         return False
+
+    def fork(self) -> dict | None:
+        """As InProcessBackend.fork, from kvtool serve's GET /v1/cache/tree; None where the engine has no such
+        route (vLLM, llama.cpp)."""
+        from kvtool.cache.tree import fork_of
+
+        try:
+            r = self.client.get("/v1/cache/tree", params={"max_chars": 4000})
+            tree = r.json()["tree"] if r.status_code == 200 else None
+        except Exception:
+            return None
+        return fork_of(tree, lambda segment: segment.get("text", "")) if isinstance(tree, list) else None
 
     def send(self, request: ChatRequest) -> RequestResult:
         body = {"model": self.model, "messages": request.messages, "stream": True, "temperature": 0.0,

@@ -62,8 +62,9 @@ def run_ttft_bench(backend, cfg: TTFTBenchConfig | None = None, scenario_cfg: Sc
                 log(f"[{sc.number} {name}] repeat {rep + 1}/{cfg.repeats} request {i + 1}/{len(requests)}: "
                     f"TTFT {res.ttft_ms:.1f} ms, {res.cached_tokens}/{res.prompt_tokens} prompt tokens cached")
         rows.append(scenario_row(sc, results))
-        if hasattr(backend, "fork"):  # in-process: where the last repeat's requests parted in the cache
-            rows[-1]["fork"] = backend.fork()
+        fork = backend.fork()  # where the last repeat's requests parted in the cache, if the backend can tell
+        if fork is not None:
+            rows[-1]["fork"] = fork
     record = {"benchmark": "ttft", **backend.describe(), "isolation": isolation, "config": asdict(cfg),
               "scenario_config": asdict(scenario_cfg), "scenarios": rows, "versions": versions()}
     return record

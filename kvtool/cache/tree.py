@@ -9,6 +9,8 @@ changes per request (a timestamp, a re-ordered tool list). Pure Python over Pref
 
 from __future__ import annotations
 
+import os
+
 
 def segments(blocks, block_size: int) -> list[dict]:
     """Root segments, children nested: start/tokens (positions), block_ids, token_ids, pinned_tokens and in_use_tokens
@@ -51,3 +53,16 @@ def add_text(tree: list[dict], decode, max_chars: int) -> None:
     for segment in walk(tree):
         text = decode(segment["token_ids"])
         segment["text"] = text if len(text) <= max_chars else f"{text[:half]} … {text[len(text) - half:]}"
+
+
+def fork_of(tree: list[dict], text_of, chars: int = 24) -> dict:
+    """Where a tree's chains first part: the roots, the token position of the first fork (None: one chain) and
+    each branch's text (text_of(segment)) from a little before the branches differ (forks are at block
+    boundaries), ``chars`` long; at most four branches."""
+    level, at = tree, 0
+    while len(level) == 1:
+        at, level = level[0]["start"] + level[0]["tokens"], level[0]["children"]
+    texts = [text_of(s) for s in level[:4]]
+    same = max(0, len(os.path.commonprefix(texts)) - 4) if len(texts) > 1 else 0
+    return {"roots": len(tree), "fork_at_token": at if level else None,
+            "branches": [("…" if same else "") + t[same : same + chars] for t in texts]}
