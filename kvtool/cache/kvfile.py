@@ -96,17 +96,26 @@ def write_checked(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict
 
 class CheckedFile:
     """A file written by write_checked, opened and verified (its sha256, one tensor at a time, so nothing but
-    the tensor being hashed is held); then ``tensor(name)`` reads tensors one by one. A context manager.
+    the tensor being hashed is held, unless ``keep``: then each is read once and kept); then ``tensor(name)``
+    reads tensors one by one. A context manager.
 
     kind: what the file is, for messages ('skill block (.kvb)'); fmt/version: the expected `format` and
     `format_version`; remedy: what to do about a bad file. Every problem is a CacheFormatError naming the path."""
 
-    def __init__(self, path: str | Path, kind: str, fmt: str, version: str, remedy: str):
+    def __init__(self, path: str | Path, kind: str, fmt: str, version: str, remedy: str, keep: bool = False):
         self.path, self.kind, self.short = Path(path), kind, kind.split(" (")[0]
         self.fmt, self.version, self.remedy = fmt, version, remedy
         self.meta: dict[str, str] = {}
         self.names: set[str] = set()
+        self._kept: dict[str, torch.Tensor] | None = {} if keep else None  # keep: a small file, read once
         self._fh = None
+
+    def _read(self, name: str) -> torch.Tensor:
+        if self._kept is None:
+            return self._fh.get_tensor(name)
+        if name not in self._kept:
+            self._kept[name] = self._fh.get_tensor(name)
+        return self._kept[name]
 
     def __enter__(self) -> "CheckedFile":
         from safetensors import safe_open
@@ -120,7 +129,7 @@ class CheckedFile:
             meta, self.names = dict(self._fh.metadata() or {}), set(self._fh.keys())
             if meta.get("format") == self.fmt and meta.get("format_version") == self.version:
                 stored = meta.pop("sha256", None)
-                intact = stored == _hash(meta, self.names, self._fh.get_tensor)
+                intact = stored == _hash(meta, self.names, self._read)
         except Exception as exc:  # safetensors raises its own error types for truncated/garbled files
             self.__exit__(None, None, None)
             raise CacheFormatError(f"{path}: not a readable {short} (truncated, corrupted or not safetensors): "
@@ -147,7 +156,7 @@ class CheckedFile:
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self.names:
             self.tampered(f": it holds no tensor {name!r}")
-        return self._fh.get_tensor(name)
+        return self._read(name)
 
     def __exit__(self, *exc) -> None:
         if self._fh is not None:
@@ -159,7 +168,7 @@ def read_checked(path: str | Path, kind: str, fmt: str, version: str, names: set
                  remedy: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """(meta without sha256, tensors) of a small file written by write_checked that holds exactly ``names``
     (see CheckedFile for the other arguments and the errors)."""
-    with CheckedFile(path, kind, fmt, version, remedy) as f:
+    with CheckedFile(path, kind, fmt, version, remedy, keep=True) as f:  # each tensor read once: hashed and kept
         if f.names != names:
             f.tampered()
         return f.meta, {name: f.tensor(name) for name in names}
