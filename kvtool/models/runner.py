@@ -417,6 +417,13 @@ class ModelRunner(nn.Module):
         out = self.head(self.model.norm(x[0, torch.tensor(rows, device=self.device)]))
         return list(out.split([t if a else 1 for t, a in zip(lengths, every)]))
 
+    def check_ids(self, ids: torch.Tensor) -> None:
+        """InvalidParameterError naming the ids outside the vocabulary (checked where ids are on the CPU)."""
+        vocab = self.spec.vocab_size
+        if ids.device.type == "cpu" and ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+            raise InvalidParameterError(f"token ids must be in [0, {vocab}); got "
+                                        f"{[t for t in ids.tolist() if not 0 <= t < vocab][:5]}")
+
     def prefill(self, input_ids: Iterable[int] | torch.Tensor, cache: KVCache, chunk: int = 512,
                 logits: str = "last", tap: Tap | None = None):
         """Forward in chunks of `chunk` tokens; returns the logits of the last chunk (or all, concatenated)."""
@@ -424,10 +431,7 @@ class ModelRunner(nn.Module):
                               dtype=torch.long).reshape(-1)
         if not is_whole(chunk, 1):
             raise InvalidParameterError(f"chunk must be an integer >= 1 tokens, got {chunk!r}")
-        vocab = self.spec.vocab_size
-        if ids.device.type == "cpu" and ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
-            raise InvalidParameterError(f"token ids must be in [0, {vocab}); got "
-                                        f"{[t for t in ids.tolist() if not 0 <= t < vocab][:5]}")
+        self.check_ids(ids)
         cache.reserve(cache.offset + ids.shape[0] + 1)
         outs = []
         for start in range(0, ids.shape[0], chunk):

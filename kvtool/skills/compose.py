@@ -1,11 +1,14 @@
 """compose(): build a cache for [prefix][block A][block B]...[suffix] without prefilling the blocks.
 
-Token runs are prefilled normally; each block is placed at the next free position by a repair
-strategy (kvtool.skills.repair), which rotates its keys there and recomputes what it chooses. A
-repair with place_all (recompute_first_k) gets the blocks and the token runs between them together
-and computes those runs in its own pass. A query-guided repair (recompute_attended) also gets the
-last token run after the blocks, the query: it repairs the blocks by what that run attends to, then
-prefills it.
+Each block is placed at the next free position by a repair strategy (kvtool.skills.repair), which
+rotates its keys there and recomputes what it chooses. For a strategy placed in one pass (none,
+recompute_first_k, recompute_attended: those with leading()), every block is relocated, every
+token run gets empty slots, and one pass over the model computes the runs and the blocks' leading
+tokens, each attending to everything before it: the same KV as prefilling run by run, without a
+pass over the weights per run (a skill-loading conversation has a run before and after every
+block). A query-guided repair (recompute_attended) takes the last token run after the blocks, the
+query, out of that pass: it repairs the blocks by what that run attends to, then prefills it.
+Other strategies (recompute_deviation) go segment by segment, runs prefilled as usual.
 The cache stays position-aligned (slot i holds position i), so anything appended later,
 prefill or decode, continues at the right positions.
 """
@@ -19,11 +22,12 @@ from typing import Sequence, Union
 import torch
 
 from kvtool.cache.kv import KVCache
-from kvtool.config import EngineConfig
+from kvtool.config import EngineConfig, is_whole
 from kvtool.engine.ids import as_token_ids
 from kvtool.errors import ContextWindowError, InvalidParameterError
 from kvtool.skills.block import SkillBlock
-from kvtool.skills.repair import PlaceStats, is_query_guided, make_repair
+from kvtool.skills.repair import PlaceStats, append_relocated, is_query_guided, make_repair
+from kvtool.skills.selective import recompute_slots
 
 Segment = Union[Sequence[int], SkillBlock]
 LOGITS = ("last", "all", "none")  # which logits of the last token run come back
@@ -73,60 +77,80 @@ def check_fits(runner, start: int, segments: Sequence[Segment]) -> int:
 
 def compose_segments(runner, segments: Sequence[Segment], repair="none", cache: KVCache | None = None,
                      logits: str = "last", chunk: int = EngineConfig.prefill_chunk) -> Composition:
-    """Append segments to `cache` (a new one by default); token runs are prefilled, blocks placed."""
+    """Append segments to `cache` (a new one by default); token runs are prefilled, blocks placed.
+    `logits` are those of the last segment when it is a token run (else None)."""
     runner = getattr(runner, "runner", runner)
     repair = make_repair(repair)
     if logits not in LOGITS:
         raise InvalidParameterError(f"logits must be one of {', '.join(LOGITS)}, got {logits!r}")
     segments = [seg if isinstance(seg, SkillBlock) else as_token_ids(seg, f"segment {i} (a token run)")
                 for i, seg in enumerate(segments)]
+    if not is_whole(chunk, 1):
+        raise InvalidParameterError(f"chunk must be an integer >= 1 tokens, got {chunk!r}")
     t0 = time.perf_counter()
     start = cache.offset if cache is not None else 0
     total = check_fits(runner, start, segments)
     for seg in segments:
         if isinstance(seg, SkillBlock):
             seg.check_runner(runner)
+        else:
+            runner.check_ids(torch.as_tensor(seg, dtype=torch.long))
     if cache is None:
         cache = runner.new_cache(total + 1)
     cache.reserve(total + 1)
     out = Composition(cache, None)
-    batch: list = []  # blocks and the token runs between them, for a repair that places them together
-    at = [i for i, seg in enumerate(segments) if isinstance(seg, SkillBlock)]
-    between = {i for i in range(at[0] + 1, at[-1]) if not isinstance(segments[i], SkillBlock)} if at else set()
-    guided = is_query_guided(repair)
-    placed: list[tuple[PlaceStats, SkillBlock]] = []  # for a query-guided repair: the blocks so far
-    runs = [i for i, seg in enumerate(segments) if not isinstance(seg, SkillBlock) and len(seg)]
-    query_run = runs[-1] if guided and runs and any(isinstance(s, SkillBlock) for s in segments[:runs[-1]]) else -1
-
-    def place_batch():
-        if batch:
-            items = [b.to(runner.device) if isinstance(b, SkillBlock) else b for b in batch]
-            out.placements.extend(repair.place_all(runner, cache, items))
-            batch.clear()
-
-    for i, seg in enumerate(segments):
-        if isinstance(seg, SkillBlock):
-            if hasattr(repair, "place_all"):
-                batch.append(seg)
-            else:
-                block = seg.to(runner.device)
-                out.placements.append(repair.place(runner, cache, block))
-                if guided:
-                    placed.append((out.placements[-1], block))
-            out.logits = None
-        elif len(seg) and i in between and hasattr(repair, "place_all"):
-            batch.append(list(seg))
-            out.prefilled_tokens += len(seg)
-        elif len(seg):
-            place_batch()
-            if i == query_run:
-                out.logits = repair.repair_run(runner, cache, placed, list(seg), chunk, logits)
-            else:
-                out.logits = runner.prefill(list(seg), cache, chunk=chunk, logits=logits)
-            out.prefilled_tokens += len(seg)
-    place_batch()
+    segments = [seg if isinstance(seg, SkillBlock) else list(seg) for seg in segments if len(seg)]
+    is_block = [isinstance(seg, SkillBlock) for seg in segments]
+    runs = [i for i, b in enumerate(is_block) if not b]
+    query = runs[-1] if is_query_guided(repair) and runs and any(is_block[:runs[-1]]) else len(segments)
+    place = _one_pass if any(is_block) and hasattr(repair, "leading") else _one_by_one
+    out.logits = place(runner, cache, segments[:query], repair, out, chunk, logits)
+    if query < len(segments):  # repair_run repairs the blocks by what the query attends to, then prefills it
+        placed = list(zip(out.placements, [seg for seg in segments[:query] if isinstance(seg, SkillBlock)]))
+        out.logits = repair.repair_run(runner, cache, placed, segments[query], chunk, logits)
+        out.prefilled_tokens += len(segments[query])
+        if segments[query + 1:]:
+            out.logits = place(runner, cache, segments[query + 1:], repair, out, chunk, logits)
     out.ms = (time.perf_counter() - t0) * 1000.0
     return out
+
+
+def _one_by_one(runner, cache, segments, repair, out: Composition, chunk: int, logits: str):
+    """Segment by segment: runs prefilled, blocks placed; the logits of the last segment if it is a run."""
+    found = None
+    for seg in segments:
+        if isinstance(seg, SkillBlock):
+            out.placements.append(repair.place(runner, cache, seg.to(runner.device)))
+            found = None
+        else:
+            found = runner.prefill(seg, cache, chunk=chunk, logits=logits)
+            out.prefilled_tokens += len(seg)
+    return found
+
+
+def _one_pass(runner, cache, segments, repair, out: Composition, chunk: int, logits: str):
+    """Blocks relocated and runs given empty slots, then one pass (in `chunk`-token parts) over the runs and
+    each block's repair.leading() first tokens; the logits of the last segment if it is a run."""
+    slots, ids = [], []
+    for seg in segments:
+        at = cache.offset
+        if isinstance(seg, SkillBlock):
+            block = seg.to(runner.device)
+            take = block.token_ids[: repair.leading(block)]
+            append_relocated(runner, cache, block)
+            out.placements.append(PlaceStats(block.name, at, len(block), recomputed=len(take)))
+        else:  # the pass writes every layer's K/V here before anything reads it
+            take = seg
+            shape = (runner.spec.num_layers, runner.spec.num_kv_heads, len(seg), runner.spec.head_dim)
+            empty = torch.zeros(shape, dtype=runner.dtype, device=runner.device)
+            cache.append_all(empty, empty)
+            out.prefilled_tokens += len(seg)
+        slots += range(at, at + len(take))
+        ids += take
+    last = segments[-1] if segments else None
+    rows = 0 if last is None or isinstance(last, SkillBlock) or logits == "none" else \
+        len(last) if logits == "all" else 1
+    return recompute_slots(runner, cache, slots, ids, chunk=chunk, rows=rows)
 
 
 def compose(runner, prefix_tokens: Sequence[int], blocks: Sequence[SkillBlock], suffix_tokens: Sequence[int],

@@ -1,27 +1,30 @@
 """Repair strategies: how a block's KV is placed into a composed cache. A registry feeds the CLI.
 
 Every strategy appends exactly len(block) tokens at cache.offset (so slot = position) and
-returns PlaceStats. What each does, precisely:
-- none: all tokens reuse the block's KV, keys rotated to the target positions.
+returns PlaceStats; place() does one block. A strategy with leading(block) is placed in one pass:
+compose_segments relocates every block, gives the token runs around them empty slots, and runs
+the runs plus each block's leading() first tokens through the model together (each token
+attends to everything before it, as a prefill would), so a context of four blocks after a
+prefix costs one pass over the model instead of one per run. What each does, precisely:
+- none: all tokens reuse the block's KV, keys rotated to the target positions (leading 0).
 - recompute_first_k (k): the first k tokens are recomputed as a prefill would compute them (they
   attend to the real preceding context, so no false sink survives); tokens k.. reuse the rotated
-  block KV. Blocks and the token runs between them (an agent's Skill calls) are placed together
-  (place_all): one pass computes every block's first k and those runs. Within a pass each layer writes
-  the fresh KV of all its tokens before they attend (causally, by position), so this equals doing it
-  block by block, with a prefill of each run in between; on SmolLM2 it took 419 ms where four passes
-  of 48 took 560.
-- recompute_deviation (ratio, layer): place as `none`, then run all block tokens through layers
-  0..layer with the real context (their KV there becomes exact), rank tokens by |fresh - reused|^2
-  of K and V at `layer`, and run the top ceil(ratio * n) through the remaining layers, attending
-  to the composed cache (CacheBlend-style selective recompute).
-- recompute_attended (ratio, window): query-guided. Blocks are placed as `none`; the token run that
-  follows the last block (the query) is prefilled once to measure the attention each block token
-  receives from its last `window` tokens (all layers and heads). The floor(ratio * n) most attended
-  block tokens (n: all blocks before that run, ranked together) are recomputed through every layer
-  in one pass, and the query is prefilled again over the repaired cache. It spends the recompute
-  budget where the answer looks, at the cost of one extra query prefill; false sinks (the heavily
-  attended first tokens of a block) are among what it picks. Without a token run after the blocks
-  it recomputes nothing. Token runs between blocks keep the KV they got against unrepaired blocks.
+  block KV. Within the pass each layer writes the fresh KV of all its tokens before they attend
+  (causally, by position), so this equals doing it block by block, with a prefill of each run in
+  between; on SmolLM2 one pass for 4 x 48 tokens took 419 ms where four passes took 560.
+- recompute_deviation (ratio, layer): block by block. Place as `none`, then run all block tokens
+  through layers 0..layer with the real context (their KV there becomes exact), rank tokens by
+  |fresh - reused|^2 of K and V at `layer`, and run the top ceil(ratio * n) through the remaining
+  layers, attending to the composed cache (CacheBlend-style selective recompute).
+- recompute_attended (ratio, window): query-guided. Blocks are placed as `none` (with the runs
+  before and between them, in one pass); the token run that follows the last block (the query) is
+  prefilled once to measure the attention each block token receives from its last `window` tokens
+  (all layers and heads). The floor(ratio * n) most attended block tokens (n: all blocks before
+  that run, ranked together) are recomputed through every layer in one pass, and the query is
+  prefilled again over the repaired cache. It spends the recompute budget where the answer looks,
+  at the cost of one extra query prefill; false sinks (the heavily attended first tokens of a
+  block) are among what it picks. Without a token run after the blocks it recomputes nothing.
+  Token runs between blocks keep the KV they got against unrepaired blocks.
   All layers score: on SmolLM2, ranking by the first half of the layers only (which could stop the
   measuring prefill halfway) more than doubled the next-token KL at 25% recomputed (0.032 vs 0.013).
 """
@@ -65,6 +68,9 @@ class NoRepair:
     name = "none"
     knob = None
 
+    def leading(self, block) -> int:
+        return 0
+
     def place(self, runner, cache, block) -> PlaceStats:
         append_relocated(runner, cache, block)
         return PlaceStats(block.name, cache.offset - len(block), len(block))
@@ -80,31 +86,16 @@ class RecomputeFirstK:
         if not isinstance(self.k, int) or self.k < 0:
             raise InvalidParameterError(f"recompute_first_k: k must be an integer >= 0, got {self.k!r}")
 
-    def place(self, runner, cache, block) -> PlaceStats:
-        return self.place_all(runner, cache, [block])[0]
+    def leading(self, block) -> int:
+        return min(self.k, len(block))
 
-    def place_all(self, runner, cache, items) -> list[PlaceStats]:
-        """Blocks, and token runs (lists of ids) between them, at once: blocks relocated, runs given empty
-        slots, then every block's first k tokens and every run computed in one pass over the cache (each
-        attends to everything before it, as a prefill would). Stats for the blocks."""
+    def place(self, runner, cache, block) -> PlaceStats:
         from kvtool.skills.selective import recompute_slots
 
-        stats, slots, ids = [], [], []
-        for item in items:
-            start = cache.offset
-            if isinstance(item, SkillBlock):
-                k = min(self.k, len(item))
-                append_relocated(runner, cache, item)
-                stats.append(PlaceStats(item.name, start, len(item), recomputed=k))
-                item = item.token_ids[:k]
-            else:  # the pass writes every layer's K/V here before anything reads it
-                shape = (runner.spec.num_layers, runner.spec.num_kv_heads, len(item), runner.spec.head_dim)
-                empty = torch.zeros(shape, dtype=runner.dtype, device=runner.device)
-                cache.append_all(empty, empty)
-            slots += range(start, start + len(item))
-            ids += item
-        recompute_slots(runner, cache, slots, ids)
-        return stats
+        start, k = cache.offset, self.leading(block)
+        append_relocated(runner, cache, block)
+        recompute_slots(runner, cache, list(range(start, start + k)), block.token_ids[:k])
+        return PlaceStats(block.name, start, len(block), recomputed=k)
 
 
 @dataclass
@@ -158,7 +149,7 @@ class RecomputeAttended:
         if not isinstance(self.window, int) or self.window < 1:
             raise InvalidParameterError(f"recompute_attended: window must be an integer >= 1, got {self.window!r}")
 
-    place = NoRepair.place  # blocks go in as-is; the repair happens in repair_run
+    leading, place = NoRepair.leading, NoRepair.place  # blocks go in as-is; the repair happens in repair_run
 
     def repair_run(self, runner, cache, placed: list, ids: list[int], chunk: int, logits: str):
         """placed: (PlaceStats, block) of the blocks before the query `ids`, which come next in `cache`.
@@ -190,7 +181,7 @@ def is_query_guided(repair) -> bool:
 def make_repair(spec="none", **knobs):
     """A repair from an instance, a name plus knobs, or a CLI string 'name' / 'name:knob=value,knob=value'."""
     if not isinstance(spec, str):
-        if not (hasattr(spec, "place") or hasattr(spec, "place_all")):
+        if not hasattr(spec, "place"):
             raise InvalidParameterError(f"repair must be a strategy name ({', '.join(REPAIRS)}) or a repair "
                                         f"object; got {type(spec).__name__}")
         return spec

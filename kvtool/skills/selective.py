@@ -116,17 +116,29 @@ def attention_received(runner, cache, ids: list[int], window: int, chunk: int) -
 
 
 @torch.inference_mode()
-def recompute_slots(runner, cache, slots: list[int], ids: list[int]) -> None:
-    """Run the tokens ids at cache slots `slots` (slot = position) through every layer, in one pass, over
-    the cache as it stands: each attends to every slot at or before its own, recomputed ones included."""
-    if not slots:
-        return
-    x = runner.model.embed_tokens(torch.as_tensor(ids, dtype=torch.long, device=runner.device))[None]
-    pos = torch.as_tensor(slots, dtype=torch.long, device=runner.device)
-    cos, sin = runner.rope_cos_sin(pos)
-    everything, groups = torch.arange(cache.offset, device=runner.device), query_groups(list(slots))
-    for i, layer in enumerate(runner.model.layers):
-        x, _ = _layer(layer, cache[i], x, pos, cos, sin, everything, groups)
+def recompute_slots(runner, cache, slots: list[int], ids: list[int], chunk: int | None = None,
+                    rows: int = 0) -> torch.Tensor | None:
+    """Run the tokens ids at cache slots `slots` (ascending; slot = position) through every layer over the
+    cache as it stands: each attends to every slot at or before its own, recomputed ones included. A pass
+    takes at most `chunk` tokens (all by default); a later pass attends to what the earlier ones wrote,
+    which is what one pass would have seen, as every slot after a token's own is masked.
+    Returns the logits [rows, V] (fp32) of the last `rows` tokens, or None for rows=0."""
+    if any(a >= b for a, b in zip(slots, slots[1:])):
+        raise ValueError("recompute_slots: slots must be ascending and distinct")
+    step, logits = chunk or max(1, len(slots)), []
+    for lo in range(0, len(slots), step):
+        part = slots[lo : lo + step]
+        x = runner.model.embed_tokens(torch.as_tensor(ids[lo : lo + step], dtype=torch.long,
+                                                      device=runner.device))[None]
+        pos = torch.as_tensor(part, dtype=torch.long, device=runner.device)
+        cos, sin = runner.rope_cos_sin(pos)
+        everything, groups = torch.arange(part[-1] + 1, device=runner.device), query_groups(part)
+        for i, layer in enumerate(runner.model.layers):
+            x, _ = _layer(layer, cache[i], x, pos, cos, sin, everything, groups)
+        wanted = min(len(part), max(0, lo + len(part) - (len(slots) - rows)))  # this pass's share of the last rows
+        if wanted:
+            logits.append(runner.head(runner.model.norm(x[0, -wanted:])))
+    return torch.cat(logits) if logits else None
 
 
 @torch.inference_mode()

@@ -71,6 +71,61 @@ def test_first_k_computes_the_runs_between_blocks_in_the_same_pass_as_a_prefill_
         assert (x - y).abs().max().item() < 1e-5
 
 
+def run_by_run(tiny, segments, repair):
+    """The composition a segment at a time: runs prefilled, blocks placed by repair.place()."""
+    cache, logits = tiny.new_cache(), None
+    for seg in segments:
+        if isinstance(seg, list):
+            logits = tiny.prefill(seg, cache, logits="all")
+        else:
+            repair.place(tiny, cache, seg)
+    return cache, logits
+
+
+@pytest.mark.parametrize("repair,chunk", [("none", 512), ("none", 4), ("recompute_first_k:k=3", 5)])
+def test_one_pass_equals_prefilling_run_by_run(tiny, tiny_blocks, repair, chunk):
+    (a, b), gap = tiny_blocks, rand_ids(5, 12)
+    segments = [PREFIX, a, gap, b, SUFFIX]
+    repair = make_repair(repair)
+    together = compose_segments(tiny, segments, repair, logits="all", chunk=chunk)
+    alone, logits = run_by_run(tiny, segments, repair)
+    assert together.prefilled_tokens == len(PREFIX) + len(gap) + len(SUFFIX)
+    assert together.logits.shape == (len(SUFFIX), tiny.spec.vocab_size)
+    assert (together.logits - logits).abs().max().item() < 1e-4
+    for x, y in zip(together.cache.stacked(), alone.stacked()):  # keys, then values: every run's KV included
+        assert (x - y).abs().max().item() < 1e-5
+
+
+def test_one_pass_passes_over_the_model_once(tiny, tiny_blocks, monkeypatch):
+    """A skill-loading context (prefix, then a run before each block, then the query) is one pass when the
+    chunk holds every run token; the runner's own prefill is not called."""
+    from kvtool.skills import selective
+
+    passes = []
+    embed = tiny.model.embed_tokens.forward
+    monkeypatch.setattr(tiny.model.embed_tokens, "forward", lambda ids: passes.append(ids.numel()) or embed(ids))
+    (a, b), gap = tiny_blocks, rand_ids(5, 12)
+    out = compose_segments(tiny, [PREFIX, a, gap, b, SUFFIX], "none")
+    assert passes == [len(PREFIX) + len(gap) + len(SUFFIX)] and out.logits.shape == (1, tiny.spec.vocab_size)
+    passes.clear()
+    compose_segments(tiny, [PREFIX, a, gap, b, SUFFIX], "none", chunk=8)
+    assert passes == [8, 8, 6] and len(PREFIX) + len(gap) + len(SUFFIX) == 22
+    with pytest.raises(ValueError, match="ascending"):
+        selective.recompute_slots(tiny, out.cache, [5, 3], [1, 2])
+
+
+def test_attended_places_the_runs_before_its_query_in_one_pass_as_run_by_run(tiny, tiny_blocks):
+    (a, b), gap = tiny_blocks, rand_ids(5, 12)
+    repair = make_repair("recompute_attended:ratio=0.3,window=4")
+    together = compose_segments(tiny, [PREFIX, a, gap, b, SUFFIX], repair, logits="all")
+    alone, _ = run_by_run(tiny, [PREFIX, a, gap, b], repair)
+    placed = [(p, blk) for p, blk in zip(together.placements, (a, b))]
+    logits = repair.repair_run(tiny, alone, [(type(p)(p.name, p.start, p.tokens), blk) for p, blk in placed],
+                               SUFFIX, 512, "all")
+    assert together.recomputed_tokens == int(0.3 * (len(a) + len(b)))
+    assert (together.logits - logits).abs().max().item() < 1e-4
+
+
 def test_query_groups_split_the_active_tokens_into_runs_that_stop_at_their_last_position():
     from kvtool.skills.selective import query_groups
 
