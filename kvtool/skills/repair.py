@@ -16,12 +16,14 @@ prefix costs one pass over the model instead of one per run. What each does, pre
   through layers 0..layer with the real context (their KV there becomes exact), rank tokens by
   |fresh - reused|^2 of K and V at `layer`, and run the top ceil(ratio * n) through the remaining
   layers, attending to the composed cache (CacheBlend-style selective recompute).
-- recompute_attended (ratio, window): query-guided. Blocks are placed as `none` (with the runs
-  before and between them, in one pass); the token run that follows the last block (the query) is
-  prefilled once to measure the attention each block token receives from its last `window` tokens
-  (all layers and heads). The floor(ratio * n) most attended block tokens (n: all blocks before
-  that run, ranked together) are recomputed through every layer in one pass, and the query is
-  prefilled again over the repaired cache. It spends the recompute budget where the answer looks,
+- recompute_attended (ratio, window, score): query-guided. Blocks are placed as `none` (with the
+  runs before and between them, in one pass); the token run that follows the last block (the query)
+  is prefilled once to measure the attention each block token receives from its last `window` tokens
+  (all layers and heads; score attention_v weights each probability by the norm of the token's value
+  in that head, what it adds to the attention output, attention takes the probability alone). The
+  floor(ratio * n) most attended block tokens (n: all blocks before
+  that run, ranked together) are recomputed through every layer in one pass, and the query with
+  them, attending to the repaired cache. It spends the recompute budget where the answer looks,
   at the cost of one extra query prefill; false sinks (the heavily attended first tokens of a
   block) are among what it picks. Without a token run after the blocks it recomputes nothing.
   Token runs between blocks keep the KV they got against unrepaired blocks.
@@ -135,10 +137,14 @@ class RecomputeDeviation:
                           partial_layers=self.layer + 1)
 
 
+ATTENDED_SCORES = ("attention_v", "attention")  # probability times the value's norm, or the probability alone
+
+
 @dataclass
 class RecomputeAttended:
     ratio: float = 0.1
     window: int = 64
+    score: str = "attention_v"
     name = "recompute_attended"
     knob = "ratio"
     query_guided = True  # compose_segments hands it the token run after the blocks (repair_run)
@@ -148,25 +154,30 @@ class RecomputeAttended:
             raise InvalidParameterError(f"recompute_attended: ratio must be in [0, 1], got {self.ratio!r}")
         if not isinstance(self.window, int) or self.window < 1:
             raise InvalidParameterError(f"recompute_attended: window must be an integer >= 1, got {self.window!r}")
+        if self.score not in ATTENDED_SCORES:
+            raise InvalidParameterError(f"recompute_attended: score must be one of {', '.join(ATTENDED_SCORES)}, "
+                                        f"got {self.score!r}")
 
     leading, place = NoRepair.leading, NoRepair.place  # blocks go in as-is; the repair happens in repair_run
 
     def repair_run(self, runner, cache, placed: list, ids: list[int], chunk: int, logits: str):
         """placed: (PlaceStats, block) of the blocks before the query `ids`, which come next in `cache`.
-        Recomputes the most attended block tokens, prefills ids over the result and returns its logits."""
+        Recomputes the most attended block tokens and the query over them in one pass; the query's logits."""
         from kvtool.skills.selective import attention_received, recompute_slots
 
         start = cache.offset
-        received = attention_received(runner, cache, ids, self.window, chunk)
-        cache.truncate(start)
+        received = attention_received(runner, cache, ids, self.window, chunk, values=self.score == "attention_v")
         slots = torch.cat([torch.arange(p.start, p.start + p.tokens) for p, _ in placed])
         keep = int(self.ratio * len(slots))  # at most ratio of the block tokens
         chosen = slots[received[slots.to(received.device)].topk(keep).indices.cpu()].sort().values.tolist()
         token_at = {p.start + i: t for p, block in placed for i, t in enumerate(block.token_ids)}
-        recompute_slots(runner, cache, chosen, [token_at[s] for s in chosen])
         for p, _ in placed:
             p.recomputed = sum(p.start <= s < p.start + p.tokens for s in chosen)
-        return runner.prefill(ids, cache, chunk=chunk, logits=logits)
+        # the query's slots hold KV computed against the unrepaired blocks; the pass overwrites each layer's
+        # before anything reads it, and the query attends to the repaired tokens (all before it)
+        rows = {"all": len(ids), "last": 1}.get(logits, 0)
+        return recompute_slots(runner, cache, chosen + list(range(start, start + len(ids))),
+                               [token_at[s] for s in chosen] + list(ids), chunk=chunk, rows=rows)
 
 
 REPAIRS: dict[str, type] = {cls.name: cls for cls in (NoRepair, RecomputeFirstK, RecomputeDeviation,

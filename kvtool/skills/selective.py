@@ -85,12 +85,14 @@ ROW_BUDGET_BYTES = 128 << 20  # scores of one block of query rows, all heads
 
 
 @torch.inference_mode()
-def attention_received(runner, cache, ids: list[int], window: int, chunk: int) -> torch.Tensor:
+def attention_received(runner, cache, ids: list[int], window: int, chunk: int,
+                       values: bool = False) -> torch.Tensor:
     """Prefill ids after what `cache` holds (they stay appended) and return, for every slot before them,
     the attention probability it receives from the last `window` of ids, summed over layers, heads and
     those rows: [start] fp32 on the runner's device. Probabilities are softmax(q_rot·kᵀ/√d) in fp32 over
     the keys each row sees (the fused path never materialises them), a block of rows at a time.
-    Only the columns from `start` on, where a row's future can be, are masked."""
+    Only the columns from `start` on, where a row's future can be, are masked. values=True weights each
+    probability by the norm of the slot's value in that head: the size of what it adds to the output."""
     start = cache.offset
     first_row = start + max(0, len(ids) - window)
     received = torch.zeros(start, dtype=torch.float32, device=runner.device)
@@ -103,13 +105,16 @@ def attention_received(runner, cache, ids: list[int], window: int, chunk: int) -
         if lo >= end:
             return
         keys = t.cache[t.layer].keys[0, :, :end].float().repeat_interleave(group, 0).transpose(1, 2)  # [Hq, D, end]
+        weight = t.cache[t.layer].values[0, :, :start].float().norm(dim=-1).repeat_interleave(group, 0)[:, None] \
+            if values else None  # [Hq, 1, start]
         step = max(1, ROW_BUDGET_BYTES // (4 * spec.num_heads * end))
         for r in range(lo, end, step):
             rows = torch.arange(r, min(end, r + step), device=runner.device)
             scores = torch.matmul(t.q_rot[0][:, rows - (end - n)].float() * scale, keys)  # [Hq, R, end]
             future = torch.arange(start, end, device=runner.device)[None, :] > rows[:, None]  # [R, end - start]
             scores[..., start:].masked_fill_(future, float("-inf"))
-            received.add_(torch.softmax(scores, -1)[..., :start].sum((0, 1)))
+            probs = torch.softmax(scores, -1)[..., :start]
+            received.add_((probs if weight is None else probs * weight).sum((0, 1)))
 
     runner.prefill(ids, cache, chunk=chunk, logits="none", tap=tap)
     return received

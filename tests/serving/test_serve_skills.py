@@ -156,7 +156,7 @@ def test_query_guided_repair_through_the_server(smollm2, catalog):
     spec = "recompute_attended:ratio=0.25,window=64"
     app = create_app(smollm2, EngineConfig(skill_repair=spec), ServerConfig(default_max_tokens=4), skills=catalog)
     with BackgroundServer(app) as srv, httpx.Client(base_url=srv.base_url, timeout=120) as client:
-        assert client.get("/v1/skills").json()["repair"] == spec
+        assert client.get("/v1/skills").json()["repair"] == spec + ",score=attention_v"  # every knob named
         out = chat(client, messages=QUESTION, skills=["haiku"])
     n_block = len(catalog.block("haiku"))
     usage, timings = out["usage"], out["timings"]

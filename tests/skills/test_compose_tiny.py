@@ -191,16 +191,17 @@ def test_deviation_scores_and_forced_first_tokens(tiny, tiny_blocks):
         assert isinstance(cache, KVCache) and cache.offset == len(PREFIX) + len(block)
 
 
-def test_attended_recomputes_the_block_tokens_the_query_attends_to_most(tiny, tiny_blocks):
+@pytest.mark.parametrize("score", ["attention", "attention_v"])
+def test_attended_recomputes_the_block_tokens_the_query_attends_to_most(tiny, tiny_blocks, score):
     from kvtool.skills.selective import attention_received
 
     n = sum(len(b) for b in tiny_blocks)
     plain = compose(tiny, PREFIX, tiny_blocks, [], repair="none").cache
-    received = attention_received(tiny, plain.clone(), SUFFIX, window=4, chunk=3)
+    received = attention_received(tiny, plain.clone(), SUFFIX, window=4, chunk=3, values=score == "attention_v")
     assert received.shape == (len(PREFIX) + n,) and received.sum() > 0
     lo = len(PREFIX)
     expected = sorted((lo + received[lo:].topk(int(0.3 * n)).indices).tolist())
-    out = compose(tiny, PREFIX, tiny_blocks, SUFFIX, repair="recompute_attended:ratio=0.3,window=4")
+    out = compose(tiny, PREFIX, tiny_blocks, SUFFIX, repair=f"recompute_attended:ratio=0.3,window=4,score={score}")
     assert out.recomputed_tokens == int(0.3 * n) == len(expected)
     assert [p.recomputed for p in out.placements] == [sum(lo <= s < lo + len(tiny_blocks[0]) for s in expected),
                                                        sum(s >= lo + len(tiny_blocks[0]) for s in expected)]
@@ -250,7 +251,8 @@ def test_positions_beyond_the_context_window(tiny, tiny_blocks):
 
 def test_repair_registry_and_parsing():
     assert set(REPAIRS) == {"none", "recompute_first_k", "recompute_deviation", "recompute_attended"}
-    assert describe(make_repair("recompute_attended:ratio=0.2,window=16")) == "recompute_attended:ratio=0.2,window=16"
+    assert describe(make_repair("recompute_attended:ratio=0.2,window=16")) == \
+        "recompute_attended:ratio=0.2,window=16,score=attention_v"
     r = make_repair("recompute_deviation:ratio=0.25,layer=2,score=v,first=3")
     assert (r.ratio, r.layer, r.score, r.first) == (0.25, 2, "v", 3)
     assert describe(r) == "recompute_deviation:ratio=0.25,layer=2,score=v,first=3"
@@ -260,7 +262,8 @@ def test_repair_registry_and_parsing():
                      ("recompute_deviation:ratio=2", "ratio must be"), ("recompute_deviation:layer=0", "layer must"),
                      ("recompute_deviation:score=l1", "score must be one of"),
                      ("recompute_deviation:first=-2", "first must be"),
-                     ("recompute_attended:ratio=-0.1", "ratio must be"), ("recompute_attended:window=0", "window must")]:
+                     ("recompute_attended:ratio=-0.1", "ratio must be"), ("recompute_attended:window=0", "window must"),
+                     ("recompute_attended:score=v", "score must be one of attention_v, attention")]:
         with pytest.raises(InvalidParameterError, match=why):
             make_repair(bad)
     with pytest.raises(InvalidParameterError, match="has no knob 'zz'"):

@@ -119,16 +119,24 @@ def test_attention_received_matches_transformers_eager(smollm2, smollm2_hf):
     cache = smollm2.runner.new_cache(len(ids) + 1)
     smollm2.runner.prefill(head, cache)
     ours = attention_received(smollm2.runner, cache, tail, window=6, chunk=4)  # rows split across chunks
+    cache.truncate(len(head))
+    weighted = attention_received(smollm2.runner, cache, tail, window=6, chunk=4, values=True)
     previous = smollm2_hf.config._attn_implementation
     with torch.no_grad():
         smollm2_hf.set_attn_implementation("eager")
         try:
-            att = torch.stack(smollm2_hf(torch.tensor([ids]), output_attentions=True).attentions)  # [L, 1, H, T, T]
+            out = smollm2_hf(torch.tensor([ids]), output_attentions=True, use_cache=True)
         finally:
             smollm2_hf.set_attn_implementation(previous)
-    ref = att[:, 0, :, len(ids) - 6:, : len(head)].float().sum((0, 1, 2))
+    att = torch.stack(out.attentions)[:, 0, :, len(ids) - 6:, : len(head)].float()  # [L, H, 6, head]
+    ref = att.sum((0, 1, 2))
     assert cache.offset == len(ids) and ours.shape == ref.shape
     assert (ours - ref).abs().max().item() <= 1e-4 * ref.max().item()
+    group = smollm2.spec.num_heads // smollm2.spec.num_kv_heads
+    norms = torch.stack([layer.values[0, :, : len(head)].float().norm(dim=-1) for layer in out.past_key_values.layers])
+    ref_weighted = (att * norms.repeat_interleave(group, 1)[:, :, None]).sum((0, 1, 2))  # [L, H, head] norms
+    assert (weighted - ref_weighted).abs().max().item() <= 1e-4 * ref_weighted.max().item()
+    assert (weighted.argsort()[-20:] != ours.argsort()[-20:]).any()  # the weighting changes the ranking
 
 
 def test_engine_splices_with_query_guided_repair(smollm2, catalog):
