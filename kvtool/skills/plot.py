@@ -11,17 +11,18 @@ def plot_eval(record: dict, path: str | Path, title: str = "") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 6))
     rows = record["repairs"]
     preambles = list(dict.fromkeys(r.get("preamble", "") for r in rows))
-    styles = ["o-", "s--", "^:", "d-."]  # one per preamble; one colour per strategy
-    for c, strategy in enumerate(dict.fromkeys(r["strategy"] for r in rows)):
+    styles = ["o-", "s--", "^:", "d-."]  # one per preamble; one colour per line of a strategy's knob
+    lines = _lines(rows)
+    for c, line in enumerate(dict.fromkeys(lines.values())):
         for i, preamble in enumerate(preambles):
             pts = sorted((r["recomputed_fraction"], r["top1"], r["cos_mean"]) for r in rows
-                         if r["strategy"] == strategy and r.get("preamble", "") == preamble)
+                         if lines[r["repair"]] == line and r.get("preamble", "") == preamble)
             if not pts:
                 continue
-            xs, label = [100 * p[0] for p in pts], strategy + (f" ({preamble})" if len(preambles) > 1 else "")
+            xs, label = [100 * p[0] for p in pts], line + (f" ({preamble})" if len(preambles) > 1 else "")
             for ax, ys in ((axes[0], [p[1] for p in pts]), (axes[1], [p[2] for p in pts])):
                 ax.plot(xs, ys, styles[i % len(styles)], color=f"C{c}", label=label)
     axes[0].axhline(0.95, ls=":", c="gray", lw=1)
@@ -31,8 +32,9 @@ def plot_eval(record: dict, path: str | Path, title: str = "") -> Path:
     axes[1].set(xlabel="block tokens recomputed (%)", ylabel="mean logit cosine",
                 title="logit cosine vs full recompute")
     for ax in axes[:2]:
-        ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()  # one legend for both quality panels, below them
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
     scaling = record.get("ttft_scaling") or []
     if scaling:
         xs = [r["block_tokens"] for r in scaling]
@@ -47,9 +49,28 @@ def plot_eval(record: dict, path: str | Path, title: str = "") -> Path:
         axes[2].set_axis_off()
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    rows_of_legend = -(-len(labels) // min(4, max(1, len(labels))))
+    fig.tight_layout(rect=(0, 0.045 * rows_of_legend + 0.02, 1, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _lines(rows: list[dict]) -> dict[str, str]:
+    """repair -> the line it is plotted on: its strategy, plus the settings other than the swept knob that
+    differ between the strategy's rows (recompute_attended score=attention beside score=attention_v)."""
+    from kvtool.skills.repair import REPAIRS
+
+    settings = {}
+    for r in rows:
+        knob = getattr(REPAIRS.get(r["strategy"]), "knob", None)
+        pairs = [kv.split("=", 1) for kv in r["repair"].partition(":")[2].split(",") if "=" in kv]
+        settings[r["repair"]] = (r["strategy"], {k: v for k, v in pairs if k != knob})
+    out = {}
+    for repair, (strategy, rest) in settings.items():
+        others = [s for st, s in settings.values() if st == strategy]
+        varying = [k for k in rest if any(o.get(k) != rest[k] for o in others)]
+        out[repair] = " ".join([strategy, *(f"{k}={rest[k]}" for k in varying)])
+    return out
