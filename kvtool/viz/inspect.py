@@ -24,6 +24,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Streamin
 from pydantic import BaseModel, Field
 
 from kvtool.errors import KvtoolError
+from kvtool.serving.errors import error_body, error_from_exception
 from kvtool.serving.protocol import SEED_RANGE
 from kvtool.serving.served import check_fits, check_prompt_text, check_strings
 from kvtool.viz.config import VizConfig
@@ -63,7 +64,9 @@ class GenerateRequest(Conversation):
 
 
 def error_response(exc: KvtoolError) -> JSONResponse:
-    return JSONResponse({"error": {"message": str(exc), "type": type(exc).__name__}}, status_code=exc.status_code)
+    """The server's OpenAI-shaped error: {"error": {message, type, param, code}}."""
+    status, body = error_from_exception(exc)
+    return JSONResponse(body, status_code=status)
 
 
 def conversation_ids(model, req: Conversation) -> tuple[list[int], str]:
@@ -116,7 +119,7 @@ def inspect_router(get_model: Callable[[], Any], run_exclusive: Callable[[Callab
     @router.get("/inspect/static/{name}", include_in_schema=False)
     def asset(name: str):
         if name not in ASSETS:
-            return JSONResponse({"error": {"message": f"no asset {name}", "type": "NotFound"}}, status_code=404)
+            return JSONResponse(error_body(404, f"no asset {name}"), status_code=404)
         return FileResponse(STATIC / name, media_type=ASSETS[name])
 
     @router.get("/v1/viz/config")

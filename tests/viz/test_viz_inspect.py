@@ -78,6 +78,8 @@ def test_page_and_assets(server):
     assert page.status_code == 200 and "kvtool inspector" in page.text and "inspect.js" in page.text
     assert httpx.get(f"{base}/inspect/static/inspect.js").headers["content-type"].startswith("text/javascript")
     assert httpx.get(f"{base}/inspect/static/../inspect.py").status_code == 404
+    missing = httpx.get(f"{base}/inspect/static/nothing.js")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
     cfg = httpx.get(f"{base}/v1/viz/config").json()
     assert cfg["num_layers"] == 30 and cfg["num_heads"] == 9 and cfg["generate_url"] == "/v1/viz/generate"
 
@@ -110,6 +112,8 @@ def test_attention_bad_input(server, body, status, words):
     base, _ = server
     resp = httpx.post(f"{base}/v1/viz/attention", json=body, timeout=60)
     assert resp.status_code == status and words in resp.json()["error"]["message"]
+    assert resp.json()["error"]["type"] == "invalid_request_error"  # the chat routes' shape
+    assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_render_and_generate_bad_input(server):
