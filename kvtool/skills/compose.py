@@ -100,7 +100,7 @@ def compose_segments(runner, segments: Sequence[Segment], repair="none", cache: 
         cache = runner.new_cache(total + 1)
     cache.reserve(total + 1)
     out = Composition(cache, None)
-    segments = [seg if isinstance(seg, SkillBlock) else list(seg) for seg in segments if len(seg)]
+    segments = [seg for seg in segments if len(seg)]  # token runs are lists already (as_token_ids)
     is_block = [isinstance(seg, SkillBlock) for seg in segments]
     runs = [i for i, b in enumerate(is_block) if not b]
     query = runs[-1] if is_query_guided(repair) and runs and any(is_block[:runs[-1]]) else len(segments)

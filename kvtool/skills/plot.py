@@ -61,16 +61,18 @@ def plot_eval(record: dict, path: str | Path, title: str = "") -> Path:
 def _lines(rows: list[dict]) -> dict[str, str]:
     """repair -> the line it is plotted on: its strategy, plus the settings other than the swept knob that
     differ between the strategy's rows (recompute_attended score=attention beside score=attention_v)."""
-    from kvtool.skills.repair import REPAIRS
+    from dataclasses import fields
+
+    from kvtool.skills.repair import make_repair
 
     settings = {}
     for r in rows:
-        knob = getattr(REPAIRS.get(r["strategy"]), "knob", None)
-        pairs = [kv.split("=", 1) for kv in r["repair"].partition(":")[2].split(",") if "=" in kv]
-        settings[r["repair"]] = (r["strategy"], {k: v for k, v in pairs if k != knob})
+        repair = make_repair(r["repair"])
+        settings[r["repair"]] = (repair.name, {f.name: getattr(repair, f.name) for f in fields(repair)
+                                               if f.name != repair.knob})
     out = {}
-    for repair, (strategy, rest) in settings.items():
+    for spec, (strategy, rest) in settings.items():
         others = [s for st, s in settings.values() if st == strategy]
-        varying = [k for k in rest if any(o.get(k) != rest[k] for o in others)]
-        out[repair] = " ".join([strategy, *(f"{k}={rest[k]}" for k in varying)])
+        varying = [k for k in rest if any(o[k] != rest[k] for o in others)]
+        out[spec] = " ".join([strategy, *(f"{k}={rest[k]}" for k in varying)])
     return out
