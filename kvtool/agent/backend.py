@@ -52,7 +52,7 @@ class StreamDelta:
 class ChatBackend(Protocol):
     """`stream` is an async generator; extra keyword arguments are sampling options. A backend that knows
     which options it takes may also have `check_sampling(sampling: dict)`, which Agent() calls to refuse bad
-    AgentConfig.sampling before the first model call (InProcessBackend does)."""
+    AgentConfig.sampling before the first model call (InProcessBackend and OpenAIHTTPBackend do)."""
 
     def stream(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], **sampling: Any

@@ -13,6 +13,12 @@ from typing import Any, AsyncIterable, AsyncIterator
 import httpx
 
 from kvtool.agent.backend import BackendError, BackendUnavailable, StreamDelta, ToolCallFragment, Usage
+from kvtool.agent.inprocess import SAMPLING_KEYS
+from kvtool.config import SamplingParams
+from kvtool.errors import InvalidParameterError
+
+# body fields the backend writes itself; a sampling dict holding one would replace it
+OWN_FIELDS = ("model", "messages", "stream", "stream_options", "tools")
 
 
 async def iter_sse_data(lines: AsyncIterable[str]) -> AsyncIterator[str]:
@@ -122,6 +128,32 @@ class OpenAIHTTPBackend:
         self._timeout = httpx.Timeout(timeout_s, connect=5.0)
         # an AsyncClient belongs to one event loop; keep one per loop (building one costs ~40 ms)
         self._own: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
+
+    def check_sampling(self, sampling: dict[str, Any]) -> None:
+        """InvalidParameterError for AgentConfig.sampling this backend can't send. Fields other servers take
+        (vLLM's best_of, llama.cpp's mirostat) pass through; the ones kvtool also knows are range-checked."""
+        def bad(why: str) -> None:
+            raise InvalidParameterError(f"AgentConfig.sampling for {self.base_url}: {why}")
+
+        own = sorted(set(sampling) & set(OWN_FIELDS))
+        if own:
+            bad(f"{own} are set by the HTTP backend itself ({', '.join(OWN_FIELDS)}); leave them out")
+        if sampling.get("n", 1) != 1:
+            bad(f"n={sampling['n']!r}: the agent reads one choice per call; leave n out or set it to 1")
+        try:
+            json.dumps(sampling, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            bad(f"values must be JSON numbers, strings, lists or objects ({exc})")
+        known = {k: v for k, v in sampling.items() if k in SAMPLING_KEYS and v is not None}
+        stop = known.pop("stop", [])
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            bad(f"stop={stop!r} must be a string or a list of strings")
+        try:
+            SamplingParams(**known, stop=stop).validate()
+        except InvalidParameterError as exc:
+            bad(str(exc))
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

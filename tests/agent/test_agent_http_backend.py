@@ -140,3 +140,30 @@ def test_think_split_over_http(endpoint):
     deltas = asyncio.run(collect(OpenAIHTTPBackend(ep.base_url, "m")))
     assert "".join(d.reasoning for d in deltas).split() == ["weigh", "options"]
     assert "".join(d.content for d in deltas).strip() == "Go left."
+
+
+@pytest.mark.parametrize("sampling, message", [
+    ({"messages": []}, r"\['messages'\] are set by the HTTP backend itself"),
+    ({"stream": False, "tools": []}, r"\['stream', 'tools'\] are set by the HTTP backend itself"),
+    ({"n": 3}, "n=3: the agent reads one choice per call"),
+    ({"temperature": -0.5}, r"invalid sampling parameter temperature=-0.5: must be in \[0, 100\]"),
+    ({"top_p": "high"}, "invalid sampling parameter top_p='high': must be a number"),
+    ({"stop": ["ok", 3]}, "stop=\\['ok', 3\\] must be a string or a list of strings"),
+    ({"seed": float("inf")}, "values must be JSON numbers"),
+])
+def test_agent_refuses_sampling_the_http_backend_cannot_send(sampling, message):
+    from kvtool.agent import Agent, AgentConfig
+    from kvtool.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match=f"AgentConfig.sampling for http://127.0.0.1:9/v1: {message}"):
+        Agent(OpenAIHTTPBackend("http://127.0.0.1:9/v1", "m"), [], AgentConfig(sampling=sampling))
+
+
+def test_sampling_other_servers_take_passes_through_to_the_request(endpoint):
+    from kvtool.agent import Agent, AgentConfig
+
+    ep = endpoint([reply("fine")])
+    sampling = {"temperature": 0.0, "stop": "END", "top_k": 20, "mirostat": 2, "n": 1}
+    agent = Agent(OpenAIHTTPBackend(ep.base_url, "m"), [], AgentConfig(sampling=sampling, builtin_tools=False))
+    asyncio.run(agent.run("hi"))
+    assert {k: ep.requests[0][k] for k in sampling} == sampling
