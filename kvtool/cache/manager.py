@@ -98,6 +98,7 @@ class PrefixCache:
         self._epoch = 0
         self._queries = self._query_tokens = self._hit_tokens = 0
         self._over_budget = 0  # requests (or pins) whose KV did not fit
+        self._changes = 0  # what a cache file would hold moved on (blocks, pins, order of use): see `changes`
         self._warned = False
         self.loaded: dict | None = None  # what the last load() added (kvtool.cache.persist.load_cache)
 
@@ -171,6 +172,7 @@ class PrefixCache:
         tokens = tokens[:n]
         result = self.index.insert(tokens)
         self.store.free(result.evicted)  # before put(): the store never holds more than the budget
+        self._changes += 1  # new blocks, or known ones moved to the back of the eviction order
         if result.new:
             # New blocks are always the tail of the chain: one copy out of the cache for all of them.
             first = result.new[0][0]
@@ -222,6 +224,7 @@ class PrefixCache:
                 if cache is not None and epoch == self._epoch:
                     self._insert(tokens[:full], cache, what="pinned prefix")
                 pinned = self.index.pin_prefix(tokens[:full])
+                self._changes += 1
         finally:
             with self._lock:
                 self.store.free(self.index.release(ids))
@@ -236,6 +239,7 @@ class PrefixCache:
             except ValueError as exc:
                 raise InvalidParameterError(str(exc)) from None
             self.store.free(freed)
+            self._changes += 1
         return {"tokens": len(tokens), "unpinned_tokens": len(tokens) // self.block_size * self.block_size}
 
     def reset(self) -> dict:
@@ -251,6 +255,7 @@ class PrefixCache:
         orphans = self.store.ids() - self.index.resident_ids()
         self.store.free(orphans)
         self._epoch += 1
+        self._changes += 1
         return len(freed)
 
     def save(self, path, model=None) -> dict:
@@ -290,6 +295,7 @@ class PrefixCache:
         with self._lock:
             result = self.index.insert(tokens)
             self.store.free(result.evicted)
+            self._changes += 1
             for i, block_id in result.new:
                 self.store.put(block_id, *block_kv(i))
             if pin is not None:
@@ -306,6 +312,12 @@ class PrefixCache:
             capacity = self._capacity(budget_bytes)
             self.budget_bytes = budget_bytes
             self.store.free(self.index.set_capacity(capacity))
+            self._changes += 1
+
+    @property
+    def changes(self) -> int:
+        """Grows whenever what save() would write moves on; equal counts mean nothing new to save."""
+        return self._changes
 
     def stats(self) -> dict:
         with self._lock:

@@ -41,6 +41,9 @@ def register(subparsers) -> None:
     p.add_argument("--cache-file", default=ENGINE.cache_file, metavar="PATH",
                    help="load the prefix cache from PATH at start (if it exists) and save it there at shutdown and on "
                         "POST /v1/cache/save, so a restart keeps the cached prefixes (a .kvc file)")
+    p.add_argument("--cache-save-every", type=float, default=SERVER.cache_save_every, metavar="SECONDS",
+                   help="also save the prefix cache to --cache-file every SECONDS when it changed, so a crash loses "
+                        "at most that much (default: only at shutdown and on POST /v1/cache/save)")
     p.add_argument("--skills", default=ENGINE.skills_dir, metavar="DIR",
                    help="a skills folder (NAME/SKILL.md, *.md): compile (or load cached) KV blocks at start and "
                         "splice them into prompts that contain a skill; requests may ask for skills by name")
@@ -58,7 +61,8 @@ def config_from_args(args) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None,
                         served_model_name=args.served_model_name, max_active=args.max_active,
                         max_queue=args.max_queue, default_max_tokens=args.default_max_tokens,
-                        tool_parser=args.tool_parser, kv_bytes=getattr(args, "kv_bytes", None),
+                        tool_parser=args.tool_parser, cache_save_every=getattr(args, "cache_save_every", None),
+                        kv_bytes=getattr(args, "kv_bytes", None),
                         max_body_bytes=getattr(args, "max_body_bytes", SERVER.max_body_bytes)).validate()
 
 
@@ -67,11 +71,13 @@ def run(args) -> int:
     from kvtool.serving.server import check_listen, serve
     from kvtool.skills.preamble import canonical_preamble
 
+    from kvtool.errors import InvalidParameterError
+
     cfg = config_from_args(args)
     if args.skills is not None and not os.path.isdir(args.skills):
-        from kvtool.errors import InvalidParameterError
-
         raise InvalidParameterError(f"--skills {args.skills!r} is not a folder of skills (NAME/SKILL.md or *.md)")
+    if cfg.cache_save_every is not None and args.cache_file is None:
+        raise InvalidParameterError("--cache-save-every saves the prefix cache to --cache-file; give --cache-file PATH")
     # bad preamble or repair specs, and a --cache-file without the prefix cache, fail before the model loads
     canonical_preamble(args.skill_preamble)
     engine_config = EngineConfig(cache_bytes=args.cache_bytes, enable_prefix_cache=not args.no_prefix_cache,

@@ -139,6 +139,23 @@ def save_cache_file(prefix_cache, path: str | None, model) -> None:
             log.error("could not save the prefix cache to %s: %s: %s", path, type(exc).__name__, exc)
 
 
+async def autosave(prefix_cache, path: str, model, every: float) -> None:
+    """--cache-save-every: save the prefix cache to ``path`` every ``every`` seconds when it changed since the
+    last save. A failed save is logged and tried again at the next tick; serving goes on either way."""
+    saved = prefix_cache.changes
+    while True:
+        await asyncio.sleep(every)
+        changes = prefix_cache.changes
+        if changes == saved:
+            continue
+        try:
+            info = await run_in_threadpool(prefix_cache.save, path, model)
+            saved = changes
+            log.info("autosaved the prefix cache to %s: %d tokens, %d pins", path, info["tokens"], info["pins"])
+        except Exception as exc:
+            log.error("could not autosave the prefix cache to %s: %s: %s", path, type(exc).__name__, exc)
+
+
 def create_app(model, engine_config: EngineConfig | None = None, server_config: ServerConfig | None = None,
                prefix_cache=None, skills=None) -> FastAPI:
     """The app; `skills` is a SkillCatalog to serve (else EngineConfig.skills_dir is loaded, if set)."""
@@ -155,10 +172,17 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
     metrics = ServerMetrics((lambda: [line for f in extra for line in f()]) if extra else None)
     worker = Worker(engine, cfg.max_active, cfg.max_queue, metrics, cfg.prefill_budget, cfg.kv_bytes)
     started = int(time.time())
+    if cfg.cache_save_every is not None and (prefix_cache is None or engine.config.cache_file is None):
+        raise InvalidParameterError("--cache-save-every saves the prefix cache to --cache-file; give a cache file "
+                                    "(EngineConfig.cache_file) with the prefix cache on")
 
     @asynccontextmanager
     async def lifespan(app):
+        saver = cfg.cache_save_every and asyncio.create_task(
+            autosave(prefix_cache, engine.config.cache_file, model, cfg.cache_save_every))
         yield
+        if saver:
+            saver.cancel()
         worker.stop()
         save_cache_file(prefix_cache, engine.config.cache_file, model)
 

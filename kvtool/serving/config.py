@@ -19,6 +19,8 @@ class ServerConfig:
     # later). None: a quarter of the memory available at start, at most 16 GiB (kvtool.cache.manager.default_budget)
     default_max_tokens: int | None = None  # when a request names none; None = up to the context window
     max_body_bytes: int = 16 << 20  # a larger request body gets 413 unread; far more than a context window holds
+    cache_save_every: float | None = None  # seconds: save the prefix cache to EngineConfig.cache_file this often
+    # when it changed since the last save (a crash then loses at most this much); None: at shutdown and on request
     tool_parser: str = "qwen"  # key in kvtool.serving.toolparse.TOOL_FORMATS
     extra_metrics: Callable[[], Iterable[str]] | None = None  # more Prometheus lines (e.g. prefix cache)
 
@@ -36,6 +38,9 @@ class ServerConfig:
             value = getattr(self, name)
             if not (optional and value is None) and not is_whole(value, least):
                 raise InvalidParameterError(f"--{name.replace('_', '-')} must be >= {least}, got {value!r}")
+        every = self.cache_save_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, (int, float)) or not every >= 1):
+            raise InvalidParameterError(f"--cache-save-every must be a number of seconds >= 1, got {every!r}")
         if self.tool_parser not in TOOL_FORMATS:
             raise InvalidParameterError(f"--tool-parser {self.tool_parser!r} is not one of {', '.join(TOOL_FORMATS)}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):

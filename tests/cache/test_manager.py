@@ -212,6 +212,30 @@ def test_pin_survives_pressure_and_unpin_releases(model):
     cache.check_integrity()
 
 
+def test_changes_count_what_a_cache_file_would_hold(model):
+    engine, cache = cached_engine(model)
+    seen = [cache.changes]
+
+    def moved(expected):
+        seen.append(cache.changes)
+        assert (seen[-1] > seen[-2]) is expected
+
+    cache.stats(), cache.tree(), cache.export_blocks()
+    moved(False)  # looking changes nothing
+    engine.generate(rand_ids(40, 1), GREEDY).run()
+    moved(True)  # new blocks
+    engine.generate(rand_ids(40, 1), GREEDY).run()
+    moved(True)  # a hit: its blocks move to the back of the eviction order
+    cache.pin(rand_ids(40, 1))
+    moved(True)
+    cache.unpin(rand_ids(40, 1))
+    moved(True)
+    cache.reset()
+    moved(True)
+    cache.stats()
+    moved(False)
+
+
 def test_budget_defaults_and_bad_values(model):
     assert 0 < default_budget("cpu") <= 16 << 30
     with pytest.raises(InvalidParameterError, match="budget"):

@@ -69,7 +69,7 @@ def test_skills_flags_reach_the_engine_config(monkeypatch, tmp_path):
     monkeypatch.setattr(cli, "load_from_args", lambda args: FakeModel())
     monkeypatch.setattr(server, "check_listen", lambda host, port: None)
     monkeypatch.setattr(server, "serve", lambda model, cfg, engine_config, log_level, on_ready: seen.update(
-        engine=engine_config))
+        engine=engine_config, server=cfg))
     assert main(["serve", "--skills", str(tmp_path), "--skill-repair", "recompute_deviation:ratio=0.2",
                  "--skill-preamble", "conversation"]) == 0
     assert seen["engine"].skills_dir == str(tmp_path)
@@ -158,7 +158,7 @@ def test_cache_file_reaches_the_engine_and_needs_the_prefix_cache(monkeypatch, c
     monkeypatch.setattr(cli, "load_from_args", lambda args: seen.setdefault("loaded", FakeModel()))
     monkeypatch.setattr(server, "check_listen", lambda host, port: None)
     monkeypatch.setattr(server, "serve", lambda model, cfg, engine_config, log_level, on_ready: seen.update(
-        engine=engine_config))
+        engine=engine_config, server=cfg))
     assert main(["serve", "--cache-file", str(tmp_path / "c.kvc")]) == 0
     assert seen["engine"].cache_file == str(tmp_path / "c.kvc")
     seen.clear()
@@ -166,3 +166,10 @@ def test_cache_file_reaches_the_engine_and_needs_the_prefix_cache(monkeypatch, c
     assert "cache_file" in capsys.readouterr().err and "loaded" not in seen  # refused before the model loads
     assert main(["serve", "--cache-file", str(tmp_path)]) == 2
     assert f"--cache-file {tmp_path} is a folder" in capsys.readouterr().err
+    assert main(["serve", "--cache-save-every", "60"]) == 2
+    assert "--cache-save-every saves the prefix cache to --cache-file" in capsys.readouterr().err
+    assert main(["serve", "--cache-file", str(tmp_path / "c.kvc"), "--cache-save-every", "0"]) == 2
+    assert "--cache-save-every must be a number of seconds >= 1, got 0.0" in capsys.readouterr().err
+    assert "loaded" not in seen
+    assert main(["serve", "--cache-file", str(tmp_path / "c.kvc"), "--cache-save-every", "30"]) == 0
+    assert seen["server"].cache_save_every == 30

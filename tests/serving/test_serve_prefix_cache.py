@@ -85,6 +85,51 @@ def test_a_cache_file_keeps_the_prefixes_across_a_restart(smollm2, smol, tmp_pat
         create_app(smollm2, config)
 
 
+def test_cache_save_every_writes_the_cache_while_serving_and_only_when_it_changed(smollm2, tmp_path, caplog):
+    import logging
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from kvtool.cache.manager import PrefixCache
+    from kvtool.config import EngineConfig
+    from kvtool.errors import InvalidParameterError
+    from kvtool.serving import ServerConfig, create_app
+
+    def wait_for(check, seconds=20.0):
+        end = time.monotonic() + seconds
+        while not check():
+            assert time.monotonic() < end, "the autosave did not happen in time"
+            time.sleep(0.1)
+
+    path = tmp_path / "auto.kvc"
+    config, every = EngineConfig(cache_file=str(path)), ServerConfig(default_max_tokens=6, cache_save_every=1)
+    caplog.set_level(logging.INFO, logger="kvtool")
+    with TestClient(create_app(smollm2, config, every)) as client:
+        time.sleep(1.5)
+        assert not path.exists()  # nothing cached yet: nothing to save
+        first = ask(client, "Is Lyon far from Paris?")
+        wait_for(lambda: "autosaved the prefix cache" in caplog.text)
+        time.sleep(1.5)  # the request's commit may land after its response: one more tick saves it
+        stamp = path.stat().st_mtime_ns
+        time.sleep(2.5)
+        assert path.stat().st_mtime_ns == stamp  # no request since: not written again
+        # the file holds what was served, while the server still runs (a crash would keep it)
+        spare = PrefixCache.for_runner(smollm2.runner, budget_bytes=1 << 26)
+        assert spare.load(str(path), smollm2)["tokens"] == (first["usage"]["prompt_tokens"] + 6) // 16 * 16
+        path.unlink()
+        path.mkdir()  # the next save fails: it is logged and serving goes on
+        ask(client, "What should I pack for Oslo?")
+        wait_for(lambda: "could not autosave the prefix cache" in caplog.text)
+        assert ask(client, "Is Lyon far from Paris?")["choices"][0]["message"]["content"] == \
+            first["choices"][0]["message"]["content"]
+        path.rmdir()
+    with pytest.raises(InvalidParameterError, match="--cache-save-every saves the prefix cache to --cache-file"):
+        create_app(smollm2, EngineConfig(), every)
+    with pytest.raises(InvalidParameterError, match="--cache-save-every must be a number of seconds >= 1, got 0.5"):
+        create_app(smollm2, config, ServerConfig(cache_save_every=0.5))
+
+
 def test_the_cache_tree_shows_the_shared_system_prompt_and_where_questions_diverge(smol):
     smol.post("/v1/cache/reset")
     for question in ("Is Lyon far from Paris?", "What should I pack for Oslo?", "Is Lyon far from Paris?"):
