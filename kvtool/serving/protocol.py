@@ -111,6 +111,10 @@ class GenerationRequest(Strict):
     guided_regex: str | None = None  # vLLM's extension: the output matches this pattern
     guided_json: dict[str, Any] | str | None = None  # vLLM's extension: the output is JSON of this schema
     structured_outputs: StructuredOutputs | None = None  # vLLM's newer form of the three above
+    # grammars kvtool can't follow, named so a client sending one gets a 400 instead of unconstrained text:
+    guided_grammar: Any = None  # vLLM (EBNF / Lark)
+    grammar: Any = None  # llama.cpp (GBNF)
+    structural_tag: Any = None  # vLLM
     include_stop_str_in_output: bool = False  # vLLM's extension: the stop string that ended the text stays in it
     min_tokens: int = 0  # vLLM's extension: no end of turn, stop token or stop string before this many tokens
     logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias added to its logit, in [-100, 100]
@@ -162,6 +166,11 @@ class GenerationRequest(Strict):
     def structured(self, fmt: ResponseFormat) -> tuple[ResponseFormat, list[str] | None, str | None]:
         """(response format, choice, regex) from response_format, guided_* and structured_outputs: one of them."""
         out = self.structured_outputs
+        for name in ("guided_grammar", "grammar", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise ServingError(f"{name} is not supported: kvtool constrains output by a JSON schema, a regex or "
+                                   "a list of choices (response_format, guided_json / guided_regex / guided_choice or "
+                                   "structured_outputs)", param=name)
         given = [f"guided_{k}" for k in ("choice", "regex", "json") if getattr(self, f"guided_{k}") is not None]
         if out is not None:
             named = [k for k in ("json", "regex", "choice", "grammar", "structural_tag")

@@ -47,10 +47,18 @@ def test_choice_and_json_by_structured_outputs_and_guided_json(smol):
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "not guided_regex and response_format"),
     ({"guided_regex": "(a"}, "not a valid regular expression"),
     ({"guided_regex": ""}, "non-empty"), ({"guided_choice": []}, "non-empty list"),
-    ({"guided_json": "{not json"}, "is not JSON")])
+    ({"guided_json": "{not json"}, "is not JSON"),
+    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar is not supported"),  # vLLM's
+    ({"grammar": "root ::= \"a\""}, "grammar is not supported"),  # llama.cpp's
+    ({"structural_tag": {"type": "structural_tag"}}, "structural_tag is not supported")])
 def test_wrong_ways_are_refused_by_name(smol, bad, words):
     r = smol.post("/v1/chat/completions", json={**CHAT, **bad})
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_a_grammar_on_a_raw_completion_is_refused_not_ignored(smol):
+    r = smol.post("/v1/completions", json={"prompt": "Say a", "max_tokens": 2, "grammar": "root ::= \"a\""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "grammar", r.text
 
 
 def test_a_pattern_no_token_can_finish_is_a_400_and_the_server_goes_on(smol):
