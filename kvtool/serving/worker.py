@@ -158,8 +158,10 @@ class Worker:
             if len(self._pending) + len(self._handles) + total > capacity:
                 if self.metrics:
                     self.metrics.rejected()
-                raise QueueFull(f"server busy: {self.running} requests running and {self.waiting} "
-                                f"waiting (max_queue={self.max_queue}); retry shortly", code="queue_full")
+                raise QueueFull(f"server busy: {len(self._pending) + len(self._handles)} sequences in flight "
+                                f"({self.running} running, {self.waiting} waiting) and this request adds {total}; "
+                                f"it holds at most {capacity} (--max-active {self.max_active} + --max-queue "
+                                f"{self.max_queue}); retry shortly", code="queue_full")
             self._pending.extend(handles)
             self._cv.notify()
         return handles

@@ -172,6 +172,8 @@ def test_full_queue_is_a_429_not_a_hang(smollm2):
             assert first.status_code == 200
             r = client.post("/v1/chat/completions", json=chat())
             assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+            assert "1 sequences in flight" in r.json()["error"]["message"]
+            assert "it holds at most 1 (--max-active 1 + --max-queue 0)" in r.json()["error"]["message"]
             assert r.headers["retry-after"] == "1"
         # Leaving the stream early disconnected the client: its slot frees up.
         deadline = time.monotonic() + 30
