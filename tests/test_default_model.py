@@ -26,7 +26,14 @@ def test_offline_without_qwen3_falls_back_to_the_embedded_smollm2(hub_cache):
     assert choice == str(smollm2_path()) and choice.endswith(".gguf")
     assert len(said) == 1 and "\n" not in said[0]
     assert said[0].startswith("kvtool: using the embedded SmolLM2-135M-Instruct (SmolLM2-135M-Instruct.Q4_1.gguf) "
-                              f"because {DEFAULT_MODEL} is not cached and the hub is unreachable")
+                              f"because {DEFAULT_MODEL} is not cached and the hub is unreachable (")
+    from kvtool.errors import ModelLoadError
+    from kvtool.models.loading import hub_folder
+
+    with pytest.raises(ModelLoadError) as hub:
+        hub_folder(DEFAULT_MODEL)
+    reason = str(hub.value).split(": ", 1)[1]  # the hub's reason: its first sentence, whole words
+    assert said[0].endswith(f"({reason.split('. ')[0]})") and len(said[0]) < 400
 
 
 def test_qwen3_in_the_local_cache_is_the_default(hub_cache):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 from kvtool.config import DEFAULT_MODEL
 from kvtool.errors import ModelLoadError
 from kvtool.models.embedded import smollm2_path
@@ -21,8 +23,9 @@ def default_model() -> tuple[str, str]:
     except ModelLoadError as exc:
         offline = str(exc)
     path = smollm2_path()
+    reason = textwrap.shorten(offline.split(": ", 1)[-1].split(". ")[0], 200, placeholder=" ...")  # its first sentence
     return str(path), (f"using the embedded SmolLM2-135M-Instruct ({path.name}) because {DEFAULT_MODEL} "
-                       f"is not cached and the hub is unreachable ({offline.split(': ', 1)[-1][:80]})")
+                       f"is not cached and the hub is unreachable ({reason})")
 
 
 def resolve_model_arg(model: str | None, announce=print) -> str:
