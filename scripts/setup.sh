@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up kvtool in ./.venv on a fresh machine: torch (CPU wheel pinned first, so no
-# multi-GB CUDA build is pulled), kvtool itself, and the offline test models.
+# Set up kvtool in ./.venv on a fresh machine: torch (pinned first, so no looser spec pulls another
+# multi-GB build), kvtool itself, and the offline test models.
 # Usage: scripts/setup.sh [--test]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,7 +8,9 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 VPIP=".venv/bin/python -m pip"
 $VPIP install -q --upgrade pip >/dev/null
-$VPIP install -q torch==2.13.0
+# TORCH_INDEX_URL picks where torch comes from (https://download.pytorch.org/whl/cpu: the CPU build on a Linux
+# machine whose index would otherwise give the CUDA one); unset: pip's configured index
+$VPIP install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 if [ "${1:-}" = "--test" ]; then
   $VPIP install -q -e ".[test]"
   # Real offline test models: SmolLM2 GGUF and the six pieces of the Qwen2.5-Coder GGUF.
