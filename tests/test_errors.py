@@ -23,6 +23,23 @@ def test_unknown_model_path(capsys):
     assert "not found" in text and "/no/such/model.gguf" in text and "Traceback" not in text
 
 
+@pytest.mark.real_model
+def test_smollm2_by_name_is_the_embedded_model_unless_a_folder_has_that_name(tmp_path, monkeypatch, capsys):
+    from kvtool.models import gguf
+    from kvtool.models.loading import resolve_folder
+    from kvtool.testing.models import smollm2_gguf
+
+    assert resolve_folder("smollm2") == (gguf.converted_folder(smollm2_gguf()), "SmolLM2-135M-Instruct.Q4_1")
+    code, text = run_cli(capsys, "info", "--model", "smollm2")
+    assert code == 0 and "SmolLM2-135M-Instruct.Q4_1" in text
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2").mkdir()  # a path of that name is what the user means
+    with pytest.raises(ModelLoadError, match="folder smollm2 has no config.json"):
+        resolve_folder("smollm2")
+    code, text = run_cli(capsys, "info", "--model", "smolm2")
+    assert code == 2 and "'smollm2' (the embedded SmolLM2)" in text
+
+
 def test_folder_without_config(tmp_path):
     with pytest.raises(ModelLoadError, match="no config.json"):
         load(str(tmp_path))

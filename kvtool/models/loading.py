@@ -135,11 +135,15 @@ class LoadedModel:
 
 def resolve_folder(model: str) -> tuple[Path, str]:
     """(HF folder, display name) for a hub id, a local folder, a GGUF file (an Ollama blob is named after its
-    manifest) or 'ollama:NAME[:TAG]' (kvtool.models.ollama)."""
+    manifest), 'ollama:NAME[:TAG]' (kvtool.models.ollama) or 'smollm2' (the embedded SmolLM2 GGUF)."""
     if model.startswith(ollama.PREFIX):
         blob, name = ollama.resolve(model)
         return gguf.converted_folder(blob), name
     path = Path(model).expanduser()
+    if model == "smollm2" and not path.exists():  # the embedded model, by name
+        from kvtool.models.embedded import smollm2_path
+
+        path = smollm2_path()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"folder {path} has no config.json; expected a Hugging Face model folder")
@@ -150,8 +154,8 @@ def resolve_folder(model: str) -> tuple[Path, str]:
         name = path.name[: -len(".gguf")] if path.name.endswith(".gguf") else ollama.blob_name(path) or path.name
         return gguf.converted_folder(path), name
     if model.endswith(".gguf") or model.startswith(("/", ".", "~")) or model.count("/") != 1:
-        raise ModelLoadError(f"model {model!r} not found: no such file or folder, and not a hub id like 'org/name' "
-                             "or an Ollama model like 'ollama:qwen3:0.6b'")
+        raise ModelLoadError(f"model {model!r} not found: no such file or folder, and not a hub id like 'org/name', "
+                             "an Ollama model like 'ollama:qwen3:0.6b' or 'smollm2' (the embedded SmolLM2)")
     return hub_folder(model), model
 
 
