@@ -384,3 +384,13 @@ def test_thousands_of_random_requests_stay_under_budget():
        budget_blocks=st.integers(0, 8), seed=st.integers(0, 10_000))
 def test_random_workloads_keep_integrity(ops, budget_blocks, seed):
     run_workload(ops, budget_blocks, seed)
+
+
+def test_the_package_names_the_cache_classes():
+    import kvtool.cache
+    from kvtool.cache import PrefixCache, attach_prefix_cache
+    from kvtool.cache import manager
+
+    assert PrefixCache is manager.PrefixCache and attach_prefix_cache is manager.attach_prefix_cache
+    with pytest.raises(AttributeError, match="no attribute 'Prefix_Cache'"):
+        kvtool.cache.Prefix_Cache
