@@ -156,3 +156,38 @@ def test_an_endpoint_with_a_cache_tree_tells_where_requests_part():
     assert fork == {"roots": 1, "fork_at_token": 16, "branches": ["…:03:07\nYou are Atlas", "…:03:44\nYou are Atlas"]}
     # an engine without the route (vLLM, llama.cpp): no fork, and the run goes on
     assert EndpointBackend("http://stub", "m", client=scripted_endpoint([])).fork() is None
+
+
+@pytest.mark.real_model
+def test_endpoint_run_against_a_server_whose_template_renders_no_tools(smollm2):
+    """kvtool serve on SmolLM2 refuses `tools` (its template has none): the client declares them in the
+    system turn from then on, and the scenarios still measure reuse, live over HTTP."""
+    from kvtool.serving import ServerConfig, create_app
+    from kvtool.serving.server import BackgroundServer
+
+    with BackgroundServer(create_app(smollm2, server_config=ServerConfig())) as server:
+        backend = EndpointBackend(server.base_url + "/v1", max_tokens=1)
+        cfg = TTFTBenchConfig(scenarios=["shared-prefix", "timestamp"], warmup=False)
+        record = run_ttft_bench(backend, cfg, ScenarioConfig(requests=2, policy_paragraphs=0, tools=1),
+                                log=lambda s: None)
+    assert record["tools_rendering"] == "system-text" and "does not render tools" in record["tools_refused"]
+    assert record["isolation"] == "reset"
+    rows = {row["name"]: row for row in record["scenarios"]}
+    first, second = rows["shared-prefix"]["results"][0]
+    assert first["cached_tokens"] == 0 and second["cached_tokens"] >= 0.8 * second["prompt_tokens"]
+    assert all(r["cached_tokens"] <= 16 for r in rows["timestamp"]["results"][0])
+    assert rows["timestamp"]["fork"]["fork_at_token"] <= 16 and rows["shared-prefix"]["fork"]["roots"] == 1
+
+
+def test_a_refusal_that_is_not_about_tools_is_reported_as_it_came():
+    def handler(request: httpx.Request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        return httpx.Response(400, json={"error": {"message": "context window exceeded"}})
+
+    backend = EndpointBackend("http://stub", client=httpx.Client(base_url="http://stub",
+                                                                 transport=httpx.MockTransport(handler)))
+    req = ChatRequest([{"role": "user", "content": "q"}], [{"type": "function", "function": {"name": "f"}}], "r")
+    with pytest.raises(EndpointError, match="answered 400: .*context window exceeded"):
+        backend.send(req)
+    assert backend.describe()["tools_rendering"] == "server" and "tools_refused" not in backend.describe()

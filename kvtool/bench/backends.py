@@ -154,7 +154,11 @@ class InProcessBackend:
 
 
 class EndpointBackend:
-    """POST /v1/chat/completions with stream=true; TTFT = first content/reasoning/tool-call delta."""
+    """POST /v1/chat/completions with stream=true; TTFT = first content/reasoning/tool-call delta.
+
+    Tools go in the body's ``tools``; a server that refuses them with a 400 (its chat template renders
+    none, as SmolLM2's) gets them declared in the system turn instead, for that request and the rest of
+    the run, as InProcessBackend does for such a template (describe() says which)."""
 
     kind = "endpoint"
     RESET_PATHS = ("/v1/cache/reset", "/reset_prefix_cache")  # kvtool serve, vLLM
@@ -164,9 +168,12 @@ class EndpointBackend:
         self.base, self.client = open_client(endpoint, api_key, timeout_s, client)
         self.max_tokens = max_tokens
         self.model = model or first_model(self.client, self.base)
+        self.tools_rendering = "server"  # "system-text" once the server refused `tools`
+        self.tools_refused: str | None = None  # what it said
 
     def describe(self) -> dict:
-        return {"backend": self.kind, "endpoint": self.base, "model": self.model, "tools_rendering": "server"}
+        out = {"backend": self.kind, "endpoint": self.base, "model": self.model, "tools_rendering": self.tools_rendering}
+        return out if self.tools_refused is None else {**out, "tools_refused": self.tools_refused}
 
     def reset(self) -> bool:
         """Try the cache-reset routes engines offer; False if none worked (the caller isolates by nonce)."""
@@ -191,10 +198,28 @@ class EndpointBackend:
         return fork_of(tree, lambda segment: segment.get("text", "")) if isinstance(tree, list) else None
 
     def send(self, request: ChatRequest) -> RequestResult:
-        body = {"model": self.model, "messages": request.messages, "stream": True, "temperature": 0.0,
+        if not request.tools:
+            return self._send(request.label, request.messages, None)
+        if self.tools_rendering == "server":
+            try:
+                return self._send(request.label, request.messages, request.tools)
+            except EndpointError as exc:
+                if " answered 400:" not in str(exc):
+                    raise
+                refusal = exc
+            try:  # a template that renders no tools, most likely: declare them in the system turn
+                result = self._send(request.label, tools_as_system_text(request.messages, request.tools), None)
+            except EndpointError:
+                raise refusal from None
+            self.tools_rendering, self.tools_refused = "system-text", str(refusal)[:300]
+            return result
+        return self._send(request.label, tools_as_system_text(request.messages, request.tools), None)
+
+    def _send(self, label: str, messages: list[dict], tools: list[dict] | None) -> RequestResult:
+        body = {"model": self.model, "messages": messages, "stream": True, "temperature": 0.0,
                 "max_tokens": self.max_tokens, "stream_options": {"include_usage": True}}
-        if request.tools:
-            body["tools"] = request.tools
+        if tools:
+            body["tools"] = tools
         t0 = time.perf_counter()
         first = finished = None
         usage, timings, n_out = {}, {}, 0
@@ -215,5 +240,5 @@ class EndpointBackend:
         cached = details.get("cached_tokens")
         if cached is None and "cache_n" in timings:
             cached = timings["cache_n"]
-        return RequestResult(request.label, (t_first - t0) * 1000.0, usage.get("prompt_tokens"), cached,
+        return RequestResult(label, (t_first - t0) * 1000.0, usage.get("prompt_tokens"), cached,
                              usage.get("completion_tokens", n_out or None), None, source)
