@@ -68,10 +68,9 @@ def config_from_args(args) -> ServerConfig:
 
 def run(args) -> int:
     from kvtool.config import EngineConfig
+    from kvtool.errors import InvalidParameterError
     from kvtool.serving.server import check_listen, serve
     from kvtool.skills.preamble import canonical_preamble
-
-    from kvtool.errors import InvalidParameterError
 
     cfg = config_from_args(args)
     if args.skills is not None and not os.path.isdir(args.skills):

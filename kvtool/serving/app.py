@@ -181,8 +181,9 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
         saver = cfg.cache_save_every and asyncio.create_task(
             autosave(prefix_cache, engine.config.cache_file, model, cfg.cache_save_every))
         yield
-        if saver:
+        if saver:  # a save in progress finishes first (its thread can't be stopped), so the last save wins
             saver.cancel()
+            await asyncio.gather(saver, return_exceptions=True)
         worker.stop()
         save_cache_file(prefix_cache, engine.config.cache_file, model)
 
