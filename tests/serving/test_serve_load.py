@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -31,4 +32,7 @@ def test_sixteen_concurrent_streams_are_not_corrupted(smol_server, capsys):
     # every request either completed (same text as its solo run) or was cleanly rejected
     assert record["completed"] + record["rejected"] == record["requests"] and record["completed"] >= 16
     assert record["ttft_p50_ms"] is not None and record["ttft_p99_ms"] >= record["ttft_p50_ms"]
-    assert smol_server.app.state.worker.running == 0
+    worker, deadline = smol_server.app.state.worker, time.monotonic() + 10
+    while worker.running and time.monotonic() < deadline:  # the last answers can arrive before their release
+        time.sleep(0.05)
+    assert worker.running == 0
