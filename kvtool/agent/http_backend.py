@@ -144,14 +144,8 @@ class OpenAIHTTPBackend:
             json.dumps(sampling, allow_nan=False)
         except (TypeError, ValueError) as exc:
             bad(f"values must be JSON numbers, strings, lists or objects ({exc})")
-        known = {k: v for k, v in sampling.items() if k in SAMPLING_KEYS and v is not None}
-        stop = known.pop("stop", [])
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            bad(f"stop={stop!r} must be a string or a list of strings")
-        try:
-            SamplingParams(**known, stop=stop).validate()
+        try:  # the fields kvtool knows, by its own checks (a single stop string included)
+            SamplingParams(**{k: v for k, v in sampling.items() if k in SAMPLING_KEYS and v is not None}).validate()
         except InvalidParameterError as exc:
             bad(str(exc))
 

@@ -13,7 +13,12 @@ from kvtool.errors import KvtoolError
 
 
 class EndpointError(KvtoolError):
-    """The endpoint refused a request or answered something that is not an OpenAI stream."""
+    """The endpoint refused a request (``status``: its HTTP status) or answered something that is not an
+    OpenAI stream (status None)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -66,7 +71,7 @@ def sse_chunks(response, url: str) -> Iterator[dict]:
     """The JSON chunks of an OpenAI event stream up to [DONE]; EndpointError on a refusal or a broken stream."""
     if response.status_code != 200:
         response.read()
-        raise EndpointError(f"{url} answered {response.status_code}: {response.text[:500]}")
+        raise EndpointError(f"{url} answered {response.status_code}: {response.text[:500]}", response.status_code)
     for line in response.iter_lines():
         if not line.startswith("data:"):
             continue
@@ -198,22 +203,21 @@ class EndpointBackend:
         return fork_of(tree, lambda segment: segment.get("text", "")) if isinstance(tree, list) else None
 
     def send(self, request: ChatRequest) -> RequestResult:
-        if not request.tools:
-            return self._send(request.label, request.messages, None)
-        if self.tools_rendering == "server":
-            try:
-                return self._send(request.label, request.messages, request.tools)
-            except EndpointError as exc:
-                if " answered 400:" not in str(exc):
-                    raise
-                refusal = exc
-            try:  # a template that renders no tools, most likely: declare them in the system turn
-                result = self._send(request.label, tools_as_system_text(request.messages, request.tools), None)
-            except EndpointError:
-                raise refusal from None
-            self.tools_rendering, self.tools_refused = "system-text", str(refusal)[:300]
-            return result
-        return self._send(request.label, tools_as_system_text(request.messages, request.tools), None)
+        in_system = tools_as_system_text(request.messages, request.tools) if request.tools else request.messages
+        if not request.tools or self.tools_rendering == "system-text":
+            return self._send(request.label, in_system, None)
+        try:
+            return self._send(request.label, request.messages, request.tools)
+        except EndpointError as exc:
+            if exc.status != 400:
+                raise
+            refusal = exc
+        try:  # a template that renders no tools, most likely: declare them in the system turn
+            result = self._send(request.label, in_system, None)
+        except EndpointError:
+            raise refusal from None
+        self.tools_rendering, self.tools_refused = "system-text", str(refusal)[:300]
+        return result
 
     def _send(self, label: str, messages: list[dict], tools: list[dict] | None) -> RequestResult:
         body = {"model": self.model, "messages": messages, "stream": True, "temperature": 0.0,

@@ -129,14 +129,18 @@ def mount_skills(engine: Engine, served: ServedModel, prefix_cache, catalog=None
     return splicer
 
 
-def save_cache_file(prefix_cache, path: str | None, model) -> None:
-    """At shutdown: write the prefix cache to --cache-file, so the next start answers known prefixes from it."""
-    if prefix_cache is not None and path is not None:
-        try:
-            info = prefix_cache.save(path, model)
-            log.info("saved the prefix cache to %s: %d tokens, %d pins", path, info["tokens"], info["pins"])
-        except Exception as exc:  # shutting down anyway: say why the file was not written
-            log.error("could not save the prefix cache to %s: %s: %s", path, type(exc).__name__, exc)
+def save_cache_file(prefix_cache, path: str | None, model, what: str = "saved") -> bool:
+    """Write the prefix cache to --cache-file (at shutdown, and by --cache-save-every), so the next start answers
+    known prefixes from it; a failure is logged, not raised (shutting down or serving on anyway)."""
+    if prefix_cache is None or path is None:
+        return False
+    try:
+        info = prefix_cache.save(path, model)
+    except Exception as exc:
+        log.error("could not %s the prefix cache to %s: %s: %s", what.removesuffix("d"), path, type(exc).__name__, exc)
+        return False
+    log.info("%s the prefix cache to %s: %d tokens, %d pins", what, path, info["tokens"], info["pins"])
+    return True
 
 
 async def autosave(prefix_cache, path: str, model, every: float) -> None:
@@ -146,14 +150,8 @@ async def autosave(prefix_cache, path: str, model, every: float) -> None:
     while True:
         await asyncio.sleep(every)
         changes = prefix_cache.changes
-        if changes == saved:
-            continue
-        try:
-            info = await run_in_threadpool(prefix_cache.save, path, model)
+        if changes != saved and await run_in_threadpool(save_cache_file, prefix_cache, path, model, "autosaved"):
             saved = changes
-            log.info("autosaved the prefix cache to %s: %d tokens, %d pins", path, info["tokens"], info["pins"])
-        except Exception as exc:
-            log.error("could not autosave the prefix cache to %s: %s: %s", path, type(exc).__name__, exc)
 
 
 def create_app(model, engine_config: EngineConfig | None = None, server_config: ServerConfig | None = None,

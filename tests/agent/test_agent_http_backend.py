@@ -148,7 +148,7 @@ def test_think_split_over_http(endpoint):
     ({"n": 3}, "n=3: the agent reads one choice per call"),
     ({"temperature": -0.5}, r"invalid sampling parameter temperature=-0.5: must be in \[0, 100\]"),
     ({"top_p": "high"}, "invalid sampling parameter top_p='high': must be a number"),
-    ({"stop": ["ok", 3]}, "stop=\\['ok', 3\\] must be a string or a list of strings"),
+    ({"stop": ["ok", 3]}, "invalid sampling parameter stop=\\['ok', 3\\]: must be a list of non-empty strings"),
     ({"seed": float("inf")}, "values must be JSON numbers"),
 ])
 def test_agent_refuses_sampling_the_http_backend_cannot_send(sampling, message):
