@@ -179,32 +179,8 @@ class Engine:
 
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Validate sizes; return the effective max_tokens."""
-        window = self.model.context_window
-        if not prompt_ids:
-            raise InvalidParameterError("the prompt is empty; give at least one token")
-        vocab = self.runner.spec.vocab_size
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidParameterError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-        for name in ("logit_bias", "allowed_token_ids"):
-            bad = sorted(t for t in getattr(params, name) or () if t >= vocab)
-            if bad:
-                raise InvalidParameterError(f"{name} token ids must be in [0, {vocab}); got {bad[:5]}")
-        if len(prompt_ids) >= window:
-            raise ContextWindowError(f"the prompt has {len(prompt_ids)} tokens; the model's context window is "
-                                     f"{window} tokens and must leave room for at least 1 new token")
-        if params.min_tokens and params.allowed_token_ids is not None and \
-                set(params.allowed_token_ids) <= self.stop_ids(params):
-            raise InvalidParameterError("allowed_token_ids lists only stop tokens, which min_tokens holds back: "
-                                        "nothing could be drawn")
-        max_tokens = params.max_tokens if params.max_tokens is not None else window - len(prompt_ids)
-        if params.min_tokens > max_tokens:
-            raise ContextWindowError(f"min_tokens ({params.min_tokens}) does not fit: the context window of {window} "
-                                     f"tokens leaves {max_tokens} after the prompt")
-        if len(prompt_ids) + max_tokens > window:
-            raise ContextWindowError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) = "
-                                     f"{len(prompt_ids) + max_tokens} exceeds the context window of {window} tokens")
-        return max_tokens
+        return check_request(prompt_ids, params, self.model.context_window, self.runner.spec.vocab_size,
+                             self.stop_ids(params))
 
     def new_generation(self, prompt_ids: list[int], params: SamplingParams | None = None) -> tuple[Generation, int]:
         """Validate a request; return its (not yet started) Generation and effective max_tokens."""
@@ -286,38 +262,58 @@ class Engine:
                 self.prefix_cache.commit(handle, (gen.prompt_ids + gen.token_ids)[: cache.offset], cache)
 
 
+def check_request(prompt_ids: list[int], params: SamplingParams, window: int, vocab: int, stop_ids: set[int]) -> int:
+    """Validate a request's sizes against a context window and vocabulary (any engine); return its effective
+    max_tokens. stop_ids: the tokens that end its output."""
+    if not prompt_ids:
+        raise InvalidParameterError("the prompt is empty; give at least one token")
+    bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise InvalidParameterError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+    for name in ("logit_bias", "allowed_token_ids"):
+        bad = sorted(t for t in getattr(params, name) or () if t >= vocab)
+        if bad:
+            raise InvalidParameterError(f"{name} token ids must be in [0, {vocab}); got {bad[:5]}")
+    if len(prompt_ids) >= window:
+        raise ContextWindowError(f"the prompt has {len(prompt_ids)} tokens; the model's context window is "
+                                 f"{window} tokens and must leave room for at least 1 new token")
+    if params.min_tokens and params.allowed_token_ids is not None and set(params.allowed_token_ids) <= stop_ids:
+        raise InvalidParameterError("allowed_token_ids lists only stop tokens, which min_tokens holds back: "
+                                    "nothing could be drawn")
+    max_tokens = params.max_tokens if params.max_tokens is not None else window - len(prompt_ids)
+    if params.min_tokens > max_tokens:
+        raise ContextWindowError(f"min_tokens ({params.min_tokens}) does not fit: the context window of {window} "
+                                 f"tokens leaves {max_tokens} after the prompt")
+    if len(prompt_ids) + max_tokens > window:
+        raise ContextWindowError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) = "
+                                 f"{len(prompt_ids) + max_tokens} exceeds the context window of {window} tokens")
+    return max_tokens
+
+
 def scores_prompt(gen: Generation) -> bool:
     """Whether starting gen computes its prompt logprobs (until they are complete: a start that is cut short
     scores again)."""
     return gen.params.prompt_logprobs is not None and gen.prompt_logprobs is None
 
 
-class OutputState:
-    """Per-request output side: sampling, detokenization, stop handling, timings."""
+class OutputText:
+    """Per-request output side of any engine: detokenization, stop handling, timings. take() each token the
+    engine drew (with its logprob and top alternatives); it updates the Generation and sets finish_reason."""
 
-    def __init__(self, engine: Engine, gen: Generation, max_tokens: int, skip_special_tokens: bool, t0: float):
-        params = gen.params
-        self.gen, self.max_tokens, self.t0 = gen, max_tokens, t0
-        self.tokenizer = engine.model.tokenizer
-        self.stops = engine.stop_ids(params)
-        self.sampler = Sampler(params, engine.runner.spec.vocab_size, gen.prompt_ids, engine.runner.device)
-        self.sampler.hold(self.stops)
-        self.sampler.constraint = engine.constraint(params, self.stops)
-        self.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
-        self.matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+    def __init__(self, tokenizer, stops: set[int], gen: Generation, max_tokens: int, skip_special_tokens: bool,
+                 t0: float):
+        self.gen, self.max_tokens, self.t0, self.tokenizer, self.stops = gen, max_tokens, t0, tokenizer, stops
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.matcher = StopStringMatcher(gen.params.stop, gen.params.include_stop_str_in_output)
         self.t_first: float | None = None
 
     def ms(self) -> float:
         return (time.perf_counter() - self.t0) * 1000.0
 
-    def accept(self, logits: torch.Tensor | None, sample: Sample | None = None) -> TokenEvent:
-        """Sample the next token from logits (or take `sample`, already drawn from them with this request's
-        parameters by a batched sampler); update the Generation; set finish_reason when done."""
+    def take(self, tok: int, logprob: float | None = None, top: list[tuple[int, float]] | None = None) -> TokenEvent:
         gen, tm, matcher = self.gen, self.gen.timings, self.matcher
-        sample = self.sampler(logits) if sample is None else sample
-        tok, i = sample.token, len(gen.token_ids)
+        i = len(gen.token_ids)
         gen.token_ids.append(tok)
-        self.sampler.observe(tok)
         now = self.ms()
         if self.t_first is None:
             self.t_first = tm.ttft_ms = now
@@ -335,4 +331,22 @@ class OutputState:
             text += matcher.feed(self.detok.flush()) + matcher.finish()
             gen.finish_reason, gen.stop_reason = ("stop" if matcher.stopped else "length"), matcher.matched
         gen.text += text
-        return TokenEvent(i, tok, decode_piece(self.tokenizer, tok), text, now, sample.logprob, sample.top)
+        return TokenEvent(i, tok, decode_piece(self.tokenizer, tok), text, now, logprob, top)
+
+
+class OutputState(OutputText):
+    """OutputText plus kvtool's own sampling of each next token."""
+
+    def __init__(self, engine: Engine, gen: Generation, max_tokens: int, skip_special_tokens: bool, t0: float):
+        params = gen.params
+        super().__init__(engine.model.tokenizer, engine.stop_ids(params), gen, max_tokens, skip_special_tokens, t0)
+        self.sampler = Sampler(params, engine.runner.spec.vocab_size, gen.prompt_ids, engine.runner.device)
+        self.sampler.hold(self.stops)
+        self.sampler.constraint = engine.constraint(params, self.stops)
+
+    def accept(self, logits: torch.Tensor | None, sample: Sample | None = None) -> TokenEvent:
+        """Sample the next token from logits (or take `sample`, already drawn from them with this request's
+        parameters by a batched sampler); update the Generation; set finish_reason when done."""
+        sample = self.sampler(logits) if sample is None else sample
+        self.sampler.observe(sample.token)
+        return self.take(sample.token, sample.logprob, sample.top)

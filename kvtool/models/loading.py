@@ -5,26 +5,23 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvtool.engine.ids import as_token_ids
-from kvtool.errors import InvalidParameterError, ModelLoadError
+from kvtool.errors import ModelLoadError
 from kvtool.models import gguf, ollama
 from kvtool.models.host import tune_host_allocator
 from kvtool.models.runner import ModelRunner
 from kvtool.models.spec import ModelSpec
+from kvtool.models.text import ModelText, TextModel
 
 WEIGHTS = ("dense", "int4")  # int4: 4-bit projections and a bf16 head for CPU decode (kvtool.kernels.quant)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model"]
-# Tokens that end a turn in the chat formats kvtool serves.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
 
 
 def pick_device(device: str = "auto") -> torch.device:
@@ -53,7 +50,7 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 @dataclass
-class LoadedModel:
+class LoadedModel(ModelText):
     name: str
     folder: Path  # HF folder the weights came from (the converted one for GGUF)
     runner: ModelRunner
@@ -67,63 +64,16 @@ class LoadedModel:
         return self.runner.spec
 
     @property
-    def chat_template(self) -> str | None:
-        return getattr(self.tokenizer, "chat_template", None)
-
-    @property
     def context_window(self) -> int:
         return self.spec.max_position
 
     @property
+    def precision(self) -> str:
+        return self.runner.precision
+
+    @property
     def kv_bytes_per_token(self) -> int:
         return self.spec.kv_bytes_per_token(self.runner.dtype.itemsize)
-
-    def encode(self, text: str) -> list[int]:
-        if not isinstance(text, str):
-            raise InvalidParameterError(f"encode() takes text (a str); got {type(text).__name__}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:  # a lone surrogate, or bytes the command line could not decode
-            raise InvalidParameterError(f"the text is not valid UTF-8 / Unicode (an unpaired surrogate or an "
-                                        f"undecodable byte at character {exc.start}); send valid UTF-8 text") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        ids = as_token_ids(ids, "decode() ids")
-        size = len(self.tokenizer)
-        bad = [t for t in ids if not 0 <= t < size]
-        if bad:
-            raise InvalidParameterError(f"decode() ids must be in [0, {size}) (the tokenizer's vocabulary); "
-                                        f"got {bad[:5]}")
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
-               **template_kwargs) -> str:
-        if not self.chat_template:
-            raise ModelLoadError(f"model {self.name} has no chat template; use a raw prompt")
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, (list, tuple)) or any(
-                not isinstance(m, Mapping) or not isinstance(m.get("role"), str) for m in messages):
-            raise InvalidParameterError("messages must be a list of dicts, each with a 'role' string "
-                                        "({'role': 'user', 'content': '...'})")
-        if tools is not None and (not isinstance(tools, (list, tuple)) or any(not isinstance(t, Mapping)
-                                                                              for t in tools)):
-            raise InvalidParameterError("tools must be a list of tool dicts ({'type': 'function', 'function': ...})")
-        try:
-            return self.tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **template_kwargs)
-        except Exception as exc:  # the template sees only the caller's messages: its complaints are about them
-            raise InvalidParameterError(f"the chat template could not render these messages: "
-                                        f"{type(exc).__name__}: {exc}") from None
-
-    def end_of_turn_ids(self) -> list[int]:
-        ids = set()
-        eos = self.hf_config.eos_token_id if hasattr(self.hf_config, "eos_token_id") else None
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        vocab = self.tokenizer.get_vocab()
-        ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
-        return sorted(ids)
 
     def fingerprint(self) -> dict:
         if "tokenizer_hash" not in self.info:  # hashing a 150k-entry vocab costs ~0.2 s; do it once
@@ -182,18 +132,33 @@ def load(model: str | None = None, device: str = "auto", dtype: str = "auto", pr
     folder, name = resolve_folder(str(model))
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    from transformers import AutoConfig, AutoTokenizer
-
-    try:
-        hf_config = AutoConfig.from_pretrained(str(folder))
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    except Exception as exc:
-        raise ModelLoadError(f"could not read config/tokenizer in {folder}: {exc}") from None
+    hf_config, tokenizer = read_config_tokenizer(folder)
     spec = ModelSpec.from_hf_config(hf_config)
     runner = build_runner(spec, hf_config, folder, dev, dt, progress, weights)
     return LoadedModel(name=name, folder=folder, runner=runner, tokenizer=tokenizer, hf_config=hf_config,
                        source=str(model), info={"device": str(dev), "dtype": str(dt).replace("torch.", ""),
                                                      "weights": weights})
+
+
+def load_text(model: str | None = None) -> TextModel:
+    """The tokenizer side of a model (config, tokenizer, chat template) without its weights: for an engine that
+    loads the weights itself (kvtool serve --engine vllm). A GGUF file is converted once, as load() does."""
+    from kvtool.config import DEFAULT_MODEL
+
+    model = model or DEFAULT_MODEL
+    folder, name = resolve_folder(str(model))
+    hf_config, tokenizer = read_config_tokenizer(folder)
+    return TextModel(name=name, folder=folder, tokenizer=tokenizer, hf_config=hf_config,
+                     spec=ModelSpec.from_hf_config(hf_config), source=str(model))
+
+
+def read_config_tokenizer(folder: Path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        return AutoConfig.from_pretrained(str(folder)), AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:
+        raise ModelLoadError(f"could not read config/tokenizer in {folder}: {exc}") from None
 
 
 def check_weights(weights: str, device: torch.device) -> None:

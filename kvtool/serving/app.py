@@ -21,8 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvtool.config import EngineConfig, SamplingParams
-from kvtool.engine import Engine
+from kvtool.config import EngineConfig
 from kvtool.errors import InvalidParameterError, KvtoolError
 from kvtool.models.fim import fim_format, plain_ids
 from kvtool.serving.chat import prepare_chat
@@ -37,7 +36,6 @@ from kvtool.serving.served import ServedModel
 from kvtool.serving.session import ChatSession, CompletionSession
 from kvtool.serving.tokens import token_table
 from kvtool.serving.toolparse import TOOL_FORMATS
-from kvtool.serving.worker import Worker
 
 log = logging.getLogger("kvtool.serving")
 UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|list\[.*|dict\[.*|literal\[.*|function-.*|[A-Z]\w*)$")
@@ -113,77 +111,30 @@ class MetricsMiddleware:
             self.metrics.http_response(scope["path"] if scope["path"] in self.routes else "other", status[0])
 
 
-def mount_skills(engine: Engine, served: ServedModel, prefix_cache, catalog=None):
-    """Install a SkillSplicer around the prefix cache when EngineConfig.skills_dir (or a catalog) is given."""
-    folder = engine.config.skills_dir
-    if catalog is None and not folder:
-        return None
-    from kvtool.skills.catalog import load_catalog
-    from kvtool.skills.splice import SkillSplicer
-
-    if catalog is None:
-        catalog = load_catalog(folder, engine.model, preamble=engine.config.skill_preamble)
-    splicer = SkillSplicer(catalog, engine.config.skill_repair, inner=prefix_cache, chunk=engine.config.prefill_chunk)
-    engine.prefix_cache, served.skills = splicer, catalog
-    log.info("serving %d skills (%s), repair %s", len(catalog), ", ".join(catalog.names()), engine.config.skill_repair)
-    return splicer
-
-
-def save_cache_file(prefix_cache, path: str | None, model, what: str = "saved") -> bool:
-    """Write the prefix cache to --cache-file (at shutdown, and by --cache-save-every), so the next start answers
-    known prefixes from it; a failure is logged, not raised (shutting down or serving on anyway)."""
-    if prefix_cache is None or path is None:
-        return False
-    try:
-        info = prefix_cache.save(path, model)
-    except Exception as exc:
-        log.error("could not %s the prefix cache to %s: %s: %s", what.removesuffix("d"), path, type(exc).__name__, exc)
-        return False
-    log.info("%s the prefix cache to %s: %d tokens, %d pins", what, path, info["tokens"], info["pins"])
-    return True
-
-
-async def autosave(prefix_cache, path: str, model, every: float) -> None:
-    """--cache-save-every: save the prefix cache to ``path`` every ``every`` seconds when it changed since the
-    last save. A failed save is logged and tried again at the next tick; serving goes on either way."""
-    saved = prefix_cache.changes
-    while True:
-        await asyncio.sleep(every)
-        changes = prefix_cache.changes
-        if changes != saved and await run_in_threadpool(save_cache_file, prefix_cache, path, model, "autosaved"):
-            saved = changes
-
-
 def create_app(model, engine_config: EngineConfig | None = None, server_config: ServerConfig | None = None,
-               prefix_cache=None, skills=None) -> FastAPI:
-    """The app; `skills` is a SkillCatalog to serve (else EngineConfig.skills_dir is loaded, if set)."""
+               prefix_cache=None, skills=None, backend=None) -> FastAPI:
+    """The app; `skills` is a SkillCatalog to serve (else EngineConfig.skills_dir is loaded, if set).
+
+    backend: what computes (default: kvtool's own engine, a KvtoolBackend; kvtool.engines.vllm gives a
+    VllmBackend); the routes here are the same for every backend."""
     cfg = (server_config or ServerConfig()).validate()  # names an unknown tool parser too
     fmt = TOOL_FORMATS[cfg.tool_parser]
     served = ServedModel(model, cfg.served_model_name)
-    engine = Engine(model, engine_config, prefix_cache)
-    if prefix_cache is None:  # one prefix cache for every request, unless EngineConfig turns it off
-        from kvtool.cache.manager import attach_prefix_cache
+    if backend is None:
+        from kvtool.serving.backend import KvtoolBackend
 
-        prefix_cache = attach_prefix_cache(engine)
-    splicer = mount_skills(engine, served, prefix_cache, skills)
-    extra = [f for f in (cfg.extra_metrics, prefix_cache and prefix_cache.prometheus_lines) if f]
+        backend = KvtoolBackend(model, served, engine_config, prefix_cache, skills, cfg)
+    served.engine = backend.name
+    extra = [f for f in (cfg.extra_metrics, backend.metrics_lines) if f]
     metrics = ServerMetrics((lambda: [line for f in extra for line in f()]) if extra else None)
-    worker = Worker(engine, cfg.max_active, cfg.max_queue, metrics, cfg.prefill_budget, cfg.kv_bytes)
+    worker = backend.start_worker(metrics)
     started = int(time.time())
-    if cfg.cache_save_every is not None and (prefix_cache is None or engine.config.cache_file is None):
-        raise InvalidParameterError("--cache-save-every saves the prefix cache to --cache-file; give a cache file "
-                                    "(EngineConfig.cache_file) with the prefix cache on")
 
     @asynccontextmanager
     async def lifespan(app):
-        saver = cfg.cache_save_every and asyncio.create_task(
-            autosave(prefix_cache, engine.config.cache_file, model, cfg.cache_save_every))
+        await backend.on_start()
         yield
-        if saver:  # a save in progress finishes first (its thread can't be stopped), so the last save wins
-            saver.cancel()
-            await asyncio.gather(saver, return_exceptions=True)
-        worker.stop()
-        save_cache_file(prefix_cache, engine.config.cache_file, model)
+        await backend.on_stop()
 
     app = FastAPI(title="kvtool serve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server that also shows the raw tokens and the chat template.")
@@ -232,15 +183,14 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
-        sched = worker.scheduler
-        return PlainTextResponse(metrics.render(worker.running, worker.waiting, sched),
+        return PlainTextResponse(metrics.render(worker.running, worker.waiting, worker.scheduler),
                                  media_type="text/plain; version=0.0.4")
 
     @api.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": served.name, "object": "model", "created": started,
                                             "owned_by": "kvtool", "max_model_len": served.context_window,
-                                            "precision": served.precision}]}
+                                            "precision": served.precision, "engine": backend.name}]}
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -372,16 +322,6 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
                 "count": len(prepared.prompt_ids), "token_ids": prepared.prompt_ids,
                 "tokens": token_table(served, prepared.prompt, prepared.prompt_ids)}
 
-    @api.get("/v1/skills")
-    async def list_skills():
-        """The skills this server splices (kvtool serve --skills DIR); request them with the `skills` field."""
-        if splicer is None:
-            return {"object": "list", "data": [], "enabled": False}
-        from kvtool.skills.repair import describe
-
-        return {"object": "list", "enabled": True, "render": served.skills.render, "repair": describe(splicer.repair),
-                "data": [{"object": "skill", **row} for row in served.skills.summary()]}
-
     @api.get("/v1/chat/template")
     async def raw_template():
         if not model.chat_template:
@@ -389,20 +329,9 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
         return {"model": served.name, "chat_template": model.chat_template}
 
     app.include_router(api)
-    from kvtool.cache.http import cache_router
-
-    async def prefill_in_batch(ids: list[int]) -> None:  # a pin's KV, chunked beside the running streams
-        async for _ in worker.submit(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)):
-            pass
-
-    cache_routes = cache_router(lambda: prefix_cache, lambda: model, served.check_name, engine.config.cache_file,
-                                prefill_in_batch)
-    app.include_router(cache_routes, dependencies=[Depends(check_key)])
-    app.state.prefix_cache = prefix_cache
-    from kvtool.viz.inspect import inspect_router
-
-    app.include_router(inspect_router(lambda: model, run_exclusive=worker.run_exclusive, get_engine=lambda: engine,
-                                      chat_stream=True), dependencies=[Depends(check_key)])
+    for router in backend.routers(worker, served):
+        app.include_router(router, dependencies=[Depends(check_key)])
+    app.state.prefix_cache = getattr(backend, "prefix_cache", None)
     routes = {r.path for r in [*app.routes, *api.routes] if hasattr(r, "path")}
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=routes)  # outermost: it counts the 413s too

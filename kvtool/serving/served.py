@@ -27,8 +27,9 @@ class ServedModel:
         self.vocab_size = model.spec.vocab_size
         self.tokenizer_size = len(tok)
         self.context_window = model.context_window
-        self.precision = model.runner.precision  # e.g. "float32", or "float32/int4" with --weights int4
+        self.precision = model.precision  # e.g. "float32", or "float32/int4" with --weights int4
         self.skills = None  # a kvtool.skills SkillCatalog when serving with --skills
+        self.engine = "kvtool"  # the backend computing (create_app sets it)
 
     def check_name(self, requested: str | None) -> None:
         if requested is not None and requested not in self.aliases:

@@ -105,7 +105,48 @@ def kv_budget_tokens(engine: Engine, kv_bytes: int | None) -> int:
     return tokens
 
 
-class Worker:
+def check_count(prompts: int, n: int, max_active: int, max_queue: int) -> tuple[int, int]:
+    """(sequences a request asks for, sequences the server holds); a 400 when n is bad or the request alone
+    is more than the server ever holds."""
+    total, capacity = prompts * n, max_active + max_queue
+    if n < 1:
+        raise ServingError(f"n must be >= 1, got {n}", param="n")
+    if total > capacity:
+        raise ServingError(f"{prompts} prompt(s) x n={n} = {total} sequences; this server takes at most "
+                           f"{capacity} at once (--max-active + --max-queue)", param="n")
+    return total, capacity
+
+
+class EventSink:
+    """What every engine's worker does with a handle's events: metrics (TTFT, inter-token latency, finished
+    generations) and posting to the handle's queue. Needs `self.metrics` (a ServerMetrics or None)."""
+
+    metrics = None
+
+    def _emit(self, handle: Handle, event: TokenEvent) -> None:
+        now = time.perf_counter()
+        if self.metrics:
+            if handle.first_token is None:
+                self.metrics.observe_ttft(now - handle.submitted)
+            else:
+                self.metrics.observe_itl(now - handle.last_token)
+        if handle.first_token is None:
+            handle.first_token = now
+        handle.last_token = now
+        handle._post(event)
+
+    def _finish(self, handle: Handle, error: BaseException | None = None) -> None:
+        if handle.done:
+            return
+        handle.done = True
+        if error is not None:
+            handle._post(error)
+        if self.metrics:
+            self.metrics.finished(handle.gen)
+        handle._post(_DONE)
+
+
+class Worker(EventSink):
     def __init__(self, engine: Engine, max_active: int = 16, max_queue: int = 64, metrics=None,
                  prefill_chunk: int | None = None, kv_bytes: int | None = None):
         self.engine, self.max_active, self.max_queue, self.metrics = engine, max_active, max_queue, metrics
@@ -144,12 +185,7 @@ class Worker:
         becomes s + i for choice i; the choices of one prompt prefill it once (a shared Fork)."""
         if not self.alive:
             raise Unavailable("the model worker is not running; restart kvtool serve", code="worker_stopped")
-        total, capacity = len(prompts) * n, self.max_active + self.max_queue
-        if n < 1:
-            raise ServingError(f"n must be >= 1, got {n}", param="n")
-        if total > capacity:
-            raise ServingError(f"{len(prompts)} prompt(s) x n={n} = {total} sequences; this server takes at most "
-                               f"{capacity} at once (--max-active + --max-queue)", param="n")
+        total, capacity = check_count(len(prompts), n, self.max_active, self.max_queue)
         loop, handles = asyncio.get_running_loop(), Handles()
         for ids, choice, fork in choices(prompts, [params] * len(prompts), n):
             gen, max_tokens = self.engine.new_generation(ids, choice)  # validates; computes nothing yet
@@ -235,18 +271,6 @@ class Worker:
                     handle._post(WorkerCrash(f"generation failed: {type(exc).__name__}: {exc}"))
                     self._finish(handle)
 
-    def _emit(self, handle: Handle, event: TokenEvent) -> None:
-        now = time.perf_counter()
-        if self.metrics:
-            if handle.first_token is None:
-                self.metrics.observe_ttft(now - handle.submitted)
-            else:
-                self.metrics.observe_itl(now - handle.last_token)
-        if handle.first_token is None:
-            handle.first_token = now
-        handle.last_token = now
-        handle._post(event)
-
     def _on_finish(self, gen: Generation, error: BaseException | None) -> None:
         handle = self._handles.pop(id(gen))
         if isinstance(error, KvtoolError):  # the request asked for what cannot be done (e.g. a dead-end pattern)
@@ -258,13 +282,3 @@ class Worker:
         elif self._stop and gen.finish_reason == "abort" and not handle.cancelled.is_set():
             handle._post(Unavailable("the server is shutting down", code="shutting_down"))
         self._finish(handle)
-
-    def _finish(self, handle: Handle, error: BaseException | None = None) -> None:
-        if handle.done:
-            return
-        handle.done = True
-        if error is not None:
-            handle._post(error)
-        if self.metrics:
-            self.metrics.finished(handle.gen)
-        handle._post(_DONE)
