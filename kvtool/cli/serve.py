@@ -6,6 +6,7 @@ import os
 import sys
 
 from kvtool.cli.common import ENGINE, add_model_args, check_writable, describe_load, load_from_args
+from kvtool.engines import ENGINES
 from kvtool.serving.config import ServerConfig
 
 SERVER = ServerConfig()
@@ -53,6 +54,11 @@ def register(subparsers) -> None:
     p.add_argument("--skill-preamble", default=ENGINE.skill_preamble, metavar="SPEC",
                    help="what skill blocks are compiled after: deep[:tokens=N] | conversation | none "
                         "(default: %(default)s; see kvtool skill compile --help)")
+    p.add_argument("--engine", default="kvtool", choices=ENGINES,
+                   help="what computes: kvtool's own engine, or vLLM (the [vllm] extra; docs/vllm.md)")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --engine vllm: one of vLLM's engine arguments, e.g. tensor_parallel_size=2 or "
+                        "max_model_len=4096 (repeatable)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
 
@@ -73,6 +79,12 @@ def run(args) -> int:
     from kvtool.skills.preamble import canonical_preamble
 
     cfg = config_from_args(args)
+    if args.engine == "vllm":
+        from kvtool.cli.serve_vllm import run_vllm
+
+        return run_vllm(args, cfg)
+    if args.engine_arg:
+        raise InvalidParameterError("--engine-arg passes settings to vLLM; it needs --engine vllm")
     if args.skills is not None and not os.path.isdir(args.skills):
         raise InvalidParameterError(f"--skills {args.skills!r} is not a folder of skills (NAME/SKILL.md or *.md)")
     if cfg.cache_save_every is not None and args.cache_file is None:

@@ -12,7 +12,7 @@ from kvtool.errors import KvtoolError
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+               429: "rate_limit_error", 500: "server_error", 501: "not_supported_error", 503: "server_error"}
 
 
 class ServingError(KvtoolError):
@@ -37,6 +37,12 @@ class QueueFull(ServingError):
 
 class Unavailable(ServingError):
     status_code = 503
+
+
+class NotSupported(ServingError):
+    """A route the serving engine cannot answer (e.g. the prefix tree on --engine vllm): 501, naming the engine."""
+
+    status_code = 501
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

@@ -16,7 +16,7 @@ from kvtool.serving.errors import ServingError
 
 
 def serve(model, server_config: ServerConfig | None = None, engine_config: EngineConfig | None = None,
-          log_level: str = "info", on_ready: Callable[..., None] | None = None) -> None:
+          log_level: str = "info", on_ready: Callable[..., None] | None = None, backend=None) -> None:
     """Build the app (engine, prefix cache, skills), call on_ready(app) (the CLI's "serving ..." line), serve."""
     cfg = server_config or ServerConfig()
     logger = logging.getLogger("kvtool")
@@ -25,7 +25,7 @@ def serve(model, server_config: ServerConfig | None = None, engine_config: Engin
         handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(log_level.upper())
-    app = create_app(model, engine_config, cfg)
+    app = create_app(model, engine_config, cfg, backend=backend)
     if on_ready is not None:
         on_ready(app)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=log_level)

