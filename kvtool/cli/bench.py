@@ -89,6 +89,15 @@ def register(subparsers) -> None:
     batching.add_args(b)
     b.set_defaults(func=run_batching)
 
+    e = sub.add_parser("engines", help="kvtool's engine beside vLLM (kvtool serve --engine vllm) on one model: "
+                                         "decode, cold TTFT 512/2k, 2k prefix hit, 8 and 64 streams")
+    e.add_argument("--model", required=True, help="hub id, HF folder or .gguf file, as kvtool serve takes it")
+    e.add_argument("--repeats", type=int, default=3)
+    e.add_argument("--engine-arg", action="append", default=None, metavar="KEY=VALUE",
+                   help="vLLM engine argument (repeatable; default: max_model_len=4096)")
+    e.add_argument("--out", default=None, help="JSON output path (e.g. benchmarks/results/engines-cpu.json)")
+    e.set_defaults(func=run_engines)
+
     a = sub.add_parser("all", help="every benchmark on one model; report.md + report.json + PNG plots")
     _add_model(a)
     _add_endpoint(a, "for the serving scenarios (context layouts, batching)")
@@ -176,6 +185,25 @@ def run_skills(args) -> int:
     check_writable(cfg.plot, "--plot")
     with _bench_model(args) as bm:
         report(run_skills_bench(bm, cfg, log=_log), cfg.out, cfg.plot)
+    return 0
+
+
+def run_engines(args) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from kvtool.bench.engines import EnginesBenchConfig, run_engines_bench
+    from kvtool.engines.vllm import available
+    from kvtool.errors import InvalidParameterError
+
+    if not available():
+        raise InvalidParameterError("kvtool bench engines needs vLLM: pip install -e '.[vllm]'")
+    check_writable(args.out, "--out")
+    cfg = EnginesBenchConfig(repeats=args.repeats, out=args.out)
+    if args.engine_arg is not None:
+        cfg.engine_args = list(args.engine_arg)
+    with tempfile.TemporaryDirectory(prefix="kvtool-bench-engines-") as workdir:
+        run_engines_bench(args.model, cfg, Path(workdir))
     return 0
 
 
