@@ -164,6 +164,9 @@ def test_cached_tokens_on_a_repeated_prefix(http):
     assert first["prompt_tokens"] > 256
     # vLLM caches whole blocks (128 tokens on CPU); kvtool all but the last token
     assert again["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"] - 128
+    assert http.post("/v1/cache/reset").status_code == 200  # both engines empty their prefix cache on request
+    after = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()["usage"]
+    assert after["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 BAD = [("/v1/chat/completions", {"messages": "hi"}),

@@ -12,10 +12,11 @@ import logging
 import time
 
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 
 from kvtool.errors import ModelLoadError
 from kvtool.serving.config import ServerConfig
-from kvtool.serving.errors import NotSupported
+from kvtool.serving.errors import NotSupported, Unavailable
 
 log = logging.getLogger("kvtool.serving")
 
@@ -24,7 +25,6 @@ KVTOOL_ONLY = [
     ("GET", "/v1/skills", "skill KV blocks spliced into prompts"),
     ("GET", "/v1/cache", "kvtool's prefix cache statistics (vLLM's prefix-cache counters are under /metrics)"),
     ("GET", "/v1/cache/tree", "the prefix tree of kvtool's cache"),
-    ("POST", "/v1/cache/reset", "kvtool's prefix cache"),
     ("POST", "/v1/cache/save", "saving kvtool's prefix cache to a file"),
     ("POST", "/v1/cache/pin", "pinning a prefix in kvtool's cache"),
     ("POST", "/v1/cache/unpin", "pinning a prefix in kvtool's cache"),
@@ -83,6 +83,16 @@ class VllmBackend:
                 raise refusal(what)
 
             router.add_api_route(path, refuse, methods=[method], include_in_schema=False)
+
+        @router.post("/v1/cache/reset")
+        async def reset():
+            """Empty vLLM's prefix cache (as kvtool's route empties kvtool's), e.g. between benchmark scenarios."""
+            done = await run_in_threadpool(worker.run_exclusive, lambda engine: engine.reset_prefix_cache())
+            if not done:
+                raise Unavailable("vLLM did not reset its prefix cache (requests still hold cached blocks); retry "
+                                  "when they finish", code="cache_busy")
+            return {"object": "prefix_cache.reset", "engine": "vllm"}
+
         return [router]
 
 

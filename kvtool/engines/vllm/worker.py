@@ -23,7 +23,7 @@ from kvtool.engine.batch import choice_seed
 from kvtool.engine.generate import OutputText, check_request
 from kvtool.engine.ids import as_token_ids
 from kvtool.engines.vllm.sampling import prompt_rows, to_vllm, top_list
-from kvtool.serving.errors import QueueFull, ServingError, Unavailable
+from kvtool.serving.errors import QueueFull, Unavailable
 from kvtool.serving.worker import EventSink, Handle, Handles, RequestFailed, WorkerCrash, check_count
 
 log = logging.getLogger("kvtool.serving")
@@ -48,6 +48,7 @@ class VllmWorker(EventSink):
         self._live: dict[str, VllmRequest] = {}  # vLLM request id -> request
         self._by_handle: dict[int, VllmRequest] = {}
         self._ids = itertools.count()
+        self._calls: list = []  # run_exclusive() functions for the worker thread
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="kvtool-vllm-worker", daemon=True)
@@ -99,9 +100,25 @@ class VllmWorker(EventSink):
             self._cv.notify()
         return handles
 
-    def run_exclusive(self, fn):
-        raise ServingError("this route needs kvtool's own engine; the server runs --engine vllm",
-                           code="unsupported_by_engine")
+    def run_exclusive(self, fn, timeout: float = 60.0):
+        """fn(engine) on the worker thread between two engine steps (e.g. a prefix-cache reset); its result."""
+        done, box = threading.Event(), {}
+
+        def call():
+            try:
+                box["value"] = fn(self.engine)
+            except Exception as exc:
+                box["error"] = exc
+            done.set()
+
+        with self._cv:
+            self._calls.append(call)
+            self._cv.notify()
+        if not done.wait(timeout):
+            raise Unavailable("the vLLM engine did not take the call in time", code="engine_busy")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cv:
@@ -120,11 +137,14 @@ class VllmWorker(EventSink):
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._pending and not self._live:
+                while not self._stop and not self._pending and not self._live and not self._calls:
                     self._cv.wait()
                 if self._stop:
                     break
                 new, self._pending = list(self._pending), deque()
+                calls, self._calls = self._calls, []
+            for call in calls:
+                call()
             try:
                 self._admit(new)
                 self._abort([r for r in self._live.values() if r.handle.cancelled.is_set()])
