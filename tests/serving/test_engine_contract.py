@@ -211,6 +211,8 @@ def test_kvtool_only_routes_name_the_engine(http, server):
                          ("POST", "/v1/viz/attention"), ("POST", "/v1/cache/save")]:
         r = http.request(method, path, json={})
         assert r.status_code == 501 and "vllm" in r.json()["error"]["message"], (path, r.text)
+    r = http.post("/v1/chat/completions", json={"messages": ASK, "skills": ["x"], "max_tokens": 1})
+    assert r.status_code == 400 and "--engine vllm" in r.json()["error"]["message"]
 
 
 def test_metrics(http, server):

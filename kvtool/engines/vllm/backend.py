@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
 from kvtool.errors import ModelLoadError
@@ -41,6 +41,13 @@ KVTOOL_ONLY = [
 def refusal(what: str) -> NotSupported:
     return NotSupported(f"this server runs --engine vllm, which does not give {what}; start kvtool serve with "
                         "--engine kvtool (the default) for this route", code="unsupported_by_engine")
+
+
+def refuser(what: str):
+    async def refuse():
+        raise refusal(what)
+
+    return refuse
 
 
 class VllmBackend:
@@ -79,10 +86,7 @@ class VllmBackend:
     def routers(self, worker, served) -> list[APIRouter]:
         router = APIRouter()
         for method, path, what in KVTOOL_ONLY:
-            async def refuse(request: Request, what=what):
-                raise refusal(what)
-
-            router.add_api_route(path, refuse, methods=[method], include_in_schema=False)
+            router.add_api_route(path, refuser(what), methods=[method], include_in_schema=False)
 
         @router.post("/v1/cache/reset")
         async def reset():
