@@ -398,6 +398,10 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
     cache_routes = cache_router(lambda: prefix_cache, lambda: model, served.check_name, engine.config.cache_file,
                                 prefill_in_batch)
     app.include_router(cache_routes, dependencies=[Depends(check_key)])
+    from kvtool.cache.edit_http import edit_router
+
+    app.include_router(edit_router(lambda: prefix_cache, lambda: model, served.check_name, worker.run_exclusive),
+                       dependencies=[Depends(check_key)])
     app.state.prefix_cache = prefix_cache
     from kvtool.viz.inspect import inspect_router
 
