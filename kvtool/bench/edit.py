@@ -9,7 +9,8 @@ continuation. Every way (and `unedited`: the old cache as it was, the baseline) 
 - cost: context tokens recomputed through every layer (and appended, partially run), and the wall time of the
   edit plus the question's prefill against the full recompute's (median of `repeats` runs after a warm-up).
 Modes: direct (the answer only) or reasoning (an explicit "think step by step" instruction, greedy reasoning,
-then the cue "Answer:" and the answer). Neither model has <think> tokens (SmolLM2, Qwen2.5-Coder), so the
+then the cue "Answer:" and the answer; where the model ends its turn at the cue, the reasoning's last line
+is the answer). Neither model has <think> tokens (SmolLM2, Qwen2.5-Coder), so the
 reasoning is the instruction's plain text on both.
 The KL gap closed, 1 - KL(way) / KL(unedited) at the first answer token, is the share of the decision the
 way restores; for field_only it measures how much of the decision the field's own KV carries.
@@ -112,6 +113,8 @@ class Answerer:
                     for tokens, _, _ in greedy_batch(runner, caches, cued, self.n_answer, self.stop)]
         for out, text, c, p in zip(outs, said, caches, pos):
             out["answer"] = self.model.decode(text).strip()
+            if not out["answer"] and out.get("reasoning"):  # it ended its turn at the cue: the answer was said
+                out["answer"] = [line for line in out["reasoning"].splitlines() if line.strip()][-1].strip()
             c.truncate(p)
         return outs
 
@@ -233,7 +236,10 @@ def verdict(rows: list[dict], summary: dict) -> dict:
 
 def run_edit_eval(model, cases: Sequence[EditCase] = CASES, modes: Sequence[str] = tuple(MODES),
                   budgets: Sequence[float] = DEFAULT_BUDGETS, answer_tokens: int = 12, reasoning_tokens: int = 48,
-                  repeats: int = 1, log: Callable[[str], None] = print) -> dict:
+                  repeats: int = 1, log: Callable[[str], None] = print,
+                  on_case: Callable[[dict], None] | None = None) -> dict:
+    """The record of every case in every mode; on_case(record so far) after each case (a long run's partial
+    results survive an interruption)."""
     from kvtool.bench.protocol import device_name, versions
     from kvtool.errors import InvalidParameterError
 
@@ -242,16 +248,23 @@ def run_edit_eval(model, cases: Sequence[EditCase] = CASES, modes: Sequence[str]
         raise InvalidParameterError(f"unknown mode(s) {bad or modes}; use {', '.join(MODES)}")
     if any(not 0.0 < b <= 1.0 for b in budgets):
         raise InvalidParameterError(f"budgets are shares of the context in (0, 1], got {list(budgets)}")
-    rows = []
+    rows: list[dict] = []
+
+    def record(done: int) -> dict:
+        summary = summarize(rows)
+        return {"bench": "edit", "model": model.name, "device": device_name(model.runner.device),
+                "dtype": model.runner.precision, "cases": done, "cases_planned": len(cases), "modes": list(modes),
+                "budgets": list(budgets), "mode_instructions": {m: MODES[m] for m in modes}, "answer_cue": ANSWER_CUE,
+                "answer_tokens": answer_tokens, "reasoning_tokens": reasoning_tokens, "repeats": repeats,
+                "torch_threads": torch.get_num_threads(), "summary": summary, "verdict": verdict(rows, summary),
+                "rows": rows, "versions": versions()}
+
     for i, case in enumerate(cases, 1):
         log(f"case {i}/{len(cases)}: {case.name} ({case.kind}): {case.old!r} -> {case.new!r}")
         rows += evaluate_case(model, case, modes, budgets, answer_tokens, reasoning_tokens, repeats, log)
-    summary = summarize(rows)
-    return {"bench": "edit", "model": model.name, "device": device_name(model.runner.device),
-            "dtype": model.runner.precision, "cases": len(cases), "modes": list(modes), "budgets": list(budgets),
-            "mode_instructions": {m: MODES[m] for m in modes}, "answer_cue": ANSWER_CUE,
-            "answer_tokens": answer_tokens, "reasoning_tokens": reasoning_tokens, "repeats": repeats,
-            "summary": summary, "verdict": verdict(rows, summary), "rows": rows, "versions": versions()}
+        if on_case is not None and i < len(cases):
+            on_case(record(i))
+    return record(len(cases))
 
 
 def plot_records(records: list[dict], path) -> object:

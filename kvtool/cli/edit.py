@@ -67,7 +67,7 @@ def run_eval(args) -> int:
     model = load_from_args(args)
     record = run_edit_eval(model, cases, modes=args.mode or ("direct", "reasoning"), budgets=budgets,
                            answer_tokens=args.answer_tokens, reasoning_tokens=args.reasoning_tokens,
-                           repeats=args.repeats, log=_log)
+                           repeats=args.repeats, log=_log, on_case=lambda rec: _partial(rec, args.out))
     if args.plot:
         _log(f"wrote {plot_records([record], args.plot)}")
     for mode, v in record["verdict"].items():
@@ -76,6 +76,13 @@ def run_eval(args) -> int:
              f"{_pct(v['field_only_gap_closed_median'])} of the KL gap (median)")
     emit(record, args.out)
     return 0
+
+
+def _partial(record: dict, out) -> None:
+    """The record so far, written to --out after each case (the finished run overwrites it)."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps({**record, "partial": True}, indent=1) + "\n")
 
 
 def _pct(value) -> str:
