@@ -269,20 +269,23 @@ def run_edit_eval(model, cases: Sequence[EditCase] = CASES, modes: Sequence[str]
 
 def plot_records(records: list[dict], path) -> object:
     """Agreement with full recompute against the share of the context recomputed: a line per strategy (the
-    field_only point, then its budgets), a marker for erratum, unedited and full; one panel per model."""
+    field_only point, then its budgets), a marker for erratum, unedited and full; one panel per model (records
+    of one model, e.g. a direct and a reasoning run, share its panel, one line style per mode)."""
     from kvtool.bench.plots import line_panels
 
-    panels = {}
+    panels: dict = {}
+    modes = {mode for rec in records for mode in rec["summary"]}
     for rec in records:
-        lines = {}
+        lines = panels.setdefault(rec["model"], {"cases": [], "lines": {}})
         for mode, ways_ in rec["summary"].items():
-            style = "" if len(rec["summary"]) == 1 else f" ({mode})"
+            lines["cases"].append(f"{mode}: {ways_['full']['cases']} cases")
+            style = "" if len(modes) == 1 else f" ({mode})"
             point = lambda w: (ways_[w]["fraction_recomputed"], ways_[w]["agreement"])  # noqa: E731
             for strategy in STRATEGIES:
                 pts = [point("field_only")] + sorted(point(w) for w in ways_ if w.startswith(strategy + ":"))
-                lines[strategy + style] = pts
+                lines["lines"][strategy + style] = pts
             for way in ("erratum", "unedited", "full"):
-                lines[way + style] = [point(way)]
-        panels[f"{rec['model']} ({rec['cases']} cases)"] = lines
-    return line_panels(path, "field edit: decision agreement with full recompute", panels,
+                lines["lines"][way + style] = [point(way)]
+    return line_panels(path, "field edit: decision agreement with full recompute",
+                       {f"{model}\n({', '.join(p['cases'])})": p["lines"] for model, p in panels.items()},
                        xlabel="share of the context recomputed", ylabel="answer agreement with full recompute")
