@@ -50,6 +50,7 @@ def line_panels(path: str | Path, title: str, panels: dict[str, dict[str, list[t
                     fillstyle="full" if modes.index(mode) == 0 else "none")
         ax.set(xlabel=xlabel, ylabel=ylabel, title=panel, ylim=(-0.03, 1.03))
         ax.set_xscale("symlog", linthresh=0.01)
+        ax.set_xlim(0, 1.1)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return _save(fig, path, title)
