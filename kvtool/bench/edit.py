@@ -267,6 +267,27 @@ def run_edit_eval(model, cases: Sequence[EditCase] = CASES, modes: Sequence[str]
     return record(len(cases))
 
 
+def merge_records(records: list[dict]) -> dict:
+    """One record from runs of one model and one set of settings over different cases (a long run split by
+    case into several processes): the rows together, summary and verdict computed again over all of them."""
+    from kvtool.errors import InvalidParameterError
+
+    keys = ("model", "dtype", "budgets", "answer_tokens", "reasoning_tokens", "repeats")
+    for rec in records[1:]:
+        differ = [k for k in keys if rec.get(k) != records[0].get(k)]
+        if differ:
+            raise InvalidParameterError(f"cannot merge records that differ in {differ}")
+    seen = [(r["case"], r["mode"]) for rec in records for r in rec["rows"] if r["way"] == "full"]
+    if len(seen) != len(set(seen)):
+        raise InvalidParameterError("the records share a case in one mode; merge runs over different cases")
+    rows = [r for rec in records for r in rec["rows"]]
+    summary = summarize(rows)
+    cases = len({r["case"] for r in rows})
+    return {**records[0], "cases": cases, "cases_planned": cases, "partial": any(r.get("partial") for r in records),
+            "modes": list(dict.fromkeys(m for rec in records for m in rec["modes"])),
+            "merged_from": len(records), "summary": summary, "verdict": verdict(rows, summary), "rows": rows}
+
+
 def plot_records(records: list[dict], path) -> object:
     """Agreement with full recompute against the share of the context recomputed: a line per strategy (the
     field_only point, then its budgets), a marker for erratum, unedited and full; one panel per model (records

@@ -35,6 +35,10 @@ def register(subparsers) -> None:
     pl.add_argument("records", nargs="+", help="JSON records written by `kvtool edit eval --out`")
     pl.add_argument("-o", "--out", required=True, help="PNG to write")
     pl.set_defaults(func=run_plot)
+    mg = sub.add_parser("merge", help="one record from runs of one model over different cases (summary recomputed)")
+    mg.add_argument("records", nargs="+", help="JSON records written by `kvtool edit eval --out`")
+    mg.add_argument("-o", "--out", required=True, help="JSON to write")
+    mg.set_defaults(func=run_merge)
     p.set_defaults(func=lambda args: p.print_help() or 2)
 
 
@@ -94,4 +98,12 @@ def run_plot(args) -> int:
 
     records = [json.loads(Path(p).read_text()) for p in args.records]
     _log(f"wrote {plot_records(records, args.out)}")
+    return 0
+
+
+def run_merge(args) -> int:
+    from kvtool.bench.edit import merge_records
+    from kvtool.bench.protocol import emit
+
+    emit(merge_records([json.loads(Path(p).read_text()) for p in args.records]), args.out)
     return 0

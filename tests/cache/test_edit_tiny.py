@@ -129,3 +129,39 @@ def test_a_cache_of_another_model_is_refused(tiny):
     foreign.layers = foreign.layers[:2]  # another depth: another model's KV
     with pytest.raises(EditInputError, match="another model: 2 layers"):
         apply_edit(tiny, foreign, edit_at(), "field_only")
+
+
+def _row(case, way, agree, kl, mode="direct"):
+    return {"case": case, "mode": mode, "way": way, "agree_text": agree, "agree_value": agree,
+            "decision": "new" if agree else "old", "kl_next": kl, "top1": 1.0, "cos_mean": 1.0, "fraction": 0.1,
+            "recomputed": 1, "appended": 0, "partial_equiv": 0.0, "ms": 2.0, "speedup": 1.5,
+            "gap_closed": None if way == "unedited" else 1 - kl / 2.0}
+
+
+def _record(cases, **over):
+    from kvtool.bench.edit import summarize, verdict
+
+    rows = [r for c in cases for r in (_row(c, "full", True, 0.0), _row(c, "unedited", c == "a", 2.0),
+                                       _row(c, "field_only", False, 1.99), _row(c, "erratum", True, 0.1))]
+    for r in rows:
+        if r["way"] == "unedited":
+            r["gap_closed"] = 0.0
+    summary = summarize(rows)
+    return {"model": "m", "dtype": "float32", "budgets": [0.1], "answer_tokens": 4, "reasoning_tokens": 4,
+            "repeats": 0, "modes": ["direct"], "cases": len(cases), "rows": rows, "summary": summary,
+            "verdict": verdict(rows, summary), **over}
+
+
+def test_the_verdict_counts_the_cases_the_edit_changes_and_merging_recomputes_it():
+    from kvtool.bench.edit import merge_records
+    from kvtool.errors import InvalidParameterError
+
+    merged = merge_records([_record(["a", "b"]), _record(["c"])])
+    v = merged["verdict"]["direct"]
+    assert merged["cases"] == 3 and v["edit_changes_answer"] == 2  # "a" kept its answer unedited
+    assert v["field_only_recovers"] == 0.0 and v["erratum_recovers"] == 1.0 and v["claim_erratum_recovers"]
+    assert v["field_only_gap_closed_median"] == pytest.approx(0.005) and v["claim_field_kv_under_1pct"]
+    with pytest.raises(InvalidParameterError, match="share a case"):
+        merge_records([_record(["a"]), _record(["a"])])
+    with pytest.raises(InvalidParameterError, match="repeats"):
+        merge_records([_record(["a"]), _record(["b"], repeats=1)])
