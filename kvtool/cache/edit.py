@@ -121,6 +121,9 @@ def plan_edit(model, context, span: tuple[int, int], new_value, unit: str = "cha
         raise EditInputError("this tokenizer gives no character offsets for the context; give the span in tokens",
                              param="unit")
     covered = [i for i, (a, b) in enumerate(offsets) if a < hi and b > lo]
+    if not covered:
+        raise EditInputError(f"no token covers the characters [{lo}, {hi}) of the context; give the span in "
+                             "tokens", param="span")
     start, end = covered[0], covered[-1] + 1
     new_ids = model.encode(text[:lo] + new_text + text[hi:])
     tail = len(old_ids) - end  # the tokens after the field, if they survive the edit unchanged
