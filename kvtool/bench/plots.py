@@ -25,6 +25,40 @@ def bar_panels(path: str | Path, title: str, panels: dict[str, dict[str, float |
         ax.set_xticklabels([e for e, _ in shown], rotation=25, ha="right", fontsize=8)
         ax.set_title(metric, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path, title)
+
+
+def line_panels(path: str | Path, title: str, panels: dict[str, dict[str, list[tuple[float, float]]]],
+                xlabel: str, ylabel: str) -> Path:
+    """panels: {panel title: {line label: [(x, y), ...]}}; a one-point line is drawn as a marker. A label ending
+    in " (mode)" keeps its base label's colour and takes a dashed style per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bases = list(dict.fromkeys(label.split(" (")[0] for lines in panels.values() for label in lines))
+    modes = list(dict.fromkeys(label.partition(" (")[2] for lines in panels.values() for label in lines))
+    styles = ["-", "--", ":", "-."]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.6 * len(panels) + 1, 4.6), squeeze=False)
+    for ax, (panel, lines) in zip(axes[0], panels.items()):
+        for label, pts in lines.items():
+            base, _, mode = label.partition(" (")
+            color, style = f"C{bases.index(base)}", styles[modes.index(mode) % len(styles)]
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            ax.plot(xs, ys, "o" if len(pts) == 1 else "o" + style, color=color, label=label,
+                    fillstyle="full" if modes.index(mode) == 0 else "none")
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=panel, ylim=(-0.03, 1.03))
+        ax.set_xscale("symlog", linthresh=0.01)
+        ax.set_xlim(0, 1.1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, path, title)
+
+
+def _save(fig, path: str | Path, title: str) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

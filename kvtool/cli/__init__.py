@@ -22,6 +22,7 @@ SUBCOMMAND_MODULES = [
     "kvtool.agent.cli",
     "kvtool.cli.viz",
     "kvtool.cli.skill",
+    "kvtool.cli.edit",
 ]
 
 

@@ -104,6 +104,7 @@ class KvtoolBackend:
         save_cache_file(self.prefix_cache, self.engine.config.cache_file, self.model)
 
     def routers(self, worker: Worker, served: ServedModel) -> list[APIRouter]:
+        from kvtool.cache.edit_http import edit_router
         from kvtool.cache.http import cache_router
         from kvtool.viz.inspect import inspect_router
 
@@ -128,5 +129,6 @@ class KvtoolBackend:
         return [skills,
                 cache_router(lambda: prefix_cache, lambda: model, served.check_name, engine.config.cache_file,
                              prefill_in_batch),
+                edit_router(lambda: prefix_cache, lambda: model, served.check_name, worker.run_exclusive),
                 inspect_router(lambda: model, run_exclusive=worker.run_exclusive, get_engine=lambda: engine,
                                chat_stream=True)]

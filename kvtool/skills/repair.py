@@ -163,21 +163,15 @@ class RecomputeAttended:
     def repair_run(self, runner, cache, placed: list, ids: list[int], chunk: int, logits: str):
         """placed: (PlaceStats, block) of the blocks before the query `ids`, which come next in `cache`.
         Recomputes the most attended block tokens and the query over them in one pass; the query's logits."""
-        from kvtool.skills.selective import attention_received, recompute_slots
+        from kvtool.skills.selective import recompute_most_attended
 
-        start = cache.offset
-        received = attention_received(runner, cache, ids, self.window, chunk, values=self.score == "attention_v")
-        slots = torch.cat([torch.arange(p.start, p.start + p.tokens) for p, _ in placed])
-        keep = int(self.ratio * len(slots))  # at most ratio of the block tokens
-        chosen = slots[received[slots.to(received.device)].topk(keep).indices.cpu()].sort().values.tolist()
+        slots = [s for p, _ in placed for s in range(p.start, p.start + p.tokens)]
         token_at = {p.start + i: t for p, block in placed for i, t in enumerate(block.token_ids)}
+        chosen, logits_out = recompute_most_attended(runner, cache, slots, token_at, ids, int(self.ratio * len(slots)),
+                                                     self.window, chunk, logits, values=self.score == "attention_v")
         for p, _ in placed:
             p.recomputed = sum(p.start <= s < p.start + p.tokens for s in chosen)
-        # the query's slots hold KV computed against the unrepaired blocks; the pass overwrites each layer's
-        # before anything reads it, and the query attends to the repaired tokens (all before it)
-        rows = {"all": len(ids), "last": 1}.get(logits, 0)
-        return recompute_slots(runner, cache, chosen + list(range(start, start + len(ids))),
-                               [token_at[s] for s in chosen] + list(ids), chunk=chunk, rows=rows)
+        return logits_out
 
 
 REPAIRS: dict[str, type] = {cls.name: cls for cls in (NoRepair, RecomputeFirstK, RecomputeDeviation,

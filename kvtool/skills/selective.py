@@ -146,6 +146,25 @@ def recompute_slots(runner, cache, slots: list[int], ids: list[int], chunk: int 
     return torch.cat(logits) if logits else None
 
 
+def recompute_most_attended(runner, cache, candidates: list[int], token_at: dict[int, int], ids: list[int], keep: int,
+                            window: int, chunk: int, logits: str = "last", values: bool = True):
+    """Query-guided selective recompute over any slots of `cache` (a skill block, or the tokens after an edited
+    field): prefill the query `ids` once to measure the attention each candidate slot receives from its last
+    `window` tokens (attention_received), then recompute the `keep` most attended candidates (token_at: slot
+    -> token id) through every layer and the query with them, over the cache as it stands. The query's slots
+    hold KV computed against the unrepaired cache; the pass overwrites each layer's before anything reads it.
+    Returns (the chosen slots, ascending; the query's logits per `logits`: "all", "last" or "none")."""
+    start = cache.offset
+    received = attention_received(runner, cache, ids, window, chunk, values=values)
+    slots = torch.as_tensor(candidates, dtype=torch.long)
+    keep = max(0, min(keep, len(candidates)))
+    chosen = slots[received[slots.to(received.device)].topk(keep).indices.cpu()].sort().values.tolist()
+    rows = {"all": len(ids), "last": 1}.get(logits, 0)
+    out = recompute_slots(runner, cache, chosen + list(range(start, start + len(ids))),
+                          [token_at[s] for s in chosen] + list(ids), chunk=chunk, rows=rows)
+    return chosen, out
+
+
 @torch.inference_mode()
 def recompute_selected(runner, cache, ids: list[int], start: int, ratio: float, select_layer: int = 1,
                        score: str = "kv", first: int = 0) -> SelectiveResult:

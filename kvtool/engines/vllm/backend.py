@@ -28,6 +28,7 @@ KVTOOL_ONLY = [
     ("POST", "/v1/cache/save", "saving kvtool's prefix cache to a file"),
     ("POST", "/v1/cache/pin", "pinning a prefix in kvtool's cache"),
     ("POST", "/v1/cache/unpin", "pinning a prefix in kvtool's cache"),
+    ("POST", "/v1/cache/edit", "editing a pinned prefix in kvtool's cache"),
     ("GET", "/inspect", "the attention inspector (attention weights from kvtool's model runner)"),
     ("GET", "/inspect/static/{name}", "the attention inspector"),
     ("GET", "/v1/viz/config", "the attention inspector"),
