@@ -120,6 +120,9 @@ def add_peers_parser(sub) -> None:
     p.add_argument("--ttft-lengths", type=int, nargs="+", default=c.ttft_lengths, help="cold TTFT prompt lengths")
     p.add_argument("--streams", type=int, nargs="+", default=c.streams, help="concurrent stream counts")
     p.add_argument("--stream-tokens", type=int, default=c.stream_tokens, help="tokens each stream generates")
+    p.add_argument("--scenario-requests", type=int, default=c.scenario_requests,
+                   help="requests per context-layout scenario")
+    p.add_argument("--warmup", type=int, default=c.warmup, help="untimed runs before each measurement")
     p.add_argument("--threads", type=int, default=c.threads, help="threads of every engine (default: all cores)")
     p.add_argument("--vllm-python", default=c.vllm_python,
                    help="python of the environment vLLM is installed in (default: $KVTOOL_VLLM_PYTHON, else this one)")
@@ -238,7 +241,8 @@ def run_peers(args) -> int:
     from kvtool.bench.peers import PeersConfig, run_peers as run
 
     cfg = PeersConfig(model=args.model, engines=args.engines, workloads=args.workloads, quick=args.quick,
-                      repeats=args.repeats, decode_tokens=args.decode_tokens, ttft_lengths=args.ttft_lengths,
+                      repeats=args.repeats, warmup=args.warmup, scenario_requests=args.scenario_requests,
+                      decode_tokens=args.decode_tokens, ttft_lengths=args.ttft_lengths,
                       streams=args.streams, stream_tokens=args.stream_tokens, threads=args.threads,
                       vllm_python=args.vllm_python, vllm_dtype=args.vllm_dtype, out_dir=args.out_dir).validate()
     check_writable(args.out_dir, "--out-dir", folder=True)

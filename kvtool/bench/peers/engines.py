@@ -143,7 +143,7 @@ def _vllm(files: ModelFiles, port: int, opt: PeerOptions):
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(files.folder), "--served-model-name",
             files.name, "--host", "127.0.0.1", "--port", str(port), "--dtype", opt.vllm_dtype, "--enforce-eager",
             "--max-model-len", str(min(opt.context, files.max_position or opt.context)),
-            "--max-num-seqs", str(opt.streams), "--enable-prefix-caching"]
+            "--max-num-seqs", str(opt.streams), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
     # one engine process without a separate worker (vLLM's multiprocess CPU executor reserves a core of two and
     # hung in its shared-memory broadcast here); a KV pool sized for the workloads, which also skips profiling;
     # OMP_NUM_THREADS, or vLLM's CPU backend runs the model on one thread

@@ -7,6 +7,7 @@ for, measured alone (nothing else of this run uses the CPU meanwhile) and stoppe
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -105,7 +106,7 @@ def run_peers(cfg: PeersConfig | None = None, log=lambda s: print(s, file=sys.st
     engines, seconds = {}, {}
     for i, name in enumerate(cfg.engines, start=1):
         log(f"\n[{i}/{len(cfg.engines)}] {name}")
-        t0 = time.perf_counter()
+        t0, load0 = time.perf_counter(), os.getloadavg()
         try:
             engines[name] = run_transformers(files, sized, log) if name == "transformers" else \
                 run_server_peer(name, files, sized, out_dir / "logs", log)
@@ -113,6 +114,8 @@ def run_peers(cfg: PeersConfig | None = None, log=lambda s: print(s, file=sys.st
             engines[name] = {"engine": name, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
             log(f"{name} failed: {engines[name]['reason']}\n{traceback.format_exc(limit=3)}")
         seconds[name] = round(time.perf_counter() - t0, 1)
+        # what else ran on the machine meanwhile: the 1-minute load average when this engine started and ended
+        engines[name]["load_avg"] = [round(load0[0], 2), round(os.getloadavg()[0], 2)]
     record = {"benchmark": "peers", "model": files.name, "gguf": str(files.gguf) if files.gguf else None,
               "gguf_type": files.gguf_type, "folder": str(files.folder), "device": _cpu_name(),
               "threads": sized.threads, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -130,6 +133,4 @@ def _cpu_name() -> str:
             name = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), None)
     except OSError:
         name = None
-    import os
-
     return f"{name or platform.processor() or platform.machine()} CPU x{os.cpu_count()} cores"

@@ -66,7 +66,7 @@ def targets(record: dict) -> list[dict]:
     vs_vllm = {m: _best(rs, "vllm", m) for m in next((rs[k].get("vllm", {}) for k in KVTOOL if k in rs), {})}
     worst = min(((r, m, k) for m, (r, k) in vs_vllm.items() if r is not None), default=None)
     row("ahead of vLLM-CPU on every workload", worst and worst[0],
-        f"lowest: {worst[1]} ({worst[2]})" if worst else "vLLM did not run")
+        f"lowest: {worst[1]} ({worst[2]})" if worst else "no ratio: vLLM or kvtool did not run")
     r = rs.get("kvtool-int4", {}).get("llama.cpp", {}).get("decode_tok_s")
     row("decode bs=1 with --weights int4 >= 1.0x llama.cpp", r, "kvtool-int4 / llama.cpp tok/s")
     length = max(record["config"]["ttft_lengths"])
@@ -171,9 +171,12 @@ def markdown(record: dict, plots: dict[str, str]) -> str:
              "", "Servers run one at a time, each alone on the machine, on the same model; median (min-max) of "
              f"{record['config']['repeats']} runs after {record['config']['warmup']} warm-up.", "",
              "## Engines", "",
-             *_table(["engine", "what", "weights", "status", "start-up (s)", "why not / note"],
+             *_table(["engine", "what", "weights", "status", "start-up (s)", "load avg start/end", "why not / note"],
                      [[n, e.get("engine", ""), e.get("weights", ""), e["status"], _num(e.get("startup_s")),
-                       e.get("reason", "").split("\n")[0]] for n, e in engines.items()]),
+                       "/".join(f"{x:.1f}" for x in e.get("load_avg", [])), e.get("reason", "").split("\n")[0]]
+                      for n, e in engines.items()]),
+             "", f"The machine has {record['threads']} threads; a load average above that means other work shared "
+                 "the cores during the run.",
              "", "## Targets", "", *_table(["target", "ratio", "detail", "status"],
                                            [[t["target"], _ratio(t["ratio"]), t["detail"], t["status"]]
                                             for t in record["targets"]]),
