@@ -120,6 +120,8 @@ def add_peers_parser(sub) -> None:
     p.add_argument("--ttft-lengths", type=int, nargs="+", default=c.ttft_lengths, help="cold TTFT prompt lengths")
     p.add_argument("--streams", type=int, nargs="+", default=c.streams, help="concurrent stream counts")
     p.add_argument("--stream-tokens", type=int, default=c.stream_tokens, help="tokens each stream generates")
+    p.add_argument("--scenarios", nargs="+", default=c.scenarios, metavar="NAME",
+                   help=f"context-layout scenarios (default: all: {' '.join(c.scenarios)})")
     p.add_argument("--scenario-requests", type=int, default=c.scenario_requests,
                    help="requests per context-layout scenario")
     p.add_argument("--warmup", type=int, default=c.warmup, help="untimed runs before each measurement")
@@ -241,10 +243,15 @@ def run_peers(args) -> int:
     from kvtool.bench.peers import PeersConfig, run_peers as run
 
     cfg = PeersConfig(model=args.model, engines=args.engines, workloads=args.workloads, quick=args.quick,
-                      repeats=args.repeats, warmup=args.warmup, scenario_requests=args.scenario_requests,
+                      repeats=args.repeats, warmup=args.warmup, scenarios=args.scenarios,
+                      scenario_requests=args.scenario_requests,
                       decode_tokens=args.decode_tokens, ttft_lengths=args.ttft_lengths,
                       streams=args.streams, stream_tokens=args.stream_tokens, threads=args.threads,
                       vllm_python=args.vllm_python, vllm_dtype=args.vllm_dtype, out_dir=args.out_dir).validate()
     check_writable(args.out_dir, "--out-dir", folder=True)
+    import signal
+
+    # a SIGTERM (a time limit, say) unwinds like Ctrl-C, so the running peer server is stopped, not orphaned
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     record = run(cfg, log=_log, command=" ".join(["kvtool", *sys.argv[1:]]))
     return 1 if any(e["status"] == "failed" for e in record["engines"].values()) else 0

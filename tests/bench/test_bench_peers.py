@@ -76,6 +76,28 @@ def test_server_process_waits_for_health_and_stops_its_whole_group(tmp_path):
         pytest.fail("the server's child outlived it")
 
 
+def test_a_server_dies_with_the_process_that_started_it(tmp_path):
+    port, pid_file = free_port(), tmp_path / "server.pid"
+    parent = (f"import os, sys\n"
+              f"from kvtool.bench.peers.servers import ServerProcess\n"
+              f"s = ServerProcess('toy', [sys.executable, '-m', 'http.server', '{port}', '--bind', '127.0.0.1'], "
+              f"{port}, {str(tmp_path / 'toy.log')!r}, health='/', log_fn=lambda m: None)\n"
+              f"s.start()\n"
+              f"open({str(pid_file)!r}, 'w').write(str(s.proc.pid))\n"
+              f"os._exit(0)\n")  # no stop(): killed, as by a time limit
+    subprocess.run([sys.executable, "-c", parent], check=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    server = int(pid_file.read_text())
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            os.kill(server, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(server, 9)
+    pytest.fail("the server outlived the process that started it")
+
+
 def test_a_server_that_exits_early_fails_with_its_log(tmp_path):
     server = ServerProcess("broken", [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"],
                            free_port(), tmp_path / "broken.log", startup_s=30, log_fn=lambda s: None)

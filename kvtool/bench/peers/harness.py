@@ -104,6 +104,11 @@ def run_peers(cfg: PeersConfig | None = None, log=lambda s: print(s, file=sys.st
     slug = "".join(c if c.isalnum() else "-" for c in files.name.lower()).strip("-")
     out_dir = Path(cfg.out_dir or f"benchmarks/results/peers-{slug}{'-quick' if cfg.quick else ''}")
     engines, seconds = {}, {}
+    record = {"benchmark": "peers", "model": files.name, "gguf": str(files.gguf) if files.gguf else None,
+              "gguf_type": files.gguf_type, "folder": str(files.folder), "device": _cpu_name(),
+              "threads": sized.threads, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              "command": command or f"run_peers({cfg!r})", "config": asdict(sized), "engines": engines,
+              "seconds": seconds, "versions": versions()}
     for i, name in enumerate(cfg.engines, start=1):
         log(f"\n[{i}/{len(cfg.engines)}] {name}")
         t0, load0 = time.perf_counter(), os.getloadavg()
@@ -116,11 +121,10 @@ def run_peers(cfg: PeersConfig | None = None, log=lambda s: print(s, file=sys.st
         seconds[name] = round(time.perf_counter() - t0, 1)
         # what else ran on the machine meanwhile: the 1-minute load average when this engine started and ended
         engines[name]["load_avg"] = [round(load0[0], 2), round(os.getloadavg()[0], 2)]
-    record = {"benchmark": "peers", "model": files.name, "gguf": str(files.gguf) if files.gguf else None,
-              "gguf_type": files.gguf_type, "folder": str(files.folder), "device": _cpu_name(),
-              "threads": sized.threads, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-              "command": command or f"run_peers({cfg!r})",
-              "config": asdict(sized), "engines": engines, "seconds": seconds, "versions": versions()}
+        if i < len(cfg.engines):  # the engines so far, in case the run is stopped before the last one
+            record["unfinished"] = cfg.engines[i:]
+            write_report(record, out_dir, log, quiet=True)
+    record.pop("unfinished", None)
     write_report(record, out_dir, log)
     return record
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvtool.bench.protocol import emit
+import json
+
+from kvtool.bench.protocol import emit, portable
 from kvtool.bench.report import _num, _ratio, _stat, _table
 
 KVTOOL = ("kvtool", "kvtool-int4")
@@ -184,6 +186,8 @@ def markdown(record: dict, plots: dict[str, str]) -> str:
              "", "## Concurrent streams", "", *_streams_md(record),
              "", "## Context layouts", "", *_layouts_md(record),
              "", "## Ratios", *_ratios_md(record)]
+    if record.get("unfinished"):
+        lines += ["", f"**Unfinished:** {', '.join(record['unfinished'])} had not run yet when this was written."]
     missing = [f"- {n}: {w}: {why.splitlines()[0]}" for n, e in engines.items()
                for w, why in (e.get("unsupported") or {}).items()]
     if missing:
@@ -248,7 +252,9 @@ def _plot_layouts(record, path):
 PLOTS = {"single": _plot_single, "streams": _plot_streams, "layouts": _plot_layouts}
 
 
-def write_report(record: dict, out_dir: Path, log=print) -> None:
+def write_report(record: dict, out_dir: Path, log=print, quiet: bool = False) -> None:
+    """report.md, the plots and report.json in out_dir; unless quiet (a report of the engines so far), the
+    targets and the record (its last line) on stdout."""
     out_dir.mkdir(parents=True, exist_ok=True)
     record["ratios"] = ratios(record["engines"])
     record["targets"] = targets(record)
@@ -265,6 +271,9 @@ def write_report(record: dict, out_dir: Path, log=print) -> None:
     if errors:
         record["plot_errors"] = errors
     md.write_text(markdown(record, plots))
+    if quiet:
+        (out_dir / "report.json").write_text(json.dumps(portable(record), indent=1) + "\n")
+        return
     log(f"wrote {md} and {len(plots)} plots")
     for t in record["targets"]:
         print(f"target: {t['target']}: {_ratio(t['ratio'])} ({t['detail']}) -> {t['status']}")

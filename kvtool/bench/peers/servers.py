@@ -29,6 +29,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the process that started it dies, so a benchmark that is
+    killed leaves no server behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def log_tail(path: Path, lines: int = 15) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -66,7 +77,8 @@ class ServerProcess:
         t0 = time.perf_counter()
         with open(self.log, "wb") as out:  # the child keeps its own handle
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True)
+                                         env=env, start_new_session=True,
+                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         deadline, last = t0 + self.startup_s, time.perf_counter()
         while True:
             if self.proc.poll() is not None:
