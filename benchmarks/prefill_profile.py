@@ -9,6 +9,7 @@ tokens. JSON record as the last line.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = measure_side_by_side({"kvtool": lambda: kvtool_ttft(runner, ids, args.tokens), "transformers": hf_ms},
                                 args.repeats, 1)
     record = {"benchmark": "prefill_profile", "model": bm.name, "device": device_name(bm.device),
-              "tokens": args.tokens, "wall_ms": wall,
+              "tokens": args.tokens, "load_avg": round(os.getloadavg()[0], 2), "wall_ms": wall,
               "transformers_vs_kvtool": round(wall["transformers"]["median"] / wall["kvtool"]["median"], 3),
               "kvtool_ops": profile(lambda: kvtool_ttft(runner, ids, args.tokens), args.top),
               "transformers_ops": profile(hf_forward, args.top), "versions": versions()}

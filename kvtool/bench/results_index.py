@@ -42,7 +42,8 @@ def _n(v, unit: str = "") -> str:
 @headline("decode")
 def _decode(r):
     res, sp = r["results"], r["speedup_vs_transformers"]
-    out = f"bs=1 decode {_n(res['decode_tok_s']['kvtool']['median'], 'tok/s')} ({_x(sp.get('decode_tok_s'))} transformers)"
+    out = (f"bs=1 decode {_n(res['decode_tok_s']['kvtool']['median'], 'tok/s')} "
+           f"({_x(sp.get('decode_tok_s'))} transformers)")
     if "decode_tok_s_int4" in res:
         out += f", int4 {_n(res['decode_tok_s_int4']['kvtool']['median'], 'tok/s')} ({_x(sp.get('decode_tok_s_int4'))})"
     ttft = [m for m in res if m.startswith("ttft_ms_") and m.count("_") == 2]
@@ -73,7 +74,8 @@ def _ttft(r):
 @headline("serve_load")
 def _serve_load(r):
     return (f"{r['clients']} clients {r['seconds']:.0f} s: {r['completed']}/{r['requests']} done, "
-            f"{_n(r['tokens_per_s'], 'tok/s')}, TTFT p50 {_n(r['ttft_p50_ms'], 'ms')}, p99 {_n(r['ttft_p99_ms'], 'ms')}")
+            f"{_n(r['tokens_per_s'], 'tok/s')}, TTFT p50 {_n(r['ttft_p50_ms'], 'ms')}, "
+            f"p99 {_n(r['ttft_p99_ms'], 'ms')}")
 
 
 @headline("skills")
@@ -82,7 +84,16 @@ def _skills(r):
     return f"composed skills vs full prefill: up to {_x(best.get('speedup_cold'))} TTFT ({best['repair']})"
 
 
+def _share(ops: list[dict], *names: str) -> float:
+    total = sum(o["self_ms"] for o in ops) or 1.0
+    return sum(o["self_ms"] for o in ops if any(n in o["op"] for n in names)) / total
+
+
 HEADLINES.update({  # one-line summaries
+    "prefill_profile": lambda r: f"{r['tokens']}-token cold prefill {_n(r['wall_ms']['kvtool']['median'], 'ms')} "
+                                 f"({_x(r['transformers_vs_kvtool'])} transformers); kvtool's op time: GEMMs "
+                                 f"{100 * _share(r['kvtool_ops'], 'linear', '::mm'):.0f}%, attention "
+                                 f"{100 * _share(r['kvtool_ops'], 'attention'):.0f}%",
     "shared_prefix": lambda r: f"TTFT {_x(r['ttft_speedup'])}, wall {_x(r['wall_speedup'])} vs caching only "
                                "finished requests",
     "choices": lambda r: f"n={r['n']} in one request: wall {_x(r['speedup_wall'])}, last TTFT "
@@ -216,8 +227,8 @@ def results_readme(folder: Path) -> str:
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
             text = f"(record not summarised: {type(exc).__name__} {exc})"
         rel = path.relative_to(folder)
-        lines.append(f"| {kind(rec)} | {rec.get('model', rec.get('models', '')) if isinstance(rec.get('model'), str) else '-'}"
-                     f" | {rec.get('device', '-')} | {date} | {text} | [{rel}]({rel}) |")
+        model = rec["model"] if isinstance(rec.get("model"), str) else "-"
+        lines.append(f"| {kind(rec)} | {model} | {rec.get('device', '-')} | {date} | {text} | [{rel}]({rel}) |")
     peers = [(p, r) for p, r, _ in rows if kind(r) == "peers"]
     for path, rec in peers:
         lines += ["", f"## Peers: {rec['model']}", "", *peer_table(path, rec, str(path.relative_to(folder)))]

