@@ -74,7 +74,8 @@ def targets(record: dict) -> list[dict]:
     length = max(record["config"]["ttft_lengths"])
     r, k = _best(rs, "llama.cpp", f"ttft_ms_{length}")
     row(f"cold TTFT at {length} tokens >= 1.0x llama.cpp", r, f"llama.cpp / {k} ms" if k else "not measured")
-    ours = (engines.get("kvtool", {}).get("results") or {}).get("layouts")
+    ours = next(((engines[k].get("results") or {}).get("layouts") for k in KVTOOL
+                 if (engines.get(k, {}).get("results") or {}).get("layouts")), None)
     peers = {n: e["results"]["layouts"] for n, e in engines.items()
              if n not in KVTOOL and e.get("status") == "ok" and "layouts" in e.get("results", {})}
     if ours and peers:
@@ -170,7 +171,8 @@ def markdown(record: dict, plots: dict[str, str]) -> str:
                                 ["mode", "quick (tiny sizes: a smoke test, not a measurement)"
                                  if record["config"]["quick"] else "full"],
                                 ["command", f"`{record['command']}`"]]),
-             "", "Servers run one at a time, each alone on the machine, on the same model; median (min-max) of "
+             "", "Servers run one at a time on the same model (no two engines of this run share the CPU; other work on "
+                 "the machine shows in the load average below); median (min-max) of "
              f"{record['config']['repeats']} runs after {record['config']['warmup']} warm-up.", "",
              "## Engines", "",
              *_table(["engine", "what", "weights", "status", "start-up (s)", "load avg start/end", "why not / note"],
