@@ -154,7 +154,8 @@ def latest(records: list[tuple[Path, dict]]) -> list[tuple[Path, dict, str]]:
 
     best: dict[tuple, tuple[Path, dict, str]] = {}
     for path, rec in records:
-        variant = re.sub(r"-?\d{8}-\d{6}", "", path.stem)
+        # the file's name without a date stamp, and its folder's (report.json files live in one folder per run kind)
+        variant = re.sub(r"-?\d{8}-\d{6}", "", f"{path.parent.name}/{path.stem}")
         key = (kind(rec), rec.get("model"), str(rec.get("device")), variant)
         date = record_date(path, rec)
         if key not in best or (date, path.name) > (best[key][2], best[key][0].name):
@@ -191,7 +192,12 @@ def peer_rows(record: dict) -> list[list[str]]:
                   for n in c["streams"]]
     workloads.append(("context layouts: mean cached after 1st",
                       lambda r: f"{100 * _mean([x['hit_rate_after_first'] for x in r['layouts'].values()]):.0f}%"))
-    return [[label, *[cell(n, get) for n in PEER_COLUMNS]] for label, get in workloads]
+    rows = [[label, *[cell(n, get) for n in PEER_COLUMNS]] for label, get in workloads]
+    rows = [r for r in rows if any(c not in ("n/a", "not run", "missing", "failed") for c in r[1:])]
+    # other work on the machine while each engine ran (the 1-minute load average at its start and end)
+    load = ["/".join(f"{x:.1f}" for x in engines[n].get("load_avg", [])) or "-" if n in engines else "-"
+            for n in PEER_COLUMNS]
+    return rows + [["load average (start/end)", *load]]
 
 
 def _mean(xs):

@@ -127,7 +127,8 @@ def test_ratios_and_targets_from_one_run():
     assert rows["ahead"]["status"] == "n/a"
     assert rows["decode"]["ratio"] == 0.9 and rows["decode"]["status"] == "missed"
     assert rows["cold"]["ratio"] == pytest.approx(2000 / 3900, abs=1e-3)  # the better kvtool variant
-    assert rows["cached-token"]["status"] == "missed" and "shared-prefix (90% vs llama.cpp 95%)" in \
+    assert rows["cached-token"]["ratio"] == pytest.approx(0.9 / 0.95, abs=1e-3)
+    assert rows["cached-token"]["status"] == "missed" and "shared-prefix (90.0% vs llama.cpp 95.0%)" in \
         rows["cached-token"]["detail"]
 
 

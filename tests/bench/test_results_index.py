@@ -29,9 +29,8 @@ def _peers(date: str, decode: float) -> dict:
 
 def test_latest_record_per_benchmark_with_its_file_and_the_readme_peer_table(tmp_path):
     results = tmp_path / "benchmarks" / "results"
-    (results / "old").mkdir(parents=True)
-    (results / "old" / "report.json").write_text(json.dumps(_peers("2026-11-01 10:00:00", 10.0)))
-    (results / "peers-smollm2").mkdir()
+    (results / "peers-smollm2").mkdir(parents=True)
+    (results / "peers-smollm2" / "report-20261101-100000.json").write_text(json.dumps(_peers("2026-11-01 10:00", 10.0)))
     (results / "peers-smollm2" / "report.json").write_text(json.dumps(_peers("2026-12-03 08:00:00", 42.0)))
     (results / "peers-smollm2-quick").mkdir()
     (results / "peers-smollm2-quick" / "report.json").write_text(json.dumps(_peers("2026-12-04 08:00:00", 1.0)))

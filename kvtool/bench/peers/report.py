@@ -79,14 +79,16 @@ def targets(record: dict) -> list[dict]:
     peers = {n: e["results"]["layouts"] for n, e in engines.items()
              if n not in KVTOOL and e.get("status") == "ok" and "layouts" in e.get("results", {})}
     if ours and peers:
-        short = []
+        short, worst = [], 1.0
         for name, mine in ours.items():
             best = max(((p[name].get("hit_rate_after_first") or 0.0, n) for n, p in peers.items() if name in p),
                        default=(0.0, None))
-            if (mine.get("hit_rate_after_first") or 0.0) + 1e-9 < best[0]:
-                short.append(f"{name} ({100 * (mine.get('hit_rate_after_first') or 0):.0f}% vs {best[1]} "
-                             f"{100 * best[0]:.0f}%)")
-        row("cached-token share per context layout >= best peer", 1.0 if not short else 0.0,
+            have = mine.get("hit_rate_after_first") or 0.0
+            if best[0] > 0:
+                worst = min(worst, have / best[0])
+            if have + 1e-9 < best[0]:
+                short.append(f"{name} ({100 * have:.1f}% vs {best[1]} {100 * best[0]:.1f}%)")
+        row("cached-token share per context layout >= best peer", round(worst, 3),
             "every layout" if not short else "behind on " + ", ".join(short), ok=not short)
     else:
         row("cached-token share per context layout >= best peer", None, "no layouts from kvtool and a peer")
