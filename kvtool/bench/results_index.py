@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
@@ -118,20 +117,10 @@ def kind(record: dict) -> str | None:
 
 
 def record_date(path: Path, record: dict) -> str:
-    """The record's own date, else the date git last committed the file, else its mtime."""
+    """The record's own date ('-' for records that carry none): the index depends on the files alone, not on
+    when a checkout was made or how much git history it has."""
     date = record.get("date") or record.get("time")
-    if date:
-        return str(date)[:10]
-    try:
-        out = subprocess.run(["git", "log", "-1", "--format=%cs", "--", path.name], cwd=path.parent,
-                             capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        out = ""
-    if out:
-        return out
-    import time
-
-    return time.strftime("%Y-%m-%d", time.gmtime(path.stat().st_mtime))
+    return str(date)[:10] if date else "-"
 
 
 def load_records(folder: Path) -> list[tuple[Path, dict]]:

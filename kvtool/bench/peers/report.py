@@ -254,6 +254,7 @@ def _plot_layouts(record, path):
 
 
 PLOTS = {"single": _plot_single, "streams": _plot_streams, "layouts": _plot_layouts}
+PLOTTED = {"single": ("decode", "ttft", "prefix"), "streams": ("streams",), "layouts": ("layouts",)}  # workloads
 
 
 def write_report(record: dict, out_dir: Path, log=print, quiet: bool = False) -> None:
@@ -264,6 +265,8 @@ def write_report(record: dict, out_dir: Path, log=print, quiet: bool = False) ->
     record["targets"] = targets(record)
     plots, errors = {}, {}
     for key, draw in PLOTS.items():
+        if not set(PLOTTED[key]) & set(record["config"]["workloads"]):
+            continue  # nothing of this run to draw
         path = out_dir / f"peers-{key}.png"
         try:
             draw(record, path)
