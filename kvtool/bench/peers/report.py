@@ -1,0 +1,287 @@
+"""The `kvtool bench peers` report: ratios of kvtool to each peer, the issue's targets met or missed, and
+report.md (tables), PNG plots and report.json (the record, also the last stdout line)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import json
+
+from kvtool.bench.protocol import emit, portable
+from kvtool.bench.report import _num, _ratio, _stat, _table
+
+KVTOOL = ("kvtool", "kvtool-int4")
+
+
+def metrics(results: dict) -> dict[str, tuple[float, bool]]:
+    """{metric: (value, higher is better)} of one engine's results, flat, for ratios."""
+    out = {}
+    for key, value in results.items():
+        if key == "decode_tok_s":
+            out[key] = (value["median"], True)
+        elif key.startswith("ttft_ms_") or key == "prefix_hit_ms":
+            out[key] = (value["median"], False)
+        elif key.startswith("streams_"):
+            out[f"{key}_tok_s"] = (value["tok_s"]["median"], True)
+            for m in ("itl_ms_p50", "itl_ms_p99"):
+                if value.get(m) is not None:
+                    out[f"{key}_{m}"] = (value[m], False)
+        elif key == "layouts":
+            for name, row in value.items():
+                out[f"layout_{name}_ttft_ms_p50"] = (row["ttft_ms_p50"], False)
+                if row.get("hit_rate_after_first") is not None:
+                    out[f"layout_{name}_hit_after_first"] = (row["hit_rate_after_first"], True)
+    return out
+
+
+def ratio(ours: tuple[float, bool], theirs: tuple[float, bool]) -> float | None:
+    """> 1: ours is better (faster, or more tokens cached). None where a value is 0 or missing."""
+    (a, higher), (b, _) = ours, theirs
+    if a is None or b is None:
+        return None
+    if higher:
+        return round(a / b, 3) if b else (1.0 if a == b else None)
+    return round(b / a, 3) if a else None
+
+
+def ratios(engines: dict) -> dict:
+    """{kvtool variant: {peer: {metric: ratio}}} over the metrics both measured."""
+    flat = {name: metrics(e.get("results", {})) for name, e in engines.items() if e.get("status") == "ok"}
+    return {k: {p: {m: ratio(flat[k][m], flat[p][m]) for m in flat[k] if m in flat[p]}
+                for p in flat if p not in KVTOOL} for k in KVTOOL if k in flat}
+
+
+def _best(rs: dict, peer: str, metric: str) -> tuple[float | None, str | None]:
+    """The better kvtool variant's ratio to ``peer`` on ``metric``."""
+    found = [(rs[k][peer][metric], k) for k in KVTOOL if peer in rs.get(k, {}) and rs[k][peer].get(metric) is not None]
+    return max(found) if found else (None, None)
+
+
+def targets(record: dict) -> list[dict]:
+    """The issue's targets on this run's ratios: met, missed, or n/a (an engine or workload did not run)."""
+    rs, engines, rows = record["ratios"], record["engines"], []
+
+    def row(label, value, detail, ok=None):
+        status = "n/a" if value is None else ("met" if (value >= 1.0 if ok is None else ok) else "missed")
+        rows.append({"target": label, "ratio": value, "detail": detail, "status": status})
+
+    vs_vllm = {m: _best(rs, "vllm", m) for m in next((rs[k].get("vllm", {}) for k in KVTOOL if k in rs), {})}
+    worst = min(((r, m, k) for m, (r, k) in vs_vllm.items() if r is not None), default=None)
+    row("ahead of vLLM-CPU on every workload", worst and worst[0],
+        f"lowest: {worst[1]} ({worst[2]})" if worst else "no ratio: vLLM or kvtool did not run")
+    r = rs.get("kvtool-int4", {}).get("llama.cpp", {}).get("decode_tok_s")
+    row("decode bs=1 with --weights int4 >= 1.0x llama.cpp", r, "kvtool-int4 / llama.cpp tok/s")
+    length = max(record["config"]["ttft_lengths"])
+    r, k = _best(rs, "llama.cpp", f"ttft_ms_{length}")
+    row(f"cold TTFT at {length} tokens >= 1.0x llama.cpp", r, f"llama.cpp / {k} ms" if k else "not measured")
+    ours = next(((engines[k].get("results") or {}).get("layouts") for k in KVTOOL
+                 if (engines.get(k, {}).get("results") or {}).get("layouts")), None)
+    peers = {n: e["results"]["layouts"] for n, e in engines.items()
+             if n not in KVTOOL and e.get("status") == "ok" and "layouts" in e.get("results", {})}
+    if ours and peers:
+        short, worst = [], 1.0
+        for name, mine in ours.items():
+            best = max(((p[name].get("hit_rate_after_first") or 0.0, n) for n, p in peers.items() if name in p),
+                       default=(0.0, None))
+            have = mine.get("hit_rate_after_first") or 0.0
+            if best[0] > 0:
+                worst = min(worst, have / best[0])
+            if have + 1e-9 < best[0]:
+                short.append(f"{name} ({100 * have:.1f}% vs {best[1]} {100 * best[0]:.1f}%)")
+        row("cached-token share per context layout >= best peer", round(worst, 3),
+            "every layout" if not short else "behind on " + ", ".join(short), ok=not short)
+    else:
+        row("cached-token share per context layout >= best peer", None, "no layouts from kvtool and a peer")
+    return rows
+
+
+# ---- markdown ---------------------------------------------------------------------------------
+
+
+def _engine_rows(engines: dict, fn) -> list[list[str]]:
+    return [[n, e.get("weights", ""), *fn(e["results"])] for n, e in engines.items()
+            if e.get("status") == "ok" and e.get("results")]
+
+
+def _single_md(record: dict) -> list[str]:
+    c, engines = record["config"], record["engines"]
+    lengths = c["ttft_lengths"]
+    head = ["engine", "weights", f"decode tok/s (bs=1, {c['decode_tokens']} tokens)",
+            *[f"cold TTFT @{n} (ms)" for n in lengths], f"prefix hit TTFT (ms, {c['prefix_tokens']}+"
+            f"{c['suffix_tokens']})", "cached tokens reported"]
+
+    def cells(r):
+        cached = "n/a" if r.get("prefix_cached_tokens") is None else \
+            f"{r['prefix_cached_tokens']}/{r['prefix_prompt_tokens']}"
+        return [_stat(r.get("decode_tok_s")), *[_stat(r.get(f"ttft_ms_{n}")) for n in lengths],
+                _stat(r.get("prefix_hit_ms")), cached if "prefix_hit_ms" in r else "n/a"]
+
+    return _table(head, _engine_rows(engines, cells))
+
+
+def _streams_md(record: dict) -> list[str]:
+    c, rows = record["config"], []
+    for n in c["streams"]:
+        rows += [[f"{n}", name, e["weights"], _stat(r["tok_s"]), _num(r["itl_ms_p50"]), _num(r["itl_ms_p99"]),
+                  _num(r["ttft_ms_p50"])]
+                 for name, e in record["engines"].items() if (r := (e.get("results") or {}).get(f"streams_{n}"))]
+    return [f"{c['stream_tokens']} greedy tokens per stream (ignore_eos), random prompts of up to "
+            f"{c['stream_prompt_tokens']} tokens; endpoint ITL is between streamed chunks.", "",
+            *_table(["streams", "engine", "weights", "output tok/s", "ITL p50 (ms)", "ITL p99 (ms)",
+                     "TTFT p50 (ms)"], rows)]
+
+
+def _layouts_md(record: dict) -> list[str]:
+    have = {n: e["results"]["layouts"] for n, e in record["engines"].items()
+            if "layouts" in (e.get("results") or {})}
+    if not have:
+        return ["(no engine ran the context layouts)"]
+    pct = lambda x: "n/a" if x is None else f"{100 * x:.0f}%"  # noqa: E731
+    head = ["scenario", "expect"] + [f"{n} {what}" for n in have for what in ("TTFT p50 (ms)", "cached after 1st")]
+    rows = []
+    for sc in record["config"]["scenarios"]:
+        first = next(iter(have.values())).get(sc)
+        row = [f"{first['number']} {sc}" if first else sc, first["expect"] if first else ""]
+        for layouts in have.values():
+            r = layouts.get(sc)
+            row += [_num(r and r["ttft_ms_p50"]), pct(r and r["hit_rate_after_first"])]
+        rows.append(row)
+    return [f"Each scenario from an empty cache (or a fresh nonce), {record['config']['scenario_requests']} chat "
+            "requests; cached after 1st = prompt tokens the engine reported cached / prompt tokens, over the "
+            "requests after the first.", "", *_table(head, rows)]
+
+
+def _ratios_md(record: dict) -> list[str]:
+    lines = []
+    for k, peers in record["ratios"].items():
+        names = list(peers)
+        ms = list(dict.fromkeys(m for p in peers.values() for m in p))
+        rows = [[m, *[_ratio(peers[p].get(m)) for p in names]] for m in ms]
+        lines += ["", f"**{k}** vs each engine (> 1: {k} is faster, or caches more):", "",
+                  *_table(["metric", *names], rows)]
+    return lines
+
+
+def markdown(record: dict, plots: dict[str, str]) -> str:
+    v, engines = record["versions"], record["engines"]
+    lines = [f"# kvtool vs peers: {record['model']} on {record['device']}", "",
+             *_table(["", ""], [["model", f"{record['model']} (GGUF {record['gguf_type'] or 'none'})"],
+                                ["device", f"{record['device']}, {record['threads']} threads for every engine"],
+                                ["versions", f"python {v['python']}, torch {v['torch']}, transformers "
+                                             f"{v['transformers']}, kvtool {v['kvtool']}"],
+                                ["date", record["date"]],
+                                ["mode", "quick (tiny sizes: a smoke test, not a measurement)"
+                                 if record["config"]["quick"] else "full"],
+                                ["command", f"`{record['command']}`"]]),
+             "", "Servers run one at a time on the same model (no two engines of this run share the CPU; other work on "
+                 "the machine shows in the load average below); median (min-max) of "
+             f"{record['config']['repeats']} runs after {record['config']['warmup']} warm-up.", "",
+             "## Engines", "",
+             *_table(["engine", "what", "weights", "status", "start-up (s)", "load avg start/end", "why not / note"],
+                     [[n, e.get("engine", ""), e.get("weights", ""), e["status"], _num(e.get("startup_s")),
+                       "/".join(f"{x:.1f}" for x in e.get("load_avg", [])), e.get("reason", "").split("\n")[0]]
+                      for n, e in engines.items()]),
+             "", f"The machine has {record['threads']} threads; a load average above that means other work shared "
+                 "the cores during the run.",
+             "", "## Targets", "", *_table(["target", "ratio", "detail", "status"],
+                                           [[t["target"], _ratio(t["ratio"]), t["detail"], t["status"]]
+                                            for t in record["targets"]]),
+             "", "## Decode, cold TTFT and prefix hit", "", *_single_md(record),
+             "", "## Concurrent streams", "", *_streams_md(record),
+             "", "## Context layouts", "", *_layouts_md(record),
+             "", "## Ratios", *_ratios_md(record)]
+    if record.get("unfinished"):
+        lines += ["", f"**Unfinished:** {', '.join(record['unfinished'])} had not run yet when this was written."]
+    missing = [f"- {n}: {w}: {why.splitlines()[0]}" for n, e in engines.items()
+               for w, why in (e.get("unsupported") or {}).items()]
+    if missing:
+        lines += ["", "## Workloads an engine did not run", "", *missing]
+    lines += ["", *[f"![{k}]({Path(p).name})" for k, p in plots.items()]]
+    return "\n".join(lines) + "\n"
+
+
+# ---- plots ------------------------------------------------------------------------------------
+
+
+def _plot_single(record, path):
+    from kvtool.bench.plots import bar_panels
+
+    ok = {n: e["results"] for n, e in record["engines"].items() if e.get("results")}
+    panels = {"decode tok/s (bs=1)": {n: r["decode_tok_s"]["median"] for n, r in ok.items() if "decode_tok_s" in r}}
+    for n in record["config"]["ttft_lengths"]:
+        panels[f"cold TTFT @{n} (ms)"] = {e: r[f"ttft_ms_{n}"]["median"] for e, r in ok.items() if f"ttft_ms_{n}" in r}
+    panels["prefix hit TTFT (ms)"] = {e: r["prefix_hit_ms"]["median"] for e, r in ok.items() if "prefix_hit_ms" in r}
+    bar_panels(path, f"{record['model']} on {record['device']}", panels)
+
+
+def _plot_streams(record, path):
+    from kvtool.bench.plots import bar_panels
+
+    ok = {n: e["results"] for n, e in record["engines"].items() if e.get("results")}
+    panels = {}
+    for n in record["config"]["streams"]:
+        key = f"streams_{n}"
+        panels[f"{n} streams: tok/s"] = {e: r[key]["tok_s"]["median"] for e, r in ok.items() if key in r}
+        panels[f"{n} streams: ITL p99 (ms)"] = {e: r[key]["itl_ms_p99"] for e, r in ok.items() if key in r}
+    bar_panels(path, f"concurrent streams: {record['model']}", panels)
+
+
+def _plot_layouts(record, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    have = {n: e["results"]["layouts"] for n, e in record["engines"].items() if "layouts" in (e.get("results") or {})}
+    names = record["config"]["scenarios"]
+    fig, axes = plt.subplots(2, 1, figsize=(max(7, 1.3 * len(names)), 7), sharex=True)
+    width = 0.8 / max(1, len(have))
+    for i, (engine, layouts) in enumerate(have.items()):
+        xs = [j + (i - (len(have) - 1) / 2) * width for j in range(len(names))]
+        axes[0].bar(xs, [(layouts.get(s) or {}).get("ttft_ms_p50") or 0 for s in names], width, label=engine)
+        axes[1].bar(xs, [100 * ((layouts.get(s) or {}).get("hit_rate_after_first") or 0) for s in names], width)
+    axes[0].set_ylabel("TTFT p50 (ms)")
+    if have:
+        axes[0].legend(fontsize=8)
+    axes[1].set_ylabel("prompt tokens cached after 1st (%)")
+    axes[1].set_ylim(0, 105)
+    axes[1].set_xticks(range(len(names)))
+    axes[1].set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+    axes[0].set_title(f"context layouts: {record['model']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+PLOTS = {"single": _plot_single, "streams": _plot_streams, "layouts": _plot_layouts}
+PLOTTED = {"single": ("decode", "ttft", "prefix"), "streams": ("streams",), "layouts": ("layouts",)}  # workloads
+
+
+def write_report(record: dict, out_dir: Path, log=print, quiet: bool = False) -> None:
+    """report.md, the plots and report.json in out_dir; unless quiet (a report of the engines so far), the
+    targets and the record (its last line) on stdout."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record["ratios"] = ratios(record["engines"])
+    record["targets"] = targets(record)
+    plots, errors = {}, {}
+    for key, draw in PLOTS.items():
+        if not set(PLOTTED[key]) & set(record["config"]["workloads"]):
+            continue  # nothing of this run to draw
+        path = out_dir / f"peers-{key}.png"
+        try:
+            draw(record, path)
+            plots[key] = str(path)
+        except Exception as exc:  # a plot that fails is noted; the tables and the record still get written
+            errors[key] = f"{type(exc).__name__}: {exc}"
+    md = out_dir / "report.md"
+    record["files"] = {"markdown": str(md), "json": str(out_dir / "report.json"), "plots": plots}
+    if errors:
+        record["plot_errors"] = errors
+    md.write_text(markdown(record, plots))
+    if quiet:
+        (out_dir / "report.json").write_text(json.dumps(portable(record), indent=1) + "\n")
+        return
+    log(f"wrote {md} and {len(plots)} plots")
+    for t in record["targets"]:
+        print(f"target: {t['target']}: {_ratio(t['ratio'])} ({t['detail']}) -> {t['status']}")
+    emit(record, out_dir / "report.json")
