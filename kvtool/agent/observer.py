@@ -8,7 +8,7 @@ if TYPE_CHECKING:
     from kvtool.agent.dispatch import ToolResult
     from kvtool.agent.events import Event
     from kvtool.agent.sealing import SealedCall
-    from kvtool.agent.turn import Turn
+    from kvtool.agent.turn_record import Turn
 
 
 class Observer:

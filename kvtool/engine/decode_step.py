@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvtool.models.runner import linear
+from kvtool.kernels.linear import linear
 
 
 def _norm(module, x: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,8 @@ import json
 import math
 from typing import NamedTuple
 
-from kvtool.engine.json_mode import (AFTER, ARRAY_FIRST, COLON, ESCAPE, KEY, KEY_OR_END, NUMBER, NUMBER_PREFIX,
-                                     START, STRING, UNICODE, VALUE, WS, JsonState, feed)
+from kvtool.engine.json_syntax import (AFTER, ARRAY_FIRST, COLON, ESCAPE, KEY, KEY_OR_END, NUMBER, NUMBER_PREFIX,
+                                       START, STRING, UNICODE, VALUE, WS, JsonState, feed)
 from kvtool.engine.schema_refs import ALL as TYPES
 from kvtool.engine.schema_refs import branches, prepare
 from kvtool.engine.schema_refs import types_of as _types

@@ -66,7 +66,7 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-from kvtool.kernels import cpu_gemm
+from kvtool.paths import cache_root
 
 ENV = "KVTOOL_CPU_DECODE"
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
@@ -89,8 +89,6 @@ def _cpu_id() -> str:
 
 
 def library_path(compiler: str) -> Path:
-    from kvtool.models.gguf import cache_root
-
     key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, compiler, *FLAGS, _cpu_id()]).encode())
     return cache_root() / "ext" / f"kvtool_cpu_decode-{key.hexdigest()[:16]}.so"
 
@@ -164,146 +162,3 @@ def unavailable() -> str | None:
     if mode == "0":
         return f"{ENV}=0"
     return _load(os.environ.get("CXX", "c++"))
-
-
-def unsupported(runner) -> str | None:
-    """None when `runner` can decode through these ops, else why not."""
-    if runner.device.type != "cpu" or runner.dtype != torch.float32:
-        return f"the ops take fp32 on the CPU; the model is {runner.dtype} on {runner.device.type}"
-    if any(layer.self_attn._wqkv is None or layer.mlp._wgu is None for layer in runner.model.layers):
-        return "the projections are not fused (call fuse() first)"
-    if runner.spec.head_dim % 2 or runner.spec.head_dim > 1024:
-        return f"head_dim {runner.spec.head_dim} is odd or above 1024"
-    return unavailable()
-
-
-def _dense(w) -> torch.Tensor | None:
-    """The contiguous fp32 [N, K] values `gemv` reads for a oneDNN-packed or plain weight; None for int4."""
-    dense = w.dense if isinstance(w, cpu_gemm.PackedWeight) else w
-    return dense if isinstance(dense, torch.Tensor) and dense.is_contiguous() else None
-
-
-def _product(x: torch.Tensor, w, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None):
-    """x @ W.T (+ bias) (+ residual) for any of the runner's weights: `gemv` over the dense values for up to
-    GEMV_MAX_ROWS rows, else the runner's own product (oneDNN-packed, int4 or F.linear)."""
-    dense = _dense(w)
-    if dense is not None and x.shape[0] <= GEMV_MAX_ROWS:
-        return torch.ops.kvtool_cpu.gemv(x, dense, bias, residual)
-    if isinstance(w, cpu_gemm.PackedWeight):
-        if residual is not None:  # one oneDNN call: the residual as a binary post-op
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w.packed, None, "add")
-        return torch.ops.mkldnn._linear_pointwise(x, w.packed, bias, "none", [], "")
-    from kvtool.models.runner import linear
-
-    y = linear(x, w, bias)
-    return y if residual is None else y + residual
-
-
-def _weight(linear_module):
-    """The weight a projection module multiplies by: its packed copy (oneDNN or int4) or the plain one."""
-    return getattr(linear_module, "packed", linear_module.weight)
-
-
-class DecodeStep:
-    """One new token for each of n sequences through the model, each over its own KVCache. The arguments of
-    the `layers` op are gathered from the runner once per kind of step (gathering them took ~0.5 ms, 30 layers
-    of module attribute lookups); load_state_dict() copies new values into those same tensors, and the runner
-    starts a new DecodeStep whenever it swaps weight objects (fuse, packing, int4, a move)."""
-
-    def __init__(self, runner):
-        self.runner = runner
-        self.ops = torch.ops.kvtool_cpu
-        s = runner.spec
-        self.hq, self.hkv = s.num_heads, s.num_kv_heads
-        self._layer_args: dict[tuple[bool, bool], tuple | None] = {}
-
-    @staticmethod
-    def takes(caches) -> bool:
-        """True when every layer's buffers are the contiguous fp32 CPU [1, H, capacity, D] the ops index into
-        (a runner moved to another dtype or device after use_cpu_decode() makes caches that are not)."""
-        return all(k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == torch.float32
-                   and k.device.type == "cpu" for cache in caches for k, v in (layer.buffers for layer in cache.layers))
-
-    def layer_args(self, rows: int) -> tuple | None:
-        """(norms, mats, qkv_bias, qk_norms, eps, qk_eps, q4) for ops.layers, which runs every layer in one call,
-        when each product of `rows` rows runs in C++ (every weight dense and rows <= GEMV_MAX_ROWS, or every
-        weight int4 and rows <= quant.MAX_ROWS) and the layers share their RMSNorm eps; else None."""
-        from kvtool.kernels import quant  # which imports this module
-
-        kind = (rows <= GEMV_MAX_ROWS, rows <= quant.MAX_ROWS)
-        if kind not in self._layer_args:
-            self._layer_args[kind] = self._gather_layer_args(rows)
-        return self._layer_args[kind]
-
-    def _gather_layer_args(self, rows: int) -> tuple | None:
-        from kvtool.kernels import quant  # which imports this module
-
-        norms, mats, biases, qk_norms, eps, qk_eps, kinds = [], [], [], [], set(), set(), set()
-        for layer in self.runner.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            weights = (attn._wqkv, _weight(attn.o_proj), mlp._wgu, _weight(mlp.down_proj))
-            if all(isinstance(w, quant.Int4Weight) for w in weights) and rows <= quant.MAX_ROWS:
-                kinds.add("q4")
-                mats += [t for w in weights for t in (w.codes, w.scale_zero)]
-            else:
-                dense = [_dense(w) for w in weights]
-                if rows > GEMV_MAX_ROWS or any(w is None for w in dense):
-                    return None
-                kinds.add("dense")
-                mats += dense
-            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            eps |= {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
-            biases.append(attn._bqkv)
-            qk_norms += [attn.q_norm.weight, attn.k_norm.weight] if attn.qk_norm else [None, None]
-            qk_eps.add(attn.q_norm.eps if attn.qk_norm else 0.0)
-        if len(kinds) != 1 or len(eps) != 1 or len(qk_eps) != 1:
-            return None
-        return norms, mats, biases, qk_norms, eps.pop(), qk_eps.pop(), kinds.pop() == "q4"
-
-    def each_layer(self, x: torch.Tensor, caches: list, slots: list[int], cos: torch.Tensor,
-                   sin: torch.Tensor) -> torch.Tensor:
-        """The layers one by one, eight op calls each, the products through _product (oneDNN past GEMV_MAX_ROWS
-        rows): x after the last layer."""
-        ops, hq, hkv = self.ops, self.hq, self.hkv
-        for i, layer in enumerate(self.runner.model.layers):
-            attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
-            kv = [cache.layers[i] for cache in caches]
-            qkv = _product(ops.rms_norm(x, norm.weight, norm.eps), attn._wqkv, attn._bqkv)
-            qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
-            eps = attn.q_norm.eps if attn.qk_norm else 0.0
-            out = ops.attend(qkv, [layer_kv.buffers[0] for layer_kv in kv], [layer_kv.buffers[1] for layer_kv in kv],
-                             slots, cos, sin, qn, kn, eps, hq, hkv)
-            for layer_kv, slot in zip(kv, slots):
-                layer_kv.offset = slot + 1
-            x = _product(out, _weight(attn.o_proj), residual=x)
-            norm = layer.post_attention_layernorm
-            gate_up = _product(ops.rms_norm(x, norm.weight, norm.eps), mlp._wgu)
-            x = _product(ops.silu_mul(gate_up), _weight(mlp.down_proj), residual=x)
-        return x
-
-    def __call__(self, tokens: torch.Tensor, caches: list, positions: list[int]) -> torch.Tensor:
-        """Logits [n, V] (fp32) of tokens [n], token i at RoPE position positions[i]; its K/V go to the next
-        slot of caches[i]."""
-        r, ops, hq, hkv = self.runner, self.ops, self.hq, self.hkv
-        slots = [cache.offset for cache in caches]
-        for cache, slot in zip(caches, slots):
-            cache.reserve(slot + 1)
-        cos, sin = r.rope_cos_sin(torch.tensor(positions, device=r.device))  # [n, D] each
-        x = r.model.embed_tokens(tokens)  # [n, hidden]
-        fused = self.layer_args(len(caches))
-        if fused is not None:  # every layer in one call
-            norms, mats, biases, qk_norms, eps, qk_eps, q4 = fused
-            count = len(r.model.layers)
-            keys = [cache.layers[i].buffers[0] for i in range(count) for cache in caches]
-            values = [cache.layers[i].buffers[1] for i in range(count) for cache in caches]
-            x = ops.layers(x, norms, mats, biases, qk_norms, keys, values, slots, cos, sin, eps, qk_eps, hq, hkv, q4)
-            for cache, slot in zip(caches, slots):
-                for layer_kv in cache.layers:
-                    layer_kv.offset = slot + 1
-        else:
-            x = self.each_layer(x, caches, slots, cos, sin)
-        norm = r.model.norm
-        h = ops.rms_norm(x, norm.weight, norm.eps)
-        if r.weights == "dense" and h.shape[0] <= GEMV_MAX_ROWS and r.output_weight.is_contiguous():
-            return ops.gemv(h, r.output_weight, None, None)
-        return r.head(h)

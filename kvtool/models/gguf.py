@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 from kvtool.errors import ModelLoadError
+from kvtool.paths import cache_root
 
 GGUF_MAGIC = b"GGUF"
 CONVERTED_FORMAT = 1  # bump when the converted folder's layout changes
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KVTOOL_CACHE", Path.home() / ".cache" / "kvtool"))
 
 
 def is_gguf(path: Path) -> bool:

@@ -16,7 +16,9 @@ from torch import nn
 from kvtool.cache.kv import KVCache
 from kvtool.config import is_whole
 from kvtool.errors import InvalidParameterError
-from kvtool.kernels import cpu_decode, cpu_gemm, quant
+from kvtool.kernels import cpu_gemm, quant
+from kvtool.kernels.linear import linear
+from kvtool.models import cpu_step
 from kvtool.models.rope import apply_rope, cos_sin, inv_frequencies
 from kvtool.models.spec import ModelSpec
 
@@ -36,15 +38,6 @@ class AttentionTap:
 
 
 Tap = Callable[[AttentionTap], None]
-
-
-def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the product for a weight ModelRunner.quantize_int4() or pack_cpu_gemm() packed."""
-    if isinstance(weight, quant.Int4Weight):
-        return quant.int4_linear(x, weight, bias)
-    if isinstance(weight, cpu_gemm.PackedWeight):
-        return cpu_gemm.packed_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
 
 
 class RMSNorm(nn.Module):
@@ -197,7 +190,7 @@ class ModelRunner(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._head_bf16: torch.Tensor | None = None  # the output head in bf16, after quantize_int4()
         self._head_packed: cpu_gemm.PackedWeight | None = None  # after pack_cpu_gemm()
-        self._cpu_step: cpu_decode.DecodeStep | None = None  # after use_cpu_decode()
+        self._cpu_step: cpu_step.DecodeStep | None = None  # after use_cpu_decode()
         self.register_load_state_dict_post_hook(lambda module, _keys: module._repack_cpu_gemm())
 
     @property
@@ -232,7 +225,7 @@ class ModelRunner(nn.Module):
     def _weights_replaced(self) -> None:
         """fuse(), packing, int4 or a move swapped weight objects: decode steps gather them anew."""
         if getattr(self, "_cpu_step", None) is not None:
-            self._cpu_step = cpu_decode.DecodeStep(self)
+            self._cpu_step = cpu_step.DecodeStep(self)
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
@@ -333,8 +326,8 @@ class ModelRunner(nn.Module):
         """Run decode steps (one new token per sequence) through kvtool.kernels.cpu_decode (on) or the reference
         forward (off).
         Returns None when the requested path is set, else why the C++ path cannot run (the reference stays)."""
-        reason = cpu_decode.unsupported(self) if on else None
-        self._cpu_step = cpu_decode.DecodeStep(self) if on and reason is None else None
+        reason = cpu_step.unsupported(self) if on else None
+        self._cpu_step = cpu_step.DecodeStep(self) if on and reason is None else None
         return reason
 
     @property

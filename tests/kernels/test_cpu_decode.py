@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kvtool.cache.kv import KVCache
 from kvtool.errors import ModelLoadError
 from kvtool.kernels import cpu_decode, cpu_gemm, quant
+from kvtool.models import cpu_step
 from kvtool.models.rope import apply_rope
 from kvtool.testing.ops import ops_of
 from kvtool.testing.tiny import tiny_checkpoint, tiny_runner
@@ -92,11 +93,11 @@ def test_gemv_q4_refuses_what_it_cannot_index(ops):
 def test_decode_products_take_gemv_for_few_rows_and_the_runner_product_for_more(ops):
     weight = cpu_gemm.pack(torch.randn(48, 32))
     few, many = torch.randn(cpu_decode.GEMV_MAX_ROWS, 32), torch.randn(cpu_decode.GEMV_MAX_ROWS + 1, 32)
-    assert "kvtool_cpu::gemv" in ops_of(lambda: cpu_decode._product(few, weight))
-    assert "kvtool_cpu::gemv" not in ops_of(lambda: cpu_decode._product(many, weight))
+    assert "kvtool_cpu::gemv" in ops_of(lambda: cpu_step._product(few, weight))
+    assert "kvtool_cpu::gemv" not in ops_of(lambda: cpu_step._product(many, weight))
     for x in (few, many):
         residual = torch.randn(x.shape[0], 48)
-        torch.testing.assert_close(cpu_decode._product(x, weight, residual=residual),
+        torch.testing.assert_close(cpu_step._product(x, weight, residual=residual),
                                    F.linear(x, weight.dense) + residual, atol=1e-4, rtol=1e-5)
 
 
@@ -324,8 +325,8 @@ def test_plain_and_int4_matmuls_decode_through_the_ops_and_bf16_says_why_not(tmp
         torch.ops.kvtool_cpu.layers(torch.zeros(1, 8), [torch.zeros(8)] * 2, [], [None], [None, None], [], [], [0],
                                     torch.zeros(1, 2), torch.zeros(1, 2), 1e-6, 0.0, 1, 1, False)
     spec = plain.spec  # caches the ops cannot index into go to the reference forward
-    assert cpu_decode.DecodeStep.takes([plain.new_cache(8)])
-    assert not cpu_decode.DecodeStep.takes([KVCache.empty(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+    assert cpu_step.DecodeStep.takes([plain.new_cache(8)])
+    assert not cpu_step.DecodeStep.takes([KVCache.empty(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                                           torch.bfloat16, "cpu")])
     assert "fp32 on the CPU" in plain.to(torch.bfloat16).use_cpu_decode()
 
