@@ -26,7 +26,7 @@ import torch
 
 from kvtool.bench.edit_cases import CASES, EditCase
 from kvtool.cache.edit import apply_edit, erratum_text, plan_edit, user_turn_ids
-from kvtool.skills.evaluate import fidelity, teacher_forced, timed
+from kvtool.skills.evaluate import fidelity, timed
 
 MODES = {"direct": "Reply with the answer only, in a few words.",
          "reasoning": "Think step by step in one or two short sentences, then give the answer."}

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-import torch
 
 from kvtool.errors import InvalidParameterError
 from kvtool.kernels import rerotate
