@@ -22,8 +22,11 @@ def _peers(date: str, decode: float) -> dict:
     return {"benchmark": "peers", "model": "SmolLM2", "device": "Xeon x2", "date": date,
             "config": {"decode_tokens": 256, "ttft_lengths": [512], "prefix_tokens": 2048, "suffix_tokens": 64,
                        "streams": [8], "stream_tokens": 128},
-            "engines": {"kvtool": {"status": "ok", "weights": "fp32 dense", "results": results},
+            "engines": {"kvtool": {"status": "ok", "weights": "fp32 dense", "results": results, "load_avg": [1.5, 2.5]},
+                        "kvtool-int4": {"status": "ok", "weights": "int4", "results": results, "load_avg": [2.0, 3.0]},
                         "llama.cpp": {"status": "missing", "weights": "GGUF Q4_1"}},
+            "ratios": {"kvtool": {"transformers": {"decode_tok_s": decode / 20, "streams_8_itl_ms_p99": 9.0}},
+                       "kvtool-int4": {"transformers": {"decode_tok_s": 1.25, "ttft_ms_512": None}}},
             "targets": [{"target": "decode", "ratio": 0.8, "status": "missed"}]}
 
 
@@ -44,12 +47,15 @@ def test_latest_record_per_benchmark_with_its_file_and_the_readme_peer_table(tmp
 
     index = (results / "README.md").read_text()
     assert "[peers-smollm2/report.json](peers-smollm2/report.json)" in index
-    assert "| 42.0 | not run | missing |" in index  # beside kvtool-int4 and llama.cpp; the newest record only
+    assert "| 42.0 | 42.0 | missing |" in index  # beside kvtool-int4 and llama.cpp; the newest record only
     assert "quick" not in index and "| 10.0 |" not in index
     body = readme.read_text()
     assert body.startswith("# x\n\nbefore\n") and body.endswith(f"{END}\nafter\n") and "stale" not in body
-    assert "[report.json](benchmarks/results/peers-smollm2/report.json)" in body
-    assert "kvtool (fp32 dense)" in body and "llama.cpp (GGUF Q4_1)" in body and "decode: 0.80x (missed)" in body
+    # one table of ratios: the better kvtool variant per workload and peer; ITL and missing ratios left out
+    assert "SmolLM2, 2026-12-03, load 1.5-3.0 ([peers-smollm2](benchmarks/results/peers-smollm2/report.json))" in body
+    assert "| decode bs=1 (tok/s) | - | - | 2.10x (kvtool) |" in body
+    assert "ITL" not in body and "TTFT" not in body.split(BEGIN)[1].split("Each cell")[0]
+    assert "- peers-smollm2: decode: 0.80x (missed)" in body and "HISTORY" not in body + index
 
 
 def test_the_committed_results_readme_is_up_to_date():
