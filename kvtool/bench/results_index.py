@@ -83,6 +83,10 @@ def _skills(r):
     return f"composed skills vs full prefill: up to {_x(best.get('speedup_cold'))} TTFT ({best['repair']})"
 
 
+def _pct(v) -> str:
+    return "n/a" if v is None else f"{100 * v:.0f}%"
+
+
 def _share(ops: list[dict], *names: str) -> float:
     total = sum(o["self_ms"] for o in ops) or 1.0
     return sum(o["self_ms"] for o in ops if any(n in o["op"] for n in names)) / total
@@ -101,6 +105,11 @@ HEADLINES.update({  # one-line summaries
                                      for k, v in r["results"].items()),
     "agent_eval": lambda r: f"tool-call success {r['passed']}/{r['cases']}",
     "viz_8k": lambda r: f"{r['tokens']}-token heatmap peak RSS {r['peak_rss_gb']} GB",
+    "engines": lambda r: "kvtool / vLLM: " + ", ".join(f"{k} {_x(v['median'])}"
+                                                      for k, v in r["ratios_kvtool_over_vllm"].items()),
+    "edit": lambda r: "; ".join(f"{mode}: the edit changes {v['edit_changes_answer']}/{v['cases']} answers, "
+                                f"field_only recovers {_pct(v['field_only_recovers'])}, erratum "
+                                f"{_pct(v['erratum_recovers'])}" for mode, v in r["verdict"].items()),
 })
 
 
@@ -222,6 +231,7 @@ def results_readme(folder: Path) -> str:
             text = f"(record not summarised: {type(exc).__name__} {exc})"
         rel = path.relative_to(folder)
         model = rec["model"] if isinstance(rec.get("model"), str) else "-"
+        model = Path(model).name if model.startswith("/") else model  # a file path: its name
         lines.append(f"| {kind(rec)} | {model} | {rec.get('device', '-')} | {date} | {text} | [{rel}]({rel}) |")
     peers = [(p, r) for p, r, _ in rows if kind(r) == "peers"]
     for path, rec in peers:
