@@ -9,6 +9,6 @@ calls the same functions:
     heatmap    compute_heatmap + plot_heatmap (block pooling for long inputs)
     sink       sink_stats, sink_table, plot_sink                       position  position_stats, plot_position
     needle     needle_experiment, plot_needle                          focus     focus, plot_focus
-    inspect    inspect_router(get_model, run_exclusive=...) for `kvtool serve` at /inspect
+    static     the web inspector's page; its routes are kvtool.serving.inspect_http (`kvtool serve` at /inspect)
     config     VizConfig: every default                                plots     matplotlib Agg, PNG/SVG
 """
