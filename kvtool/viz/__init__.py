@@ -1,6 +1,6 @@
 """kvtool.viz: attention visualizer (sinks, position bias, status-bar focus) and the web inspector.
 
-Line budget ~1,500 (Python) + ~350 (static page). One concept per module; the CLI (`kvtool viz`)
+Line budget: docs/architecture.md (Python), ~350 for the static page. One concept per module; the CLI (`kvtool viz`)
 calls the same functions:
 
     probs      reference attention inside the forward's tap (fp32, per layer, selected rows only)
