@@ -14,11 +14,11 @@ import statistics
 import time
 
 from kvtool.agent.config import AgentConfig
-from kvtool.agent.fake_endpoint import FakeEndpoint
+from kvtool.agent.demos.fake_endpoint import FakeEndpoint
 from kvtool.agent.http_backend import OpenAIHTTPBackend
 from kvtool.agent.loop import Agent
 from kvtool.agent.sealing import CallAssembler
-from kvtool.agent.script import reply
+from kvtool.agent.demos.script import reply
 from kvtool.agent.tools import Tool
 
 TOOL_S = 0.3  # each simulated tool call

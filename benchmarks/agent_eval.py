@@ -26,8 +26,8 @@ def main() -> None:
 
     import kvtool
     from kvtool.agent.config import AgentConfig
-    from kvtool.agent.eval_cases import EVAL_CASES
-    from kvtool.agent.evaluate import run_status_bar_cache_eval, run_tool_eval
+    from kvtool.agent.demos.eval_cases import EVAL_CASES
+    from kvtool.agent.demos.evaluate import run_status_bar_cache_eval, run_tool_eval
     from kvtool.serving import ServerConfig, create_app
     from kvtool.serving.server import BackgroundServer
     from kvtool.testing.models import qwen25_gguf

@@ -10,6 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from kvtool.errors import InvalidParameterError
+from kvtool.skill_settings import parse_preamble, parse_repair
+from kvtool.structured.json_schema import check_schema
+from kvtool.structured.regex_mode import compile_pattern
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes; the server's seed fields use it too
@@ -43,9 +46,6 @@ class EngineConfig:
 
     def validate(self) -> "EngineConfig":
         """Raise InvalidParameterError naming the first bad value; return self. Engine() runs it."""
-        from kvtool.skills.preamble import parse_preamble
-        from kvtool.skills.repair import make_repair
-
         def bad(name: str, why: str) -> None:
             raise InvalidParameterError(f"invalid engine setting {name}={getattr(self, name)!r}: {why}")
 
@@ -67,7 +67,7 @@ class EngineConfig:
             bad("cache_file", "saves the prefix cache, which enable_prefix_cache=False turns off")
         if self.skills_dir is not None and not isinstance(self.skills_dir, str):
             bad("skills_dir", "must be a folder path (str) or None")
-        make_repair(self.skill_repair)
+        parse_repair(self.skill_repair)
         parse_preamble(self.skill_preamble)
         return self
 
@@ -90,12 +90,12 @@ class SamplingParams:
     min_tokens: int = 0  # end of turn, stop_token_ids and stop strings count only after this many tokens
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these tokens may be drawn (vLLM's allowed_token_ids)
-    choice: list[str] | None = None  # the output is exactly one of these strings (kvtool.engine.choice)
-    regex: str | None = None  # the whole output matches this pattern (kvtool.engine.regex_mode)
+    choice: list[str] | None = None  # the output is exactly one of these strings (kvtool.structured.choice)
+    regex: str | None = None  # the whole output matches this pattern (kvtool.structured.regex_mode)
     logprobs: int | None = None  # None: off; k >= 0: chosen token + top k
     prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob + top k (full prefill)
-    response_format: str = "text"  # text | json_object | json_schema: one JSON object (kvtool.engine.json_mode)
-    json_schema: dict | None = None  # for json_schema: the schema it follows (kvtool.engine.json_schema)
+    response_format: str = "text"  # text | json_object | json_schema: one JSON object (kvtool.structured.json_mode)
+    json_schema: dict | None = None  # for json_schema: the schema it follows (kvtool.structured.json_schema)
     json_suffix: str = ""  # JSON modes: text that must follow the object before the turn ends (a closing tag)
 
     @property
@@ -165,8 +165,6 @@ class SamplingParams:
         if self.json_suffix and self.response_format == "text":
             bad("json_suffix", "follows the JSON object of a JSON mode; response_format is 'text'")
         if self.json_schema is not None:
-            from kvtool.engine.json_schema import check_schema
-
             check_schema(self.json_schema)
         if self.allowed_token_ids is not None and (
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
@@ -179,11 +177,9 @@ class SamplingParams:
             if self.response_format != "text" or self.min_tokens:
                 bad("choice", "the output is one of the choices: it cannot be a JSON mode or take min_tokens")
         if self.regex is not None:
-            from kvtool.engine.regex_mode import compile_pattern  # bounded: refuses huge repeats, recursion
-
             if not isinstance(self.regex, str) or not self.regex:
                 bad("regex", "must be a non-empty pattern string")
-            try:
+            try:  # compile_pattern is bounded: it refuses huge repeats and recursion
                 compiled = compile_pattern(self.regex)
             except InvalidParameterError as exc:
                 bad("regex", str(exc))

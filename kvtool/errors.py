@@ -25,3 +25,7 @@ class InvalidParameterError(KvtoolError):
 
 class CacheFormatError(KvtoolError):
     """A stored KV object is truncated, tampered or made for another model."""
+
+
+class PrefixCacheWarning(UserWarning):
+    """The prefix cache could not do what was asked (budget too small, a KV hand-back failed); the request runs."""

@@ -8,8 +8,8 @@ from kvtool import SamplingParams
 from kvtool.config import as_sampling_params
 from kvtool.engine import Engine
 from kvtool.engine.batch import BatchScheduler
-from kvtool.engine.ids import as_token_ids
 from kvtool.errors import InvalidParameterError
+from kvtool.ids import as_token_ids
 
 
 @pytest.mark.parametrize("value,words", [

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from kvtool import SamplingParams
-from kvtool.engine.choice import ChoiceConstraint
 from kvtool.engine.sampling import Sampler
 from kvtool.errors import InvalidParameterError
+from kvtool.structured.choice import ChoiceConstraint
 
 PIECES = ["", "n", "o", "no", " way", "yes", "y", "<|im_end|>", "es", "w"]
 SPECIAL, STOP = {7}, {7}

@@ -7,9 +7,9 @@ import time
 import pytest
 
 from kvtool.config import SamplingParams
-from kvtool.engine.json_schema import check_schema
-from kvtool.engine.regex_mode import MAX_REPEAT, RegexConstraint, compile_pattern
 from kvtool.errors import InvalidParameterError
+from kvtool.structured.json_schema import check_schema
+from kvtool.structured.regex_mode import MAX_REPEAT, RegexConstraint, compile_pattern
 
 PIECES, SPECIAL, STOP = ["", "a", "b", "<|im_end|>"], {3}, {3}
 HANG_S = 5.0  # not a speed claim: compiling a{10000000} took 9 s and 5 GB, a{100000000} ran out of memory

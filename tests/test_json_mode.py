@@ -6,7 +6,7 @@ import random
 import pytest
 
 from kvtool import SamplingParams
-from kvtool.engine.json_mode import MAX_NUMBER, MAX_WS, JsonConstraint, JsonState, advance
+from kvtool.structured.json_mode import MAX_NUMBER, MAX_WS, JsonConstraint, JsonState, advance
 
 
 def random_value(rng: random.Random, depth: int = 0):

@@ -8,8 +8,8 @@ import jsonschema
 import pytest
 
 from kvtool import SamplingParams
-from kvtool.engine.json_schema import schema_advance, start
 from kvtool.errors import InvalidParameterError
+from kvtool.structured.json_schema import schema_advance, start
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"},

@@ -13,9 +13,9 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvtool import SamplingParams
-from kvtool.engine.json_schema import MAX_BRANCHES, schema_advance, start
-from kvtool.engine.schema_refs import rebase
 from kvtool.errors import InvalidParameterError
+from kvtool.structured.json_schema import MAX_BRANCHES, schema_advance, start
+from kvtool.structured.schema_refs import rebase
 from tests.test_json_schema import random_walk
 
 

@@ -17,9 +17,9 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvtool import SamplingParams
-from kvtool.engine.json_schema import schema_advance, start
-from kvtool.engine.schema_values import number_ok
 from kvtool.errors import InvalidParameterError
+from kvtool.structured.json_schema import schema_advance, start
+from kvtool.structured.schema_values import number_ok
 from tests.test_json_schema import random_walk
 
 

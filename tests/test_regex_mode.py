@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kvtool import SamplingParams
-from kvtool.engine.regex_mode import RegexConstraint
 from kvtool.engine.sampling import Sampler
 from kvtool.errors import InvalidParameterError
+from kvtool.structured.regex_mode import RegexConstraint
 
 PIECES = ["", "1", "12", "9", "-", "a", "<|im_end|>", "-3", "x", "\ufffd", "3"]
 SPECIAL, STOP = {6}, {6}

@@ -13,15 +13,15 @@ _EXPORTS = {
     "Tool": "tools", "ToolRegistry": "tools", "ToolContext": "tools", "Tier": "tools",
     "ChatBackend": "backend", "StreamDelta": "backend", "ToolCallFragment": "backend", "Usage": "backend",
     "BackendError": "backend", "BackendUnavailable": "backend",
-    "OpenAIHTTPBackend": "http_backend", "ScriptedBackend": "scripted", "FakeEndpoint": "fake_endpoint",
-    "reply": "script", "http_error": "script", "Reply": "script",
+    "OpenAIHTTPBackend": "http_backend", "ScriptedBackend": "demos.scripted", "FakeEndpoint": "demos.fake_endpoint",
+    "reply": "demos.script", "http_error": "demos.script", "Reply": "demos.script",
     "RetryPolicy": "retry", "ToolError": "retry", "ToolInputError": "retry", "RetryableToolError": "retry",
     "RateLimited": "retry",
     "Event": "events", "user_message": "events", "Observer": "observer", "TerminalObserver": "render",
     "check_messages": "trajectory", "message_problems": "trajectory",
-    "skill_tool": "skills", "make_demo_tools": "demo_tools", "run_demo": "demo_runner", "DEMOS": "demos",
-    "run_tool_eval": "evaluate", "run_status_bar_cache_eval": "evaluate",
-    "evaluate_tool_use": "evaluate", "status_bar_cache_rates": "evaluate",
+    "skill_tool": "skills", "make_demo_tools": "demos.tools", "run_demo": "demos.runner", "DEMOS": "demos.scenarios",
+    "run_tool_eval": "demos.evaluate", "run_status_bar_cache_eval": "demos.evaluate",
+    "evaluate_tool_use": "demos.evaluate", "status_bar_cache_rates": "demos.evaluate",
 }
 __all__ = sorted(_EXPORTS)
 

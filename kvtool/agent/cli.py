@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from kvtool.agent.config import AgentConfig
-from kvtool.agent.demos import DEMOS
+from kvtool.agent.demos.scenarios import DEMOS
 from kvtool.agent.status_bar import PLACEMENTS
 
 
@@ -65,7 +65,7 @@ def handler(args: argparse.Namespace) -> int:
 
 
 async def _main(args: argparse.Namespace, config: AgentConfig, extra_tools: list | None = None) -> int:
-    from kvtool.agent.demo_runner import get_demo, run_demo, scripted_backend
+    from kvtool.agent.demos.runner import get_demo, run_demo, scripted_backend
     from kvtool.agent.http_backend import OpenAIHTTPBackend
     from kvtool.agent.interactive import interactive_session
     from kvtool.agent.render import TerminalObserver

@@ -14,7 +14,7 @@ from typing import Callable
 
 from kvtool.agent.backend import ChatBackend
 from kvtool.agent.config import AgentConfig
-from kvtool.agent.demo_tools import make_demo_tools
+from kvtool.agent.demos.tools import make_demo_tools
 from kvtool.agent.events import user_message
 from kvtool.agent.loop import Agent
 from kvtool.agent.observer import Observer

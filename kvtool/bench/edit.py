@@ -1,4 +1,4 @@
-"""`kvtool edit eval`: the ways to edit a field of a cached context (kvtool.cache.edit), scored against full
+"""`kvtool edit eval`: the ways to edit a field of a cached context (kvtool.skills.edit), scored against full
 recompute on cases whose answer depends on the field (kvtool.bench.edit_cases).
 
 Per case and mode the reference is the full recompute of the edited context, then the question and a greedy
@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import torch
 
 from kvtool.bench.edit_cases import CASES, EditCase
-from kvtool.cache.edit import apply_edit, erratum_text, plan_edit, user_turn_ids
+from kvtool.skills.edit import apply_edit, erratum_text, plan_edit, user_turn_ids
 from kvtool.skills.evaluate import fidelity, timed
 
 MODES = {"direct": "Reply with the answer only, in a few words.",

@@ -30,7 +30,7 @@ class EditCase:
 
     def field_span(self, text: str) -> tuple[int, int]:
         """Character span of the field's value in `text` (the context rendered with the old value)."""
-        from kvtool.cache.edit import find_field
+        from kvtool.skills.edit import find_field
 
         line = next(f for f in self.facts if "{v}" in f)
         lo, _ = find_field(text, line.format(v=self.old))

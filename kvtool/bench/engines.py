@@ -133,7 +133,7 @@ def ratios(results: dict) -> dict:
 
 
 def run_engines_bench(model: str, cfg: EnginesBenchConfig, workdir: Path) -> dict:
-    from kvtool.testing.server_process import ServerProcess
+    from kvtool.serving.server_process import ServerProcess
 
     common = ["--model", model, "--max-active", "64", "--max-queue", "64", "--log-level", "warning"]
     servers = {"kvtool": ServerProcess(common, workdir / "kvtool-serve.log"),

@@ -18,13 +18,13 @@ from kvtool.models.loading import LoadedModel
 
 
 def _qwen3_0_6b():
-    from kvtool.testing.tiny import qwen3_0_6b_config
+    from kvtool.models.tiny import qwen3_0_6b_config
 
     return qwen3_0_6b_config()
 
 
 SHAPES = {"qwen3-0.6b": _qwen3_0_6b}  # --shape name -> transformers config of the random checkpoint
-MODEL_ALIASES = ("smollm2", "qwen25")  # offline test models (kvtool.testing.models.<alias>_gguf)
+MODEL_ALIASES = ("smollm2", "qwen25")  # offline test models (kvtool.models.offline.<alias>_gguf)
 
 
 class IdTokenizer:
@@ -149,7 +149,7 @@ def load_bench_model(model_arg: str | None = None, shape: str | None = None, dev
             raise InvalidParameterError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
         if model_arg:
             raise InvalidParameterError("give either --model or --shape, not both")
-        from kvtool.testing.tiny import random_checkpoint
+        from kvtool.models.tiny import random_checkpoint
 
         config = SHAPES[shape]()
         if tokenizer is not None:
@@ -167,9 +167,9 @@ def model_path(model_arg: str | None, announce=print) -> str:
     """What a benchmark's --model names: an alias in MODEL_ALIASES (the offline test models), else a hub id,
     HF folder or GGUF file (None: kvtool's default model)."""
     if model_arg in MODEL_ALIASES:
-        from kvtool.testing import models
+        from kvtool.models import offline
 
-        return str(getattr(models, f"{model_arg}_gguf")())
+        return str(getattr(offline, f"{model_arg}_gguf")())
     from kvtool.models.resolve import resolve_model_arg
 
     return resolve_model_arg(model_arg, announce=announce)

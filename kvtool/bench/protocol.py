@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from kvtool.version import __version__
+
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
@@ -91,10 +93,8 @@ def percentile(values: list[float], q: float) -> float:
 def versions() -> dict:
     import transformers
 
-    import kvtool
-
     return {"python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "kvtool": kvtool.__version__}
+            "transformers": transformers.__version__, "kvtool": __version__}
 
 
 def portable(value, root: str | None = None):

@@ -50,7 +50,7 @@ class SkillsBenchConfig:
             raise InvalidParameterError("--prefix-tokens and --repeats must be >= 0, with at least one --repair")
         if any(c < 0 for c in self.scaling):
             raise InvalidParameterError(f"--scaling block counts must be >= 0; got {self.scaling}")
-        from kvtool.skills.preamble import parse_preamble
+        from kvtool.skill_settings import parse_preamble
         from kvtool.skills.repair import make_repair
 
         for spec in [*self.repairs, *self.scaling_repairs]:  # the scaling sweep ran last: a typo failed after it all

@@ -32,18 +32,15 @@ import torch
 from kvtool.cache.index import PrefixIndex
 from kvtool.cache.kv import KVCache
 from kvtool.cache.kvfile import setup_of
+from kvtool.cache.persist import load_cache, save_cache
 from kvtool.cache.store import BlockStore
 from kvtool.config import is_whole
-from kvtool.engine.ids import as_token_ids
-from kvtool.errors import InvalidParameterError
+from kvtool.errors import InvalidParameterError, PrefixCacheWarning
+from kvtool.ids import as_token_ids
 
 DEFAULT_BUDGET_FRACTION = 0.25  # of available RAM (CPU, MPS) or free GPU memory (CUDA)
 DEFAULT_BUDGET_CAP = 16 << 30
 FALLBACK_AVAILABLE = 4 << 30  # when available memory cannot be read
-
-
-class PrefixCacheWarning(UserWarning):
-    """The cache could not do what was asked (budget too small); the request still runs."""
 
 
 @dataclass
@@ -262,14 +259,10 @@ class PrefixCache:
         """Write every cached prefix's KV and pins to ``path`` (a .kvc file, kvtool.cache.persist), for load()
         in a later process with the same model. ``model``: the LoadedModel this cache serves (its name and
         tokenizer go into the file's setup); None for a bare runner."""
-        from kvtool.cache.persist import save_cache
-
         return save_cache(self, path, setup_of(model, self.runner))
 
     def load(self, path, model=None) -> dict:
         """Add the prefixes a save() wrote to this cache; a file made for another setup is refused."""
-        from kvtool.cache.persist import load_cache
-
         self.loaded = load_cache(self, path, setup_of(model, self.runner))
         return self.loaded
 

@@ -29,8 +29,7 @@ from pathlib import Path
 import torch
 
 from kvtool.cache.kvfile import SETUP_FIELDS, CheckedFile, setup_mismatches, write_checked
-from kvtool.cache.manager import PrefixCacheWarning
-from kvtool.errors import CacheFormatError
+from kvtool.errors import CacheFormatError, PrefixCacheWarning
 
 FORMAT = "kvtool.prefix-cache"
 FORMAT_VERSION = "1"

@@ -76,7 +76,7 @@ def run(args) -> int:
     from kvtool.config import EngineConfig
     from kvtool.errors import InvalidParameterError
     from kvtool.serving.server import check_listen, serve
-    from kvtool.skills.preamble import canonical_preamble
+    from kvtool.skill_settings import canonical_preamble
 
     cfg = config_from_args(args)
     if args.engine == "vllm":

@@ -10,9 +10,9 @@ from kvtool.cli.common import add_model_args, check_writable, load_from_args
 
 
 def register(subparsers) -> None:
-    from kvtool.skills.catalog import DEFAULT_PREAMBLE
-    from kvtool.skills.preamble import DEEP_TOKENS, NAMES
+    from kvtool.skill_settings import DEEP_TOKENS, NAMES
     from kvtool.skills.cases import EVAL_PREAMBLES
+    from kvtool.skills.catalog import DEFAULT_PREAMBLE
     from kvtool.skills.evaluate import DEFAULT_SWEEP
     from kvtool.skills.render import RENDER_MODES
     from kvtool.skills.repair import REPAIRS
@@ -72,7 +72,7 @@ def _preamble(spec: str) -> str:
     import argparse
 
     from kvtool.errors import InvalidParameterError
-    from kvtool.skills.preamble import canonical_preamble
+    from kvtool.skill_settings import canonical_preamble
 
     try:
         return canonical_preamble(spec)

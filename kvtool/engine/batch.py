@@ -22,12 +22,7 @@ with finish_reason "error" and the exception passed to its on_finish callback.
 With a prefix cache, a request's prompt KV goes into it as soon as its prefill ends (publish), so
 requests that arrive while it still decodes reuse that prompt; the rest is cached when it finishes.
 
-Requests added with one Fork (the n choices of one prompt) prefill their prompt once: the first
-prefills it; the others wait, and when its prefill ends they start from a copy of its prompt KV,
-each drawing its first token from the same last-prompt-token logits with its own sampler. If the
-first ends before its prefill does, the others prefill on their own. The copy waiting for them counts
-against the KV budget; under KV pressure it is dropped before any running request is preempted, and the
-others prefill on their own (from the prefix cache, where the first published the prompt).
+The n choices of one prompt share its prefill through a Fork (kvtool.engine.forks).
 """
 
 from __future__ import annotations
@@ -36,42 +31,19 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from kvtool.cache.kv import KVCache
-from kvtool.cache.manager import PrefixCacheWarning
 from kvtool.config import SamplingParams, as_sampling_params, is_whole
 from kvtool.engine.batch_sampling import batchable, sample_rows
-from kvtool.engine.generate import Engine, Generation, OutputState, TokenEvent, scores_prompt
-from kvtool.engine.ids import as_token_ids
+from kvtool.engine.forks import Fork, choices
+from kvtool.engine.output import Generation, OutputState, TokenEvent, scores_prompt
 from kvtool.engine.scoring import SCORE_CHUNK, PromptScorer
-from kvtool.errors import InvalidParameterError
-
-
-def choice_seed(seed: int | None, i: int) -> int | None:
-    """Choice i of a seeded request draws with seed + i (wrapped into torch's seed range)."""
-    return None if seed is None else (seed + i if seed + i < 2**64 else seed + i - 2**64)
-
-
-def choices(prompts: list[list[int]], params: list[SamplingParams], n: int):
-    """(ids, params, fork) of choice i of prompt p, in the order p * n + i: choice i seeded seed + i, the
-    choices of one prompt sharing a Fork (none for a single choice)."""
-    for ids, p in zip(prompts, params):
-        fork = Fork() if n > 1 else None
-        for i in range(n):
-            yield ids, (replace(p, seed=choice_seed(p.seed, i)) if i else p), fork
-
-
-@dataclass(eq=False)
-class Fork:
-    """A prompt shared by sibling requests: its KV and last-token logits once the first has prefilled it."""
-    leader: "BatchRequest | None" = None
-    cache: KVCache | None = None
-    logits: torch.Tensor | None = None
-    abandoned: bool = False  # the leader ended before its prefill did: the others prefill on their own
+from kvtool.errors import InvalidParameterError, PrefixCacheWarning
+from kvtool.ids import as_token_ids
 
 
 @dataclass(eq=False)  # a request is an entity: membership tests and remove() go by identity
@@ -91,7 +63,7 @@ class BatchRequest:
 
 
 class BatchScheduler:
-    def __init__(self, engine: Engine, max_running: int = 16, prefill_budget: int = 256,
+    def __init__(self, engine, max_running: int = 16, prefill_budget: int = 256,
                  kv_budget_tokens: int | None = None):
         for name, value in (("max_running", max_running), ("prefill_budget", prefill_budget),
                             ("kv_budget_tokens", 1 if kv_budget_tokens is None else kv_budget_tokens)):
@@ -383,7 +355,7 @@ class BatchScheduler:
             self.step()
 
 
-def generate_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+def generate_batch(engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                    n: int = 1, max_running: int = 16, skip_special_tokens: bool = True) -> list[Generation]:
     """Every prompt (token ids) n times through one BatchScheduler, as vLLM's LLM.generate: the finished
     Generations, choice i of prompt p at p * n + i. A list of params gives each prompt its own; a seed s gives

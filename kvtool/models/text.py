@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtool.engine.ids import as_token_ids
 from kvtool.errors import InvalidParameterError, ModelLoadError
+from kvtool.ids import as_token_ids
 from kvtool.models.spec import ModelSpec
 
 # Tokens that end a turn in the chat formats kvtool serves.

@@ -104,9 +104,9 @@ class KvtoolBackend:
         save_cache_file(self.prefix_cache, self.engine.config.cache_file, self.model)
 
     def routers(self, worker: Worker, served: ServedModel) -> list[APIRouter]:
-        from kvtool.cache.edit_http import edit_router
-        from kvtool.cache.http import cache_router
-        from kvtool.viz.inspect import inspect_router
+        from kvtool.serving.cache_edit_http import edit_router
+        from kvtool.serving.cache_http import cache_router
+        from kvtool.serving.inspect_http import inspect_router
 
         model, engine, prefix_cache, splicer = self.model, self.engine, self.prefix_cache, self.splicer
         skills = APIRouter()

@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 
 from jsonschema import Draft202012Validator, SchemaError
 
-from kvtool.engine.json_schema import check_schema
-from kvtool.engine.schema_refs import rebase
 from kvtool.errors import InvalidParameterError
 from kvtool.serving.errors import ServingError
 from kvtool.serving.protocol import ChatMessage, NamedToolChoice, ToolDef
 from kvtool.serving.served import ServedModel, check_text
 from kvtool.serving.toolparse import THINK_CLOSE, THINK_OPEN, ToolFormat
+from kvtool.structured.json_schema import check_schema
+from kvtool.structured.schema_refs import rebase
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")

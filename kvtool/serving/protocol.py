@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvtool.config import SEED_RANGE as SEEDS, SamplingParams
+from kvtool.config import SEED_RANGE as SEEDS
+from kvtool.config import SamplingParams
 from kvtool.serving.errors import ServingError
 
 SEED_RANGE = dict(ge=SEEDS[0], lt=SEEDS[1])  # pydantic bounds of SamplingParams' range
@@ -122,7 +123,7 @@ class GenerationRequest(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    response_format: ResponseFormat | None = None  # text | json_object | json_schema (kvtool.engine.json_mode)
+    response_format: ResponseFormat | None = None  # text | json_object | json_schema (kvtool.structured.json_mode)
 
     def sampling(self, default_max_tokens: int | None, max_tokens: int | None = None,
                  logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:

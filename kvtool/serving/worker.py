@@ -27,7 +27,8 @@ from typing import AsyncIterator
 
 from kvtool.config import SamplingParams
 from kvtool.engine import Engine, Generation, TokenEvent
-from kvtool.engine.batch import BatchScheduler, Fork, choices
+from kvtool.engine.batch import BatchScheduler
+from kvtool.engine.forks import Fork, choices
 from kvtool.errors import KvtoolError
 from kvtool.models.host import release_openmp_threads
 from kvtool.serving.errors import QueueFull, ServingError, Unavailable

@@ -68,8 +68,8 @@ def catalog_case(model, folder, blocks: int = 4, prefix_tokens: int = 256, queri
                  preambles=EVAL_PREAMBLES, cache_dir=None, log=print):
     """The first `blocks` skills of `folder` (by name) compiled once per preamble, and the case they are
     loaded in: (case, {preamble: blocks}, catalog). The case holds the first preamble's blocks."""
+    from kvtool.skill_settings import canonical_preamble
     from kvtool.skills.catalog import load_catalog
-    from kvtool.skills.preamble import canonical_preamble
 
     preambles = list(dict.fromkeys(canonical_preamble(p) for p in preambles))
     catalogs = {p: load_catalog(folder, model, cache_dir=cache_dir, preamble=p, log=log) for p in preambles}

@@ -17,11 +17,13 @@ from typing import Callable
 
 from kvtool.config import EngineConfig
 from kvtool.errors import CacheFormatError
+from kvtool.skill_settings import canonical_preamble
 from kvtool.skills.block import SkillBlock, compile_ids, load_block, save_block, setup_of
 from kvtool.skills.match import BlockIndex, Match
-from kvtool.skills.preamble import canonical_preamble, preamble_ids
+from kvtool.skills.preamble import preamble_ids
 from kvtool.skills.render import render_skill, skill_messages
 from kvtool.skills.skillfile import Skill, read_skill, read_skills
+from kvtool.version import __version__
 
 DEFAULT_PREAMBLE = EngineConfig.skill_preamble  # kvtool.skills.preamble: what a block is compiled after
 
@@ -35,8 +37,6 @@ def compile_skill(model, skill: Skill | str | Path, render: str = "tool", preamb
     """Render the skill as a chat turn and prefill it once after its canonical preamble. `shared_kv` (a dict,
     filled here) keeps the KV of the preamble's part that every skill shares, for the next skill; `pre`:
     preamble_ids() already computed for this skill."""
-    import kvtool
-
     preamble = canonical_preamble(preamble)
     skill = skill if isinstance(skill, Skill) else read_skill(skill)
     rendered = rendered or render_skill(model, skill, render)
@@ -53,7 +53,7 @@ def compile_skill(model, skill: Skill | str | Path, render: str = "tool", preamb
             "render": render, "preamble": preamble,
             "preamble_sha256": preamble_sha256(pre),
             "boundary_safe": str(rendered.boundary_safe).lower(), "source_sha256": skill.source_sha256,
-            "source": skill.path, "kvtool_version": kvtool.__version__}
+            "source": skill.path, "kvtool_version": __version__}
     return compile_ids(model.runner, rendered.ids, setup_of(model), skill.name, pre, meta, warm=warm)
 
 

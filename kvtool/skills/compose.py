@@ -24,8 +24,8 @@ import torch
 
 from kvtool.cache.kv import KVCache
 from kvtool.config import EngineConfig, is_whole
-from kvtool.engine.ids import as_token_ids
 from kvtool.errors import ContextWindowError, InvalidParameterError
+from kvtool.ids import as_token_ids
 from kvtool.skills.block import SkillBlock
 from kvtool.skills.repair import PlaceStats, append_relocated, is_query_guided, make_repair
 from kvtool.skills.selective import recompute_slots

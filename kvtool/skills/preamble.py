@@ -1,4 +1,4 @@
-"""Where a skill block is compiled: the tokens prefilled before it, its canonical preamble (NAMES feeds the CLI).
+"""Where a skill block is compiled: the tokens prefilled before it (the spec is parsed in kvtool.skill_settings).
 
 - conversation: the turn's own conversation head (for the tool rendering, the user's request and the
   assistant's Skill call); the block starts a few dozen positions in.
@@ -20,40 +20,13 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from kvtool.errors import InvalidParameterError, KvtoolError
+from kvtool.errors import KvtoolError
+from kvtool.skill_settings import parse_preamble
 
 CONTEXT_FILE = Path(__file__).with_name("context.md")
-DEEP_TOKENS = 2048
-NAMES = ("conversation", "none", "deep")
-
-
 @lru_cache(maxsize=1)
 def context_text() -> str:
     return CONTEXT_FILE.read_text(encoding="utf-8")
-
-
-def parse_preamble(spec: str) -> tuple[str, int]:
-    """'conversation' | 'none' | 'deep' | 'deep:tokens=N' -> (name, tokens); tokens is 0 but for deep."""
-    name, _, rest = str(spec).partition(":")
-    if name not in NAMES:
-        raise InvalidParameterError(f"unknown skill preamble {spec!r}; use one of conversation, none, deep, "
-                                    "deep:tokens=N")
-    if name != "deep":
-        if rest:
-            raise InvalidParameterError(f"skill preamble {name!r} takes no knobs, got {spec!r}")
-        return name, 0
-    if not rest:
-        return name, DEEP_TOKENS
-    key, _, value = rest.partition("=")
-    if key != "tokens" or not value.isdigit() or int(value) < 1:
-        raise InvalidParameterError(f"skill preamble {spec!r}: the knob is tokens=N with N >= 1 (deep:tokens=2048)")
-    return name, int(value)
-
-
-def canonical_preamble(spec: str) -> str:
-    """The spelling a setup key and a block's metadata record ('deep' and 'deep:tokens=2048' are one)."""
-    name, tokens = parse_preamble(spec)
-    return f"deep:tokens={tokens}" if name == "deep" else name
 
 
 def _generic_system(model, tokens: int) -> str:

@@ -36,9 +36,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-
 from kvtool.errors import InvalidParameterError
 from kvtool.kernels import rerotate
+from kvtool.skill_settings import (NoRepairKnobs, RecomputeAttendedKnobs, RecomputeDeviationKnobs, RecomputeFirstKKnobs,
+                                   parse_repair)
 
 
 @dataclass
@@ -64,11 +65,7 @@ def append_relocated(runner, cache, block, lo: int = 0) -> None:
     cache.append_all(keys, block.values[:, :, lo:])
 
 
-@dataclass
-class NoRepair:
-    name = "none"
-    knob = None
-
+class NoRepair(NoRepairKnobs):
     def leading(self, block) -> int:
         return 0
 
@@ -77,16 +74,7 @@ class NoRepair:
         return PlaceStats(block.name, cache.offset - len(block), len(block))
 
 
-@dataclass
-class RecomputeFirstK:
-    k: int = 16
-    name = "recompute_first_k"
-    knob = "k"
-
-    def __post_init__(self):
-        if not isinstance(self.k, int) or self.k < 0:
-            raise InvalidParameterError(f"recompute_first_k: k must be an integer >= 0, got {self.k!r}")
-
+class RecomputeFirstK(RecomputeFirstKKnobs):
     def leading(self, block) -> int:
         return min(self.k, len(block))
 
@@ -99,29 +87,7 @@ class RecomputeFirstK:
         return PlaceStats(block.name, start, len(block), recomputed=k)
 
 
-@dataclass
-class RecomputeDeviation:
-    ratio: float = 0.1
-    layer: int = 1
-    score: str = "kv"
-    first: int = 0
-    name = "recompute_deviation"
-    knob = "ratio"
-
-    def __post_init__(self):
-        from kvtool.skills.selective import SCORES
-
-        if self.score not in SCORES:
-            raise InvalidParameterError(f"recompute_deviation: score must be one of {', '.join(SCORES)}, "
-                                        f"got {self.score!r}")
-        if not isinstance(self.first, int) or self.first < 0:
-            raise InvalidParameterError(f"recompute_deviation: first must be an integer >= 0, got {self.first!r}")
-        if not (isinstance(self.ratio, (int, float)) and 0.0 <= self.ratio <= 1.0):
-            raise InvalidParameterError(f"recompute_deviation: ratio must be in [0, 1], got {self.ratio!r}")
-        if not isinstance(self.layer, int) or self.layer < 1:
-            raise InvalidParameterError(f"recompute_deviation: layer must be an integer >= 1 (layer 0 KV does "
-                                        f"not depend on context), got {self.layer!r}")
-
+class RecomputeDeviation(RecomputeDeviationKnobs):
     def place(self, runner, cache, block) -> PlaceStats:
         from kvtool.skills.selective import recompute_selected
 
@@ -136,27 +102,7 @@ class RecomputeDeviation:
                           partial_layers=self.layer + 1)
 
 
-ATTENDED_SCORES = ("attention_v", "attention")  # probability times the value's norm, or the probability alone
-
-
-@dataclass
-class RecomputeAttended:
-    ratio: float = 0.1
-    window: int = 64
-    score: str = "attention_v"
-    name = "recompute_attended"
-    knob = "ratio"
-    query_guided = True  # compose_segments hands it the token run after the blocks (repair_run)
-
-    def __post_init__(self):
-        if not (isinstance(self.ratio, (int, float)) and 0.0 <= self.ratio <= 1.0):
-            raise InvalidParameterError(f"recompute_attended: ratio must be in [0, 1], got {self.ratio!r}")
-        if not isinstance(self.window, int) or self.window < 1:
-            raise InvalidParameterError(f"recompute_attended: window must be an integer >= 1, got {self.window!r}")
-        if self.score not in ATTENDED_SCORES:
-            raise InvalidParameterError(f"recompute_attended: score must be one of {', '.join(ATTENDED_SCORES)}, "
-                                        f"got {self.score!r}")
-
+class RecomputeAttended(RecomputeAttendedKnobs):
     leading, place = NoRepair.leading, NoRepair.place  # blocks go in as-is; the repair happens in repair_run
 
     def repair_run(self, runner, cache, placed: list, ids: list[int], chunk: int, logits: str):
@@ -184,30 +130,7 @@ def is_query_guided(repair) -> bool:
 
 def make_repair(spec="none", **knobs):
     """A repair from an instance, a name plus knobs, or a CLI string 'name' / 'name:knob=value,knob=value'."""
-    if not isinstance(spec, str):
-        if not hasattr(spec, "place"):
-            raise InvalidParameterError(f"repair must be a strategy name ({', '.join(REPAIRS)}) or a repair "
-                                        f"object; got {type(spec).__name__}")
-        return spec
-    name, _, rest = spec.partition(":")
-    if name not in REPAIRS:
-        raise InvalidParameterError(f"unknown repair strategy {name!r}; use one of {', '.join(REPAIRS)}")
-    cls = REPAIRS[name]
-    allowed = {f.name: f.type for f in fields(cls)}
-    for key in knobs:
-        if key not in allowed:
-            raise InvalidParameterError(f"repair {name!r} has no knob {key!r}; knobs: {', '.join(allowed) or 'none'}")
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        if key not in allowed:
-            raise InvalidParameterError(f"repair {name!r} has no knob {key!r}; knobs: {', '.join(allowed) or 'none'}")
-        try:
-            cast = {"int": int, "float": float}.get(allowed[key] if isinstance(allowed[key], str) else
-                                                    allowed[key].__name__, str)
-            knobs[key] = cast(value)
-        except ValueError:
-            raise InvalidParameterError(f"repair knob {key}={value!r} is not a number") from None
-    return cls(**knobs)
+    return parse_repair(spec, REPAIRS, **knobs)
 
 
 def describe(repair) -> str:

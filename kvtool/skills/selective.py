@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtool.models.rope import apply_rope
+from kvtool.skill_settings import DEVIATION_SCORES
 
 
 @dataclass
@@ -39,6 +40,7 @@ SCORES = {
     "kv_rel": lambda k, v, k0, v0: _rel(k, k0) + _rel(v, v0),  # the same, relative to the reused norms
     "v": lambda k, v, k0, v0: _sq(v, v0),  # values only
 }
+assert tuple(SCORES) == DEVIATION_SCORES, "recompute_deviation's knob check names these scores"
 
 
 QUERY_GROUPS = 4  # attention calls per layer of a selective pass (query_groups)

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvtool.agent.fake_endpoint import FakeEndpoint
+from kvtool.agent.demos.fake_endpoint import FakeEndpoint
 from kvtool.agent.tools import Tool
 
 OBJ = {"type": "object", "properties": {}, "additionalProperties": True}

@@ -7,8 +7,8 @@ import pytest
 from kvtool.agent.config import AgentConfig
 from kvtool.agent.loop import Agent
 from kvtool.agent.retry import RetryPolicy
-from kvtool.agent.script import reply
-from kvtool.agent.scripted import ScriptedBackend
+from kvtool.agent.demos.script import reply
+from kvtool.agent.demos.scripted import ScriptedBackend
 from kvtool.agent.tools import Tool
 from kvtool.agent.trajectory import check_messages
 from kvtool.errors import InvalidParameterError, KvtoolError

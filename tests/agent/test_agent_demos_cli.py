@@ -8,8 +8,8 @@ import time
 import pytest
 
 from kvtool.agent import cli
-from kvtool.agent.demo_runner import run_demo, scripted_backend
-from kvtool.agent.demos import DEMOS
+from kvtool.agent.demos.runner import run_demo, scripted_backend
+from kvtool.agent.demos.scenarios import DEMOS
 from kvtool.agent.http_backend import OpenAIHTTPBackend
 from kvtool.agent.trajectory import message_problems
 from kvtool.errors import KvtoolError
@@ -31,8 +31,8 @@ def test_demo_over_real_http(endpoint):
 
 def test_demo_checks_can_fail():
     # the limits demo, but the model never hits the limit: its check must complain
-    from kvtool.agent.script import reply
-    from kvtool.agent.scripted import ScriptedBackend
+    from kvtool.agent.demos.script import reply
+    from kvtool.agent.demos.scripted import ScriptedBackend
 
     backend = ScriptedBackend([reply(tool_calls=[("phone_call", {"company": "Xfinity"})]), reply("gave up")])
     result = asyncio.run(run_demo("limits", backend, scale=0.05))
@@ -88,7 +88,7 @@ def test_interactive_session_queues_lines_and_exits(endpoint, capsys):
     from kvtool.agent.config import AgentConfig
     from kvtool.agent.interactive import interactive_session
     from kvtool.agent.observer import Observer
-    from kvtool.agent.script import reply
+    from kvtool.agent.demos.script import reply
 
     ep = endpoint([reply("Hello!"), reply("Bye!")])
     lines = iter(["hi\n", "/status\n", "thanks\n", "/exit\n"])

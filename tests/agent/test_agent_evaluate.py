@@ -3,9 +3,9 @@
 import json
 import re
 
-from kvtool.agent.eval_cases import EVAL_CASES
-from kvtool.agent.evaluate import STATUS_BAR_TURNS, run_status_bar_cache_eval, run_tool_eval
-from kvtool.agent.script import reply
+from kvtool.agent.demos.eval_cases import EVAL_CASES
+from kvtool.agent.demos.evaluate import STATUS_BAR_TURNS, run_status_bar_cache_eval, run_tool_eval
+from kvtool.agent.demos.script import reply
 from kvtool.agent.status_bar import is_status_message
 
 # the arguments a correct model would send for each case, keyed by prompt

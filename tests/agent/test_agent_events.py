@@ -6,8 +6,8 @@ import time
 from kvtool.agent.config import AgentConfig
 from kvtool.agent.events import Event, EventQueue, format_batch, user_message
 from kvtool.agent.loop import Agent
-from kvtool.agent.script import reply
-from kvtool.agent.scripted import ScriptedBackend
+from kvtool.agent.demos.script import reply
+from kvtool.agent.demos.scripted import ScriptedBackend
 from kvtool.agent.tools import Tool
 from kvtool.agent.trajectory import check_messages, message_problems
 from kvtool.agent.turn_record import PLACEHOLDER

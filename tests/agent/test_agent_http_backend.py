@@ -8,7 +8,7 @@ import pytest
 
 from kvtool.agent.backend import BackendError, BackendUnavailable
 from kvtool.agent.http_backend import OpenAIHTTPBackend, iter_sse_data
-from kvtool.agent.script import http_error, reply
+from kvtool.agent.demos.script import http_error, reply
 
 
 async def collect(backend, messages=None, tools=()):

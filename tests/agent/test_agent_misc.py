@@ -6,14 +6,14 @@ import os
 import pytest
 
 from kvtool.agent.backend import BackendError
-from kvtool.agent.calculator import calculate
+from kvtool.agent.demos.calculator import calculate
 from kvtool.agent.clock import FakeClock
 from kvtool.agent.config import AgentConfig
-from kvtool.agent.demo_tools import make_demo_tools
+from kvtool.agent.demos.tools import make_demo_tools
 from kvtool.agent.loop import Agent
 from kvtool.agent.retry import ToolInputError
-from kvtool.agent.script import http_error, reply
-from kvtool.agent.scripted import ScriptedBackend
+from kvtool.agent.demos.script import http_error, reply
+from kvtool.agent.demos.scripted import ScriptedBackend
 from kvtool.agent.trajectory import message_problems
 from kvtool.errors import InvalidParameterError, KvtoolError
 
@@ -105,7 +105,7 @@ def test_duplicate_tool_names_are_refused():
 
 def test_stream_that_drops_after_a_tool_ran_keeps_the_result_and_continues(endpoint):
     from kvtool.agent.http_backend import OpenAIHTTPBackend
-    from kvtool.agent.script import dropped
+    from kvtool.agent.demos.script import dropped
     from kvtool.agent.tools import Tool
 
     ran = []

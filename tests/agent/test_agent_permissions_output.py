@@ -5,8 +5,8 @@ import asyncio
 from kvtool.agent.config import AgentConfig
 from kvtool.agent.loop import Agent
 from kvtool.agent.output import OutputPager, wrap_external
-from kvtool.agent.script import reply
-from kvtool.agent.scripted import ScriptedBackend
+from kvtool.agent.demos.script import reply
+from kvtool.agent.demos.scripted import ScriptedBackend
 from kvtool.agent.tools import Tier, Tool
 from kvtool.agent.trajectory import check_messages
 

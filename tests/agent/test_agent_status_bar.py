@@ -5,10 +5,10 @@ from datetime import datetime, timezone
 
 from kvtool.agent.clock import FakeClock
 from kvtool.agent.config import AgentConfig
-from kvtool.agent.demo_tools import make_demo_tools
+from kvtool.agent.demos.tools import make_demo_tools
 from kvtool.agent.loop import Agent
-from kvtool.agent.script import reply
-from kvtool.agent.scripted import ScriptedBackend
+from kvtool.agent.demos.script import reply
+from kvtool.agent.demos.scripted import ScriptedBackend
 from kvtool.agent.status_bar import STATUS_FIELDS, StatusSnapshot, format_elapsed, is_status_message, render_status
 from kvtool.agent.trajectory import check_messages
 

@@ -6,8 +6,8 @@ import time
 from kvtool.agent.config import AgentConfig
 from kvtool.agent.http_backend import OpenAIHTTPBackend
 from kvtool.agent.loop import Agent
-from kvtool.agent.script import reply
-from kvtool.agent.scripted import ScriptedBackend
+from kvtool.agent.demos.script import reply
+from kvtool.agent.demos.scripted import ScriptedBackend
 from kvtool.agent.trajectory import check_messages
 
 CFG = AgentConfig(status_bar="off", builtin_tools=False)

@@ -6,7 +6,7 @@ import torch
 
 from kvtool.bench.edit import plot_records, run_edit_eval
 from kvtool.bench.edit_cases import CASES, SMOKE, by_name
-from kvtool.cache.edit import EditInputError, apply_edit, plan_edit
+from kvtool.skills.edit import EditInputError, apply_edit, plan_edit
 
 pytestmark = pytest.mark.real_model
 

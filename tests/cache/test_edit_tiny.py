@@ -1,9 +1,9 @@
-"""kvtool.cache.edit on a tiny random model: each way against prefill, and refused edits leave the cache intact."""
+"""kvtool.skills.edit on a tiny random model: each way against prefill, and refused edits leave the cache intact."""
 
 import pytest
 import torch
 
-from kvtool.cache.edit import EditInputError, apply_edit, budget_tokens, plan_edit
+from kvtool.skills.edit import EditInputError, apply_edit, budget_tokens, plan_edit
 from kvtool.testing.tiny import tiny_checkpoint, tiny_runner
 
 

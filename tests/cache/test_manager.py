@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from kvtool import SamplingParams
 from kvtool.cache.kv import KVCache
-from kvtool.cache.manager import PrefixCache, PrefixCacheWarning, attach_prefix_cache, default_budget
+from kvtool.cache.manager import PrefixCache, attach_prefix_cache, default_budget
 from kvtool.config import EngineConfig
 from kvtool.engine import Engine
-from kvtool.errors import InvalidParameterError
+from kvtool.errors import InvalidParameterError, PrefixCacheWarning
 from kvtool.testing.tiny import tiny_checkpoint, tiny_runner
 
 BS = 4
@@ -255,7 +255,7 @@ def test_http_router_on_a_bare_app(model):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from kvtool.cache.http import cache_router
+    from kvtool.serving.cache_http import cache_router
 
     engine, cache = cached_engine(model)
     holder = {"cache": cache}
@@ -295,7 +295,7 @@ def test_http_save_to_a_path_that_cannot_be_written_is_a_500_that_says_why(model
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from kvtool.cache.http import cache_router
+    from kvtool.serving.cache_http import cache_router
 
     engine, cache = cached_engine(model)
     out = engine.generate(rand_ids(12, 5), GREEDY).run().token_ids
@@ -368,7 +368,7 @@ def run_workload(ops, budget_blocks, seed):
     return cache
 
 
-@pytest.mark.filterwarnings("ignore::kvtool.cache.manager.PrefixCacheWarning")
+@pytest.mark.filterwarnings("ignore::kvtool.errors.PrefixCacheWarning")
 def test_thousands_of_random_requests_stay_under_budget():
     ops = random.Random(0).choices(["start", "finish", "publish", "reset", "pin", "unpin"],
                                    weights=[45, 45, 10, 1, 2, 2], k=4000)
@@ -377,7 +377,7 @@ def test_thousands_of_random_requests_stay_under_budget():
     assert s["queries"] > 1500 and s["hit_tokens"] > 0 and s["evictions"] > 100
 
 
-@pytest.mark.filterwarnings("ignore::kvtool.cache.manager.PrefixCacheWarning")
+@pytest.mark.filterwarnings("ignore::kvtool.errors.PrefixCacheWarning")
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(st.sampled_from(["start", "start", "finish", "finish", "publish", "reset", "pin", "unpin"]),
                     min_size=1, max_size=80),
@@ -388,8 +388,7 @@ def test_random_workloads_keep_integrity(ops, budget_blocks, seed):
 
 def test_the_package_names_the_cache_classes():
     import kvtool.cache
-    from kvtool.cache import PrefixCache, attach_prefix_cache
-    from kvtool.cache import manager
+    from kvtool.cache import PrefixCache, attach_prefix_cache, manager
 
     assert PrefixCache is manager.PrefixCache and attach_prefix_cache is manager.attach_prefix_cache
     with pytest.raises(AttributeError, match="no attribute 'Prefix_Cache'"):

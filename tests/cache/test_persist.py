@@ -13,12 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtool import SamplingParams
-from kvtool.cache.manager import PrefixCache, PrefixCacheWarning
+from kvtool.cache.manager import PrefixCache
 from kvtool.config import EngineConfig
 from kvtool.engine import Engine
-from kvtool.errors import CacheFormatError, InvalidParameterError
+from kvtool.errors import CacheFormatError, InvalidParameterError, PrefixCacheWarning
 from kvtool.testing.tiny import tiny_checkpoint, tiny_runner
-
 from tests.cache.test_manager import BS, TinyModel, cached_engine, rand_ids
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

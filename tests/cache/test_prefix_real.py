@@ -8,8 +8,9 @@ import json
 import pytest
 
 from kvtool import SamplingParams
-from kvtool.cache.manager import PrefixCacheWarning, attach_prefix_cache
+from kvtool.cache.manager import attach_prefix_cache
 from kvtool.engine import Engine
+from kvtool.errors import PrefixCacheWarning
 
 pytestmark = pytest.mark.real_model
 
@@ -114,7 +115,7 @@ def test_pin_system_prompt_over_http_then_hit(smollm2, engines):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from kvtool.cache.http import cache_router
+    from kvtool.serving.cache_http import cache_router
 
     _, engine = engines
     app = FastAPI()

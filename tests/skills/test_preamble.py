@@ -3,7 +3,8 @@
 import pytest
 
 from kvtool.errors import InvalidParameterError
-from kvtool.skills.preamble import DEEP_TOKENS, canonical_preamble, context_text, parse_preamble
+from kvtool.skill_settings import DEEP_TOKENS, canonical_preamble, parse_preamble
+from kvtool.skills.preamble import context_text
 
 
 def test_parse_and_canonical_spelling():

@@ -283,7 +283,8 @@ def test_deep_preamble_brings_blocks_closer_to_full_prefill(smollm2, tmp_path):
 def test_n_choices_share_a_spliced_prompt_over_the_prefix_cache(smollm2, catalog):
     """n=2: the sibling starts from its leader's prompt KV and holds no prefix-cache handle of its own; both
     finish, hand their KV back and equal the unspliced greedy run (full recompute)."""
-    from kvtool.cache.manager import PrefixCache, PrefixCacheWarning
+    from kvtool.cache.manager import PrefixCache
+    from kvtool.errors import PrefixCacheWarning
 
     ids = conversation_ids(smollm2, catalog, "haiku", "limerick")
     params = kvtool.SamplingParams(temperature=0, max_tokens=3)

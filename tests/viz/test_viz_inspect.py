@@ -43,7 +43,7 @@ def server(smollm2):
     """A bare app: the router owns an Engine and streams from /v1/viz/generate, guarded by `lock`."""
     from fastapi import FastAPI
 
-    from kvtool.viz.inspect import inspect_router
+    from kvtool.serving.inspect_http import inspect_router
 
     lock = threading.Lock()
     app = FastAPI()

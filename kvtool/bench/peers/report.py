@@ -8,7 +8,7 @@ from pathlib import Path
 import json
 
 from kvtool.bench.protocol import emit, portable
-from kvtool.bench.report import _num, _ratio, _stat, _table
+from kvtool.bench.report_md import _num, _ratio, _stat, _table
 
 KVTOOL = ("kvtool", "kvtool-int4")
 

@@ -19,10 +19,11 @@ from dataclasses import replace
 
 from kvtool.config import SamplingParams, as_sampling_params
 from kvtool.engine import Generation
-from kvtool.engine.batch import choice_seed
-from kvtool.engine.generate import OutputText, check_request
-from kvtool.engine.ids import as_token_ids
+from kvtool.engine.forks import choice_seed
+from kvtool.engine.generate import check_request
+from kvtool.engine.output import OutputText
 from kvtool.engines.vllm.sampling import prompt_rows, to_vllm, top_list
+from kvtool.ids import as_token_ids
 from kvtool.serving.errors import QueueFull, Unavailable
 from kvtool.serving.worker import EventSink, Handle, Handles, RequestFailed, WorkerCrash, check_count
 

@@ -1,5 +1,5 @@
 // kvtool inspector: render a conversation to tokens, stream a generation, show a token's attention row.
-// Plain JS, no build step. Endpoints: /v1/viz/* (kvtool.viz.inspect) and, when the server enables it,
+// Plain JS, no build step. Endpoints: /v1/viz/* (kvtool.serving.inspect_http) and, when the server enables it,
 // /v1/chat/completions with a raw-token opt-in.
 "use strict";
 

@@ -1,8 +1,8 @@
 """JSON mode (response_format json_object, json_schema): every sampled token keeps the output a prefix of one
-JSON object (of the schema's shape, with kvtool.engine.json_schema).
+JSON object (of the schema's shape, with kvtool.structured.json_schema).
 
 JsonConstraint checks candidate tokens by their text pieces, most likely first, against the grammar
-state of kvtool.engine.json_syntax, and ends the output with an end-of-turn token once the object is
+state of kvtool.structured.json_syntax, and ends the output with an end-of-turn token once the object is
 closed. A piece that decodes alone to U+FFFD (part of a multi-byte character) is allowed inside strings
 only. Special tokens other than the end of turn are never allowed.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from kvtool.engine.json_schema import schema_advance, start
-from kvtool.engine.json_syntax import MAX_NUMBER, MAX_WS, JsonState, advance
+from kvtool.structured.json_schema import schema_advance, start
+from kvtool.structured.json_syntax import MAX_NUMBER, MAX_WS, JsonState, advance
 
 __all__ = ["JsonConstraint", "JsonState", "advance", "MAX_NUMBER", "MAX_WS"]
 
@@ -22,7 +22,7 @@ class JsonConstraint:
 
     def __init__(self, pieces: list[str], special_ids: Iterable[int], stop_ids: Iterable[int], schema: dict | None = None,
                  suffix: str = ""):
-        """schema: a JSON schema the object must also follow (kvtool.engine.json_schema); None: any object.
+        """schema: a JSON schema the object must also follow (kvtool.structured.json_schema); None: any object.
         suffix: text that must follow the object before the turn ends (a tool call's closing tag)."""
         self.pieces, self.special, self.stops = pieces, set(special_ids), set(stop_ids)
         self.suffix = suffix  # what of it is still to come, once the object is closed

@@ -31,7 +31,7 @@ from kvtool.viz.config import VizConfig
 
 log = logging.getLogger("kvtool.viz")
 
-STATIC = Path(__file__).parent / "static"
+STATIC = Path(__file__).parents[1] / "viz" / "static"  # the page itself stays with the visualizer
 ASSETS = {"inspect.js": "text/javascript", "inspect.css": "text/css"}
 Index = Union[int, Literal["mean", "max"]]
 

@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator
 
 from kvtool.agent.backend import BackendError, StreamDelta
 from kvtool.agent.http_backend import chunk_to_delta
-from kvtool.agent.script import DROP, Script, ScriptPlayer
+from kvtool.agent.demos.script import DROP, Script, ScriptPlayer
 
 
 class ScriptedBackend:

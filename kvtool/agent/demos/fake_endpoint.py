@@ -11,7 +11,7 @@ import asyncio
 import json
 import threading
 
-from kvtool.agent.script import DROP, Script, ScriptPlayer, sse
+from kvtool.agent.demos.script import DROP, Script, ScriptPlayer, sse
 
 
 class FakeEndpoint:

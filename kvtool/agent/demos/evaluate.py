@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kvtool.agent.config import AgentConfig
-from kvtool.agent.demo_tools import make_demo_tools
-from kvtool.agent.eval_cases import EVAL_CASES, WORKSPACE_FILES, EvalCase
+from kvtool.agent.demos.tools import make_demo_tools
+from kvtool.agent.demos.eval_cases import EVAL_CASES, WORKSPACE_FILES, EvalCase
 from kvtool.agent.http_backend import OpenAIHTTPBackend
 from kvtool.agent.loop import Agent
 

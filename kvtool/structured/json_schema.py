@@ -6,8 +6,8 @@ names; `enum` and `const` of strings, integers, booleans and null), an object's 
 how many keys it has (`minProperties`, `maxProperties`), an array's items (`prefixItems` for the leading
 ones, `items` for the rest, `minItems`, `maxItems`), a string's length (`minLength`, `maxLength`, in
 characters; one split across tokens, which each decode to U+FFFD, is not counted). Integers take no fraction or exponent; their bounds, number bounds, `pattern`
-and `format` are checked by kvtool.engine.schema_values. `$ref`, `allOf`, `anyOf` and `oneOf` are
-followed as kvtool.engine.schema_refs describes: the state is then one SchemaState per alternative the
+and `format` are checked by kvtool.structured.schema_values. `$ref`, `allOf`, `anyOf` and `oneOf` are
+followed as kvtool.structured.schema_refs describes: the state is then one SchemaState per alternative the
 text still fits (SchemaBranches). Ignored, as documentation: title, description, default, examples,
 formats schema_values does not know, and multipleOf. Refused with an error naming them: not,
 if/then/else, patternProperties and the like. Keys and enum strings take no escapes. check_schema()
@@ -21,14 +21,14 @@ import json
 import math
 from typing import NamedTuple
 
-from kvtool.engine.json_syntax import (AFTER, ARRAY_FIRST, COLON, ESCAPE, KEY, KEY_OR_END, NUMBER, NUMBER_PREFIX,
-                                       START, STRING, UNICODE, VALUE, WS, JsonState, feed)
-from kvtool.engine.schema_refs import ALL as TYPES
-from kvtool.engine.schema_refs import branches, prepare
-from kvtool.engine.schema_refs import types_of as _types
-from kvtool.engine.schema_values import (RANGE, check_pattern, empty_range, has_range, int_ok, int_range,
-                                         number_ok, patterns, string_ok)
 from kvtool.errors import InvalidParameterError
+from kvtool.structured.json_syntax import (AFTER, ARRAY_FIRST, COLON, ESCAPE, KEY, KEY_OR_END, NUMBER, NUMBER_PREFIX,
+                                           START, STRING, UNICODE, VALUE, WS, JsonState, feed)
+from kvtool.structured.schema_refs import ALL as TYPES
+from kvtool.structured.schema_refs import branches, prepare
+from kvtool.structured.schema_refs import types_of as _types
+from kvtool.structured.schema_values import (RANGE, check_pattern, empty_range, has_range, int_ok, int_range, number_ok,
+                                             patterns, string_ok)
 
 FIRST = {"object": "{", "array": "[", "string": '"', "number": "-0123456789", "integer": "-0123456789",
          "boolean": "tf", "null": "n"}

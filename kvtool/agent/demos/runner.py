@@ -9,11 +9,11 @@ from pathlib import Path
 
 from kvtool.agent.backend import ChatBackend
 from kvtool.agent.config import AgentConfig
-from kvtool.agent.demo_tools import make_demo_tools
-from kvtool.agent.demos import DEMOS, Demo
+from kvtool.agent.demos.tools import make_demo_tools
+from kvtool.agent.demos.scenarios import DEMOS, Demo
 from kvtool.agent.loop import Agent, AgentResult
 from kvtool.agent.observer import Observer
-from kvtool.agent.scripted import ScriptedBackend
+from kvtool.agent.demos.scripted import ScriptedBackend
 from kvtool.errors import KvtoolError
 
 

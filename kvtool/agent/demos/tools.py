@@ -8,7 +8,7 @@ from datetime import datetime
 from pathlib import Path
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from kvtool.agent.calculator import calculate
+from kvtool.agent.demos.calculator import calculate
 from kvtool.agent.retry import ToolInputError
 from kvtool.agent.tools import Tier, Tool, ToolContext
 

@@ -25,7 +25,9 @@ import string
 from typing import Iterable
 
 import regex
-from regex import _regex_core as core  # the package's own parser: the syntax compile_pattern checks is regex's
+from regex import (
+    _regex_core as core,  # the package's own parser: the syntax compile_pattern checks is regex's
+)
 
 from kvtool.errors import InvalidParameterError
 

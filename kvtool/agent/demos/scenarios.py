@@ -12,7 +12,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-from kvtool.agent.script import Reply, reply
+from kvtool.agent.demos.script import Reply, reply
 
 if TYPE_CHECKING:
     from kvtool.agent.loop import Agent, AgentResult

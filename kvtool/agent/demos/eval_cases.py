@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvtool.agent.calculator import calculate
+from kvtool.agent.demos.calculator import calculate
 from kvtool.agent.retry import ToolInputError
 
 Check = Callable[[dict[str, Any]], bool]

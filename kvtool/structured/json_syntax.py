@@ -3,8 +3,8 @@
 JsonState is an immutable tuple so trying a token costs one small copy: (mode, stack of open
 containers, pending literal or number part, whitespace run). No more than MAX_WS whitespace characters
 in a row and no number longer than MAX_NUMBER characters are allowed, so a small model cannot stall in
-a run of newlines or of digits. kvtool.engine.json_schema follows a schema on top of this state, and
-kvtool.engine.json_mode turns either into a per-token constraint.
+a run of newlines or of digits. kvtool.structured.json_schema follows a schema on top of this state, and
+kvtool.structured.json_mode turns either into a per-token constraint.
 """
 
 from __future__ import annotations

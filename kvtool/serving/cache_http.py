@@ -6,7 +6,7 @@
                            chat template, no generation prompt), {"prompt": "text"} or {"token_ids": [...]}
     POST /v1/cache/unpin   undo a pin; same body
     POST /v1/cache/save    write the cache to the server's --cache-file now (it is also written at shutdown)
-    POST /v1/cache/edit    change a field of a cached prefix without recomputing it (kvtool.cache.edit_http)
+    POST /v1/cache/edit    change a field of a cached prefix without recomputing it (kvtool.serving.cache_edit_http)
     GET  /v1/cache/tree    the cached prefixes as a tree of segments, each with its text (?max_chars=N, ?token_ids=true)
 
 Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.

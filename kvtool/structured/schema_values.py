@@ -11,7 +11,7 @@ the schema allows, and may it end here?
   string), and the formats in FORMATS are anchored patterns. Each character must leave some
   continuation that matches (the `regex` package's partial matching on the decoded string), and
   the closing quote needs a match. A character split across tokens is checked as U+FFFD. Patterns are
-  compiled by kvtool.engine.regex_mode.compile_pattern, under its limits (repeat counts, size, no recursion).
+  compiled by kvtool.structured.regex_mode.compile_pattern, under its limits (repeat counts, size, no recursion).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import json
 import math
 from fractions import Fraction
 
-from kvtool.engine.regex_mode import MATCH_TIMEOUT, compile_pattern, timeout_message
 from kvtool.errors import InvalidParameterError
+from kvtool.structured.regex_mode import MATCH_TIMEOUT, compile_pattern, timeout_message
 
 _DATE = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
 _TIME = r"([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,9})?(Z|[+-]([01]\d|2[0-3]):[0-5]\d)?"

@@ -26,6 +26,8 @@ import torch
 
 from kvtool.config import EngineConfig
 from kvtool.errors import InvalidParameterError
+from kvtool.skills.repair import make_repair
+from kvtool.skills.selective import recompute_most_attended, recompute_selected, recompute_slots
 
 WAYS = ("full", "field_only", "erratum")  # plus a repair spec: recompute_deviation:ratio=R, recompute_attended:...
 REPAIR_WAYS = ("recompute_deviation", "recompute_attended")
@@ -187,8 +189,6 @@ def check_context(runner, ids: list[int], cache) -> None:
 
 def parse_way(way: str):
     """(kind, repair or None): kind is full, field_only, erratum or the repair strategy's name."""
-    from kvtool.skills.repair import make_repair
-
     if not isinstance(way, str):
         raise EditInputError(f"way must be a string, got {type(way).__name__}", param="way")
     if way in WAYS:
@@ -256,8 +256,6 @@ def _full(runner, cache, edit, repair, erratum, question, chunk):
 
 
 def _field_only(runner, cache, edit, repair, erratum, question, chunk):
-    from kvtool.skills.selective import recompute_slots
-
     out = _copy(runner, cache, len(question))
     recompute_slots(runner, out, list(range(edit.start, edit.end)), edit.new_ids[edit.start : edit.end], chunk=chunk)
     return EditResult("field_only", out, edit.new_ids, edit.field_tokens)
@@ -275,8 +273,6 @@ def budget_tokens(ratio: float, context: int, field: int) -> int:
 
 
 def _deviation(runner, cache, edit, repair, erratum, question, chunk):
-    from kvtool.skills.selective import recompute_selected
-
     if repair.layer >= runner.spec.num_layers:
         raise EditInputError(f"{repair.name}: layer {repair.layer} does not exist; the model has "
                              f"{runner.spec.num_layers} layers", param="way")
@@ -292,8 +288,6 @@ def _deviation(runner, cache, edit, repair, erratum, question, chunk):
 
 
 def _attended(runner, cache, edit, repair, erratum, question, chunk):
-    from kvtool.skills.selective import recompute_most_attended
-
     base = _field_only(runner, cache, edit, None, erratum, question, chunk)
     out, ctx = base.cache, len(edit.new_ids)
     keep = budget_tokens(repair.ratio, ctx, edit.field_tokens) - edit.field_tokens

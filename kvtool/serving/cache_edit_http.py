@@ -1,4 +1,4 @@
-"""POST /v1/cache/edit: change a field of a cached (pinned) prefix without recomputing it (kvtool.cache.edit).
+"""POST /v1/cache/edit: change a field of a cached (pinned) prefix without recomputing it (kvtool.skills.edit).
 
 Body: the prefix as /v1/cache/pin takes it ({"messages": [...], "tools": [...]}, {"prompt": "..."} or
 {"token_ids": [...]}), then
@@ -23,9 +23,9 @@ from typing import Callable
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from kvtool.cache.edit import EditInputError, apply_edit, erratum_text, find_field, parse_way, plan_edit, user_turn_ids
-from kvtool.cache.http import CacheRequestError, _json_object, error_response, token_ids_from_body
 from kvtool.errors import KvtoolError
+from kvtool.serving.cache_http import CacheRequestError, _json_object, error_response, token_ids_from_body
+from kvtool.skills.edit import EditInputError, apply_edit, erratum_text, find_field, parse_way, plan_edit, user_turn_ids
 
 CONTEXT_KEYS = ("messages", "tools", "prompt", "token_ids", "model")
 EDIT_KEYS = ("field", "span", "unit", "new_value", "way", "erratum", "label", "unpin_old")
