@@ -98,6 +98,11 @@ def test_endpoint_run_isolates_scenarios_without_a_reset_route():
     backend = EndpointBackend("http://stub", "m", client=scripted_endpoint(events, reset_ok=True))
     record = run_ttft_bench(backend, cfg, ScenarioConfig(requests=1, policy_paragraphs=0, tools=1), log=lambda s: None)
     assert record["isolation"] == "reset"
+    seen.clear()  # reset_cache=False: a nonce even where the reset route works (the peers' prompts stay identical)
+    backend = EndpointBackend("http://stub", "m", client=scripted_endpoint(events, reset_ok=True, seen=seen),
+                              reset_cache=False)
+    record = run_ttft_bench(backend, cfg, ScenarioConfig(requests=1, policy_paragraphs=0, tools=1), log=lambda s: None)
+    assert record["isolation"] == "nonce" and all(b["messages"][0]["content"].startswith("[session ") for b in seen)
 
 
 @pytest.mark.real_model
