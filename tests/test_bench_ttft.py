@@ -103,6 +103,12 @@ def test_endpoint_run_isolates_scenarios_without_a_reset_route():
                               reset_cache=False)
     record = run_ttft_bench(backend, cfg, ScenarioConfig(requests=1, policy_paragraphs=0, tools=1), log=lambda s: None)
     assert record["isolation"] == "nonce" and all(b["messages"][0]["content"].startswith("[session ") for b in seen)
+    first = [b["messages"][0]["content"] for b in seen]
+    seen.clear()
+    run_ttft_bench(backend, cfg, ScenarioConfig(requests=1, policy_paragraphs=0, tools=1), log=lambda s: None,
+                   run_id="0000beef")
+    again = [b["messages"][0]["content"] for b in seen]
+    assert again[0].startswith("[session 0000beef-1-0]\n") and again != first  # a given run id, else a random one
 
 
 @pytest.mark.real_model

@@ -132,7 +132,8 @@ def layouts(ep: Endpoint, cfg, prompts: TokenSource, log) -> dict:
     backend.tools_rendering = "system-text"
     record = run_ttft_bench(backend, TTFTBenchConfig(scenarios=cfg.scenarios, out=None),
                             ScenarioConfig(requests=cfg.scenario_requests, policy_paragraphs=cfg.policy_paragraphs,
-                                           tools=cfg.tools), log=lambda s: log(f"  {s}"))
+                                           tools=cfg.tools), log=lambda s: log(f"  {s}"),
+                            run_id=f"{prompts(1)[0]:08x}")  # one nonce for every engine: each has a fresh server
     keep = ("number", "expect", "requests", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_first", "ttft_ms_later_p50",
             "hit_rate", "hit_rate_after_first", "prompt_tokens_mean")
     return {"layouts": {row["name"]: {k: row[k] for k in keep} for row in record["scenarios"]},
