@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 VLLM_TESTS="tests/serving/test_engine_contract.py tests/serving/test_engine_parity.py
-  tests/serving/test_vllm_options.py tests/serving/test_vllm_start_stop.py tests/bench/test_engines_bench.py"
+  tests/serving/test_vllm_options.py tests/serving/test_vllm_start_stop.py tests/serving/test_vllm_clients.py
+  tests/bench/test_engines_bench.py"
 status=0
 .venv/bin/python -m pytest -q "$@" || status=$?
 if [ $# -eq 0 ]; then

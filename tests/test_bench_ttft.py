@@ -11,15 +11,7 @@ import pytest
 from kvtool.bench.backends import EndpointBackend, EndpointError, tools_as_system_text
 from kvtool.bench.scenarios import SCENARIOS, ChatRequest, ScenarioConfig, build
 from kvtool.bench.ttft import TTFTBenchConfig, format_table, run_ttft_bench
-
-
-def common_prefix(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+from kvtool.cache.index import common_prefix
 
 
 @pytest.mark.real_model
@@ -38,6 +30,12 @@ def test_scenarios_share_what_their_layout_allows(smollm2):
     assert min(share["status-append"]) > 0.8  # every earlier prompt is a prefix
     assert share["status-replace"][-1] < share["status-append"][-1] - 0.1  # breaks at the rewritten status
     assert len(SCENARIOS) == 8 and {s.number for s in SCENARIOS.values()} >= {"1", "2", "3", "4", "5", "6"}
+
+
+def shared_by_the_first_two(model, name, cfg):
+    """Tokens the first two prompts of a scenario share, as its backends render them (tools in the system turn)."""
+    first, second = [model.encode(model.render(tools_as_system_text(r.messages, r.tools))) for r in build(name, cfg)][:2]
+    return common_prefix(first, second)
 
 
 def scripted_endpoint(events, status=200, reset_ok=False, seen=None):
@@ -100,6 +98,17 @@ def test_endpoint_run_isolates_scenarios_without_a_reset_route():
     backend = EndpointBackend("http://stub", "m", client=scripted_endpoint(events, reset_ok=True))
     record = run_ttft_bench(backend, cfg, ScenarioConfig(requests=1, policy_paragraphs=0, tools=1), log=lambda s: None)
     assert record["isolation"] == "reset"
+    seen.clear()  # reset_cache=False: a nonce even where the reset route works (the peers' prompts stay identical)
+    backend = EndpointBackend("http://stub", "m", client=scripted_endpoint(events, reset_ok=True, seen=seen),
+                              reset_cache=False)
+    record = run_ttft_bench(backend, cfg, ScenarioConfig(requests=1, policy_paragraphs=0, tools=1), log=lambda s: None)
+    assert record["isolation"] == "nonce" and all(b["messages"][0]["content"].startswith("[session ") for b in seen)
+    first = [b["messages"][0]["content"] for b in seen]
+    seen.clear()
+    run_ttft_bench(backend, cfg, ScenarioConfig(requests=1, policy_paragraphs=0, tools=1), log=lambda s: None,
+                   run_id="0000beef")
+    again = [b["messages"][0]["content"] for b in seen]
+    assert again[0].startswith("[session 0000beef-1-0]\n") and again != first  # a given run id, else a random one
 
 
 @pytest.mark.real_model
@@ -126,8 +135,9 @@ def test_bench_ttft_cli_end_to_end_in_process(smollm2, tmp_path, monkeypatch, ca
     rows = {row["name"]: row for row in record["scenarios"]}
     first, second = rows["shared-prefix"]["results"][0]
     assert first["cached_tokens"] == 0 and second["cached_tokens"] >= 0.8 * second["prompt_tokens"]
-    # the timestamp changes in its seconds: at most the first block ("Current time: 2025-06-02 14:0") is reused
-    assert all(r["cached_tokens"] <= 16 for r in rows["timestamp"]["results"][0])
+    # the timestamp changes in its seconds: what comes before ("Current time: 2025-06-02 14:03:") is reused, exactly
+    shared = shared_by_the_first_two(smollm2, "timestamp", ScenarioConfig(requests=2, policy_paragraphs=0, tools=1))
+    assert [r["cached_tokens"] for r in rows["timestamp"]["results"][0]] == [0, shared]
     assert rows["timestamp"]["hit_rate_after_first"] < 0.1 < rows["shared-prefix"]["hit_rate_after_first"]
     assert record["tools_rendering"] == "system-text" and record["isolation"] == "reset"
     # where the requests parted in the cache: the timestamp's block, the shared prefix's question
@@ -175,7 +185,8 @@ def test_endpoint_run_against_a_server_whose_template_renders_no_tools(smollm2):
     rows = {row["name"]: row for row in record["scenarios"]}
     first, second = rows["shared-prefix"]["results"][0]
     assert first["cached_tokens"] == 0 and second["cached_tokens"] >= 0.8 * second["prompt_tokens"]
-    assert all(r["cached_tokens"] <= 16 for r in rows["timestamp"]["results"][0])
+    shared = shared_by_the_first_two(smollm2, "timestamp", ScenarioConfig(requests=2, policy_paragraphs=0, tools=1))
+    assert [r["cached_tokens"] for r in rows["timestamp"]["results"][0]] == [0, shared]
     assert rows["timestamp"]["fork"]["fork_at_token"] <= 16 and rows["shared-prefix"]["fork"]["roots"] == 1
 
 

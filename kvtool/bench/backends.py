@@ -169,9 +169,10 @@ class EndpointBackend:
     RESET_PATHS = ("/v1/cache/reset", "/reset_prefix_cache")  # kvtool serve, vLLM
 
     def __init__(self, endpoint: str, model: str | None = None, api_key: str | None = None,
-                 max_tokens: int = 1, timeout_s: float = 600.0, client=None):
+                 max_tokens: int = 1, timeout_s: float = 600.0, client=None, reset_cache: bool = True):
         self.base, self.client = open_client(endpoint, api_key, timeout_s, client)
         self.max_tokens = max_tokens
+        self.reset_cache = reset_cache  # False: isolate by nonce even where a reset route exists
         self.model = model or first_model(self.client, self.base)
         self.tools_rendering = "server"  # "system-text" once the server refused `tools`
         self.tools_refused: str | None = None  # what it said
@@ -181,8 +182,9 @@ class EndpointBackend:
         return out if self.tools_refused is None else {**out, "tools_refused": self.tools_refused}
 
     def reset(self) -> bool:
-        """Try the cache-reset routes engines offer; False if none worked (the caller isolates by nonce)."""
-        for path in self.RESET_PATHS:
+        """Try the cache-reset routes engines offer; False if none worked or reset_cache is off (the caller
+        isolates by nonce)."""
+        for path in self.RESET_PATHS if self.reset_cache else ():
             try:
                 if self.client.post(path).status_code < 300:
                     return True

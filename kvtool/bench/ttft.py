@@ -39,10 +39,11 @@ class TTFTBenchConfig:
 
 
 def run_ttft_bench(backend, cfg: TTFTBenchConfig | None = None, scenario_cfg: ScenarioConfig | None = None,
-                   log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
-    """Run the scenarios on ``backend`` (InProcessBackend or EndpointBackend); return the JSON record."""
+                   log=lambda s: print(s, file=sys.stderr, flush=True), run_id: str | None = None) -> dict:
+    """Run the scenarios on ``backend`` (InProcessBackend or EndpointBackend); return the JSON record.
+    run_id: the nonce's run part (default: random); engines compared side by side get the same one."""
     cfg, scenario_cfg = (cfg or TTFTBenchConfig()).validate(), (scenario_cfg or ScenarioConfig()).validate()
-    run_id = uuid.uuid4().hex[:8]
+    run_id = run_id or uuid.uuid4().hex[:8]
     isolation = "reset"
     if cfg.warmup:
         backend.send(ChatRequest([{"role": "user", "content": "Say hello."}], None, "warm-up"))

@@ -9,8 +9,9 @@ parent. A request's cached prefix is the chain of blocks walked from a root.
 Why chained blocks rather than a radix tree over tokens: a radix tree splits a node when a
 new request diverges inside it, and the KV storage behind the node would have to split its
 tensors with it. Fixed blocks never split, so the store keeps one immutable tensor per
-block id. The price is that up to ``block_size - 1`` trailing tokens of a shared prefix are
-recomputed instead of reused.
+block id. A shared prefix that ends inside a block is still reused to the token: match_tail()
+finds the child of the matched chain that shares the most leading tokens with the request, and
+the caller reads that many tokens' KV out of the block (a slice; the block stays whole).
 
 Memory budget: ``capacity_blocks`` bounds every block whose KV the store holds, including
 blocks that ``reset()`` detached from the tree while running requests still hold them.
@@ -28,74 +29,15 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
+from kvtool.cache.blocks import EVICTION_POLICIES, Block, IndexStats, InsertResult, register_eviction_policy
 from kvtool.errors import InvalidParameterError
 
+__all__ = ["EVICTION_POLICIES", "Block", "IndexStats", "InsertResult", "PrefixIndex", "common_prefix",
+           "register_eviction_policy"]
+
 BlockKey = tuple  # (parent id or None, tuple of block_size token ids)
-
-
-@dataclass(slots=True, eq=False)
-class Block:
-    id: int
-    parent: int | None
-    tokens: tuple[int, ...]
-    created: int  # clock value at creation
-    last_used: int  # clock value of the last match/insert/release touching it
-    hits: int = 0  # number of match/insert walks that went through it
-    refcount: int = 0  # holders: running requests (acquire/release)
-    pins: int = 0  # permanent pins (pin_prefix/unpin_prefix)
-    children: set[int] = field(default_factory=set)
-
-
-# An eviction policy maps a block to a priority key; the evictable leaf with the smallest key
-# goes first. Keys may only depend on fields whose changes re-offer the block (see _offer).
-EvictionPolicy = Callable[[Block], tuple]
-EVICTION_POLICIES: dict[str, EvictionPolicy] = {}
-
-
-def register_eviction_policy(name: str) -> Callable[[EvictionPolicy], EvictionPolicy]:
-    def register(policy: EvictionPolicy) -> EvictionPolicy:
-        EVICTION_POLICIES[name] = policy
-        return policy
-
-    return register
-
-
-@register_eviction_policy("lru")
-def _least_recently_used(block: Block) -> tuple:
-    return (block.last_used,)
-
-
-@register_eviction_policy("fifo")
-def _first_in_first_out(block: Block) -> tuple:
-    return (block.created,)
-
-
-@register_eviction_policy("lfu")
-def _least_frequently_used(block: Block) -> tuple:
-    return (block.hits, block.last_used)
-
-
-@dataclass
-class IndexStats:
-    queries: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
-    inserted_blocks: int = 0
-    evictions: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
-
-@dataclass
-class InsertResult:
-    new: list[tuple[int, int]]  # (block_index, block_id): store must put KV of tokens[i*bs:(i+1)*bs]
-    evicted: list[int]  # ids the store must free
-    block_ids: list[int]  # the full chain that exists after the insert (may stop early when full)
 
 
 class PrefixIndex:
@@ -114,6 +56,7 @@ class PrefixIndex:
         self.stats = IndexStats()
         self._blocks: dict[int, Block] = {}  # live blocks, reachable from a root
         self._by_key: dict[BlockKey, int] = {}
+        self._roots: set[int] = set()  # live blocks without a parent (match_tail's candidates at the start)
         self._detached: dict[int, int] = {}  # id -> refcount of blocks dropped by reset() but still held
         self._evictable: list[tuple[tuple, int]] = []  # heap of (priority, id); stale entries skipped
         self._pin_records: dict[tuple[int, ...], list[list[int]]] = {}  # pinned tokens -> stack of id lists
@@ -155,6 +98,19 @@ class PrefixIndex:
             self.stats.query_tokens += len(tokens)
             self.stats.hit_tokens += len(ids) * self.block_size
         return ids
+
+    def match_tail(self, tokens: Sequence[int], chain: Sequence[int]) -> tuple[int, int] | None:
+        """After ``chain`` (what match() returned for ``tokens``): the child of its last block (a root when it
+        is empty) whose leading tokens agree longest with the tokens that follow it, as (block id, k) with
+        0 < k < block_size, or None. Touches that block; its first k tokens' KV is the request's too."""
+        start = len(chain) * self.block_size
+        rest = tokens[start : start + self.block_size]
+        candidates = self._blocks[chain[-1]].children if chain else self._roots
+        k, neg_id = max(((common_prefix(self._blocks[i].tokens, rest), -i) for i in candidates), default=(0, 0))
+        if not k:
+            return None
+        self._touch(self._blocks[-neg_id])  # ties go to the oldest block
+        return -neg_id, k
 
     def snapshot(self) -> tuple[list[Block], list[tuple[int, ...]]]:
         """Live blocks, parents before children (a parent exists when its child is created, and ids
@@ -277,6 +233,7 @@ class PrefixIndex:
                 freed.append(block.id)
         self._blocks.clear()
         self._by_key.clear()
+        self._roots.clear()
         self._evictable.clear()
         self._pin_records.clear()
         return freed
@@ -317,8 +274,7 @@ class PrefixIndex:
         block = Block(block_id, parent, chunk, created=now, last_used=now, hits=1)
         self._blocks[block_id] = block
         self._by_key[(parent, chunk)] = block_id
-        if parent is not None:
-            self._blocks[parent].children.add(block_id)
+        (self._blocks[parent].children if parent is not None else self._roots).add(block_id)
         self.stats.inserted_blocks += 1
         self._offer(block)
         return block_id
@@ -363,6 +319,8 @@ class PrefixIndex:
             parent = self._blocks[victim.parent]
             parent.children.discard(victim.id)
             self._offer(parent)
+        else:
+            self._roots.discard(victim.id)
         self.stats.evictions += 1
         self._maybe_compact()
         return victim.id
@@ -405,6 +363,7 @@ class PrefixIndex:
             if self._is_evictable(block):
                 assert (self._priority(block), block_id) in heap_entries, f"evictable {block_id} not in heap"
         assert n_child_links == sum(1 for b in blocks.values() if b.parent is not None)
+        assert self._roots == {i for i, b in blocks.items() if b.parent is None}, "root set out of date"
         has_evictable = any(self._is_evictable(b) for b in blocks.values())
         assert self.num_blocks <= self.capacity_blocks or not has_evictable, (
             f"{self.num_blocks} blocks over capacity {self.capacity_blocks} with evictable blocks left"
@@ -419,3 +378,13 @@ def _check_capacity(capacity_blocks: int) -> None:
         raise InvalidParameterError(
             f"capacity_blocks must be an int >= 0 (0 disables caching), got {capacity_blocks!r}"
         )
+
+
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """How many leading items ``a`` and ``b`` have in common."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -2,8 +2,9 @@
 
 It is the Engine's ``prefix_cache`` hook:
 - ``prepare(prompt_ids, runner)`` matches the longest cached chain of full blocks of
-  ``prompt_ids[:-1]`` (the last token is always computed, for its logits), holds it, and copies
-  its KV into a fresh KVCache that the request owns. Requests never share KV tensors, so two
+  ``prompt_ids[:-1]`` (the last token is always computed, for its logits) and, after it, the
+  leading tokens a cached block shares with the rest (PrefixIndex.match_tail), holds them, and
+  copies their KV into a fresh KVCache that the request owns. Requests never share KV tensors, so two
   requests with one prefix cannot see each other's suffix.
 - ``commit(handle, token_ids, cache)`` inserts the full blocks of what the request computed
   (prompt and decoded tokens), stores the KV of the new blocks and drops the hold. It never
@@ -119,18 +120,20 @@ class PrefixCache:
         prompt_ids = list(prompt_ids)
         with self._lock:
             ids = self.index.match(prompt_ids[:-1], record=False)
-            self.index.acquire(ids)
-            n = len(ids) * self.block_size
+            tail = self.index.match_tail(prompt_ids[:-1], ids)  # (block, k): a slice of one more block
+            held = ids + [tail[0]] if tail else ids  # held while read: no eviction under the reader
+            self.index.acquire(held)
+            n = len(ids) * self.block_size + (tail[1] if tail else 0)
             try:
                 # One copy into a buffer the request owns, with room for the rest of its prompt.
-                kv = self.store.gather_padded(ids, len(prompt_ids) - n + 64) if ids else None
+                kv = self.store.gather_padded(ids, len(prompt_ids) - n + 64, tail) if n else None
             except BaseException:
-                self.store.free(self.index.release(ids))
+                self.store.free(self.index.release(held))
                 raise
             self._queries += 1
             self._query_tokens += len(prompt_ids)
             self._hit_tokens += n
-            handle = PrefixHandle(ids, n, self._epoch)
+            handle = PrefixHandle(held, n, self._epoch)
         cache = KVCache.wrap(kv, n) if n else runner.new_cache(len(prompt_ids) + 64)
         return cache, n, handle
 

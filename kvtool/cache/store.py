@@ -97,16 +97,22 @@ class BlockStore:
         kv = torch.cat([self._blocks[i] for i in block_ids], dim=3)  # [2, L, H, n*B, D]
         return kv[0], kv[1]
 
-    def gather_padded(self, block_ids: Sequence[int], extra: int) -> torch.Tensor:
-        """[2, L, H, n*B + extra, D]: the chain's KV followed by `extra` free slots, in one copy."""
-        missing = [i for i in block_ids if i not in self._blocks]
+    def gather_padded(self, block_ids: Sequence[int], extra: int,
+                      tail: tuple[int, int] | None = None) -> torch.Tensor:
+        """[2, L, H, n*B + k + extra, D]: the chain's KV, then the first k tokens of block ``tail`` = (id, k),
+        then `extra` free slots, in one copy."""
+        tail_id, k = tail if tail is not None else (None, 0)
+        missing = [i for i in [*block_ids, *([tail_id] if tail else [])] if i not in self._blocks]
         if missing:
             raise KeyError(f"BlockStore.gather_padded: blocks {missing} are not stored (freed or never put)")
-        b = self.block_size
-        out = torch.empty(self.block_shape[:3] + (len(block_ids) * b + extra, self.head_dim),
-                          dtype=self.dtype, device=self.device)
+        b, n = self.block_size, len(block_ids) * self.block_size
+        if not 0 <= k < b:
+            raise ValueError(f"BlockStore.gather_padded: a tail reads 0..{b - 1} tokens of its block, not {k}")
+        out = torch.empty(self.block_shape[:3] + (n + k + extra, self.head_dim), dtype=self.dtype, device=self.device)
         for j, block_id in enumerate(block_ids):
             out[:, :, :, j * b : (j + 1) * b] = self._blocks[block_id]
+        if k:
+            out[:, :, :, n : n + k] = self._blocks[tail_id][:, :, :, :k]
         return out
 
     def tensors(self, block_ids: Sequence[int]) -> list[torch.Tensor]:

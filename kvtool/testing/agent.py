@@ -33,3 +33,13 @@ def run_weather_task(backend, workdir: Path, **config):
         raise AssertionError(f"unanswered tool calls: {[c['id'] for c in calls if c['id'] not in answered]}")
     check_messages(result.messages)
     return result, calls
+
+
+def check_answered(result) -> None:
+    """After run_weather_task: the tool ran for Paris without an error, and the last message is a text answer."""
+    results = [m for m in result.messages if m["role"] == "tool"]
+    if not any("Paris" in m["content"] and "error" not in m["content"].lower() for m in results):
+        raise AssertionError(f"no get_weather result for Paris: {results}")
+    final = result.messages[-1]
+    if final["role"] != "assistant" or final.get("tool_calls") or not (final["content"] or "").strip():
+        raise AssertionError(f"the run did not end with a text answer: {final}")

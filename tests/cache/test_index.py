@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvtool.cache import index as index_module
-from kvtool.cache.index import EVICTION_POLICIES, IndexStats, PrefixIndex
+from kvtool.cache.index import EVICTION_POLICIES, IndexStats, PrefixIndex, common_prefix
 from kvtool.errors import InvalidParameterError
 
 
@@ -55,6 +55,23 @@ def test_insert_then_match_uses_full_blocks_only():
     assert idx.match(seq("12", "34", "56")) == result.block_ids
     assert idx.match(seq("12", "3")) == result.block_ids[:1]
     assert idx.match(seq("1")) == []
+    idx.check_integrity()
+
+
+def test_match_tail_finds_the_block_that_shares_most_after_the_chain():
+    idx = PrefixIndex(block_size=4, capacity_blocks=8)
+    a = idx.insert(seq("1234", "5678")).block_ids
+    b = idx.insert(seq("1234", "5699")).block_ids
+    root = idx.insert(seq("9999")).block_ids
+    chain = idx.match(seq("1234", "567"))
+    assert chain == a[:1] and idx.match_tail(seq("1234", "567"), chain) == (a[1], 3)
+    assert idx.match_tail(seq("1234", "569", "1"), chain) == (b[1], 3)  # the sibling that shares more
+    assert idx.match_tail(seq("1234", "5"), chain) == (a[1], 1)  # a tie goes to the older block
+    assert idx.match_tail(seq("1234", "0"), chain) is None
+    assert idx.match_tail(seq("99"), []) == (root[0], 2)  # before any full block: the roots
+    last = idx._blocks[b[1]].last_used
+    idx.match_tail(seq("1234", "569"), chain)
+    assert idx._blocks[b[1]].last_used > last  # touched: the slice counts as a use for eviction
     idx.check_integrity()
 
 
@@ -285,6 +302,20 @@ class PrefixIndexMachine(RuleBasedStateMachine):
             assert all(self.content[i] != longer for i in self.live)
         self.hit_tokens += len(ids) * BLOCK_SIZE
         assert self.index.stats.hit_tokens == self.hit_tokens
+
+    @rule(tokens=tokens)
+    def match_tail(self, tokens):
+        ids = self.index.match(tokens, record=False)
+        start = len(ids) * BLOCK_SIZE
+        rest = tuple(tokens[start : start + BLOCK_SIZE])
+        shared = {}  # children of the matched chain -> leading tokens they share with the rest
+        for i in self.live:
+            c = self.content[i]
+            if len(c) == start + BLOCK_SIZE and c[:start] == tuple(tokens[:start]):
+                shared[i] = common_prefix(c[start:], rest)
+        best = max(shared.values(), default=0)
+        want = (min(i for i, k in shared.items() if k == best), best) if best else None
+        assert self.index.match_tail(tokens, ids) == want and (want is None or 0 < want[1] < BLOCK_SIZE)
 
     def _insert(self, tokens):
         before = self.index.num_blocks

@@ -65,7 +65,8 @@ def test_greedy_output_is_identical_with_and_without_the_cache(model):
         want = plain.generate(prompt, GREEDY).run()
         got = engine.generate(prompt, GREEDY).run()
         assert got.token_ids == want.token_ids, share
-        expected = {"0%": 0, "50%": 32, "99%": 60, "100%": 60}[share]  # full blocks of prompt[:-1]
+        # prompt[:-1] up to the token where it leaves what is cached: full blocks, then a slice of the next
+        expected = {"0%": 0, "50%": 32, "99%": 63, "100%": 63}[share]
         assert got.timings.cached_tokens == expected, share
         assert got.timings.prefill_tokens == len(prompt) - expected
         cache.check_integrity()
@@ -97,6 +98,45 @@ def test_gathered_kv_equals_recomputed_kv(model):
     cache_mgr.commit(handle, ids, kv)
     cache_mgr.commit(handle, ids, kv)  # a second commit of one handle is a no-op
     cache_mgr.check_integrity()
+
+
+def test_a_prefix_ending_inside_a_block_is_reused_to_the_token_and_exact(model):
+    runner = model.runner
+    pc = PrefixCache.for_runner(runner, budget_bytes=1 << 22, block_size=BS)
+    first = rand_ids(22, 5)
+    done = runner.new_cache()
+    runner.prefill(first, done, logits="none")
+    pc.commit(pc.prepare(first, runner)[2], first, done)  # blocks 0-4 cached (20 tokens)
+    prompt = first[:18] + rand_ids(6, 6)  # leaves the cached prefix at token 18, inside block 4
+    kv, n, handle = pc.prepare(prompt, runner)
+    assert n == 18 and kv.offset == 18 and len(handle.block_ids) == 5  # 4 blocks, then 2 tokens of the 5th
+    tail = handle.block_ids[-1]
+    assert pc.index.evict_lru(10) == [] and tail in pc.store  # held while the request reads it: never evicted
+    cold = runner.new_cache()
+    want = runner.prefill(prompt, cold)
+    got = runner.prefill(prompt[n:], kv)
+    assert torch.allclose(got, want, atol=1e-5) and torch.equal(got.argmax(-1), want.argmax(-1))
+    assert torch.allclose(kv.stacked(0, 24)[0], cold.stacked(0, 24)[0], atol=1e-5)
+    pc.commit(handle, prompt, kv)
+    assert pc.index._refcount(tail) == 0 and pc.stats()["hit_tokens"] == 18
+    pc.check_integrity()
+
+
+def test_partial_reuse_keeps_greedy_tokens_on_one_request_and_in_a_batch(model):
+    plain = Engine(model, EngineConfig(prefill_chunk=16))
+    engine, cache = cached_engine(model)
+    base = rand_ids(30, 7)
+    engine.generate(base, GREEDY).run()
+    prompts = [base[:n] + rand_ids(9, n) for n in (6, 13, 27)]  # each leaves the cache inside a block
+    want = [plain.generate(p, GREEDY).run().token_ids for p in prompts]
+    got = engine.generate(prompts[0], GREEDY).run()
+    assert got.token_ids == want[0] and got.timings.cached_tokens == 6
+    cache.reset()
+    engine.generate(base, GREEDY).run()
+    batch = engine.generate_batch(prompts, GREEDY)  # the continuous-batching path takes the same slices
+    assert [g.token_ids for g in batch] == want
+    assert [g.timings.cached_tokens for g in batch] == [6, 13, 27]
+    cache.check_integrity()
 
 
 def test_budget_smaller_than_a_request_runs_uncached_with_a_warning(model):

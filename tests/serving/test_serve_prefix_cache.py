@@ -23,7 +23,8 @@ def test_second_request_with_the_same_prefix_hits(smol):
     other = ask(smol, "What should I pack for Oslo?")
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     n = first["usage"]["prompt_tokens"]
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= n - 16  # all full blocks but the last
+    covered = (n + first["usage"]["completion_tokens"] - 1) // 16 * 16  # full blocks of prompt + reply (cached)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == min(n - 1, covered)  # to the token
     assert again["timings"]["prefill_tokens"] == n - again["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
     shared = other["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -75,7 +76,8 @@ def test_a_cache_file_keeps_the_prefixes_across_a_restart(smollm2, smol, tmp_pat
         assert client.get("/v1/cache").json()["pinned_blocks"] == pin.json()["pinned_tokens"] // 16 > 0
         again = ask(client, "Is Lyon far from Paris?")
         n = again["usage"]["prompt_tokens"]
-        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
+        covered = (n + first["usage"]["completion_tokens"] - 1) // 16 * 16  # the file holds prompt + reply
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == min(n - 1, covered)
         assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
 
     r = smol.post("/v1/cache/save")  # a server started without --cache-file

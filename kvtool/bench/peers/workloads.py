@@ -124,13 +124,16 @@ def layouts(ep: Endpoint, cfg, prompts: TokenSource, log) -> dict:
     from kvtool.bench.scenarios import ScenarioConfig
     from kvtool.bench.ttft import TTFTBenchConfig, run_ttft_bench
 
-    backend = EndpointBackend(ep.base, ep.model, client=ep.client)
-    # the same prompt bytes for every engine: tools declared in the system turn, not left to each server's
+    # the same prompt bytes for every engine: each scenario isolated by a nonce at the start of the system prompt
+    # (llama-server has no cache-reset route; a reset on the others would spare them the nonce's tokens and so
+    # change their prompts and shares), and tools declared in the system turn, not left to each server's
     # template handling (llama-server renders SmolLM2's template without them, kvtool serve refuses them)
+    backend = EndpointBackend(ep.base, ep.model, client=ep.client, reset_cache=False)
     backend.tools_rendering = "system-text"
     record = run_ttft_bench(backend, TTFTBenchConfig(scenarios=cfg.scenarios, out=None),
                             ScenarioConfig(requests=cfg.scenario_requests, policy_paragraphs=cfg.policy_paragraphs,
-                                           tools=cfg.tools), log=lambda s: log(f"  {s}"))
+                                           tools=cfg.tools), log=lambda s: log(f"  {s}"),
+                            run_id=f"{prompts(1)[0]:08x}")  # one nonce for every engine: each has a fresh server
     keep = ("number", "expect", "requests", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_first", "ttft_ms_later_p50",
             "hit_rate", "hit_rate_after_first", "prompt_tokens_mean")
     return {"layouts": {row["name"]: {k: row[k] for k in keep} for row in record["scenarios"]},
