@@ -279,7 +279,8 @@ at::Tensor gemv_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   return y;
 }
 
-// y = x / sqrt(mean(x^2) + eps) * w over the last dimension of x [rows, n].
+// y = x / sqrt(mean(x^2) + eps) * w over the last dimension of x [rows, n], rows split over the threads
+// (each row by one thread, so the same bits at any thread count).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "rms_norm: x must be contiguous fp32 [rows, n]");
@@ -287,23 +288,35 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(w.numel() == n && w.is_contiguous() && w.scalar_type() == at::kFloat, "rms_norm: w must be fp32 [n]");
   at::Tensor y = at::empty({rows, n}, x.options());
   const float* wp = w.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xp = x.data_ptr<float>() + r * n;
-    float* yp = y.data_ptr<float>() + r * n;
-    const float ss = dot(xp, xp, n);
-    const float scale = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
-    for (int64_t i = 0; i < n; ++i) yp[i] = xp[i] * scale * wp[i];
-  }
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xp = x.data_ptr<float>() + r * n;
+      float* yp = y.data_ptr<float>() + r * n;
+      const float ss = dot(xp, xp, n);
+      const float scale = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+      for (int64_t i = 0; i < n; ++i) yp[i] = xp[i] * scale * wp[i];
+    }
+  });
   return y;
 }
 
-// silu(gate) * up for gu [rows, 2I] holding gate then up, through ATen's silu (vectorized, threaded, and the
-// reference forward's own): a scalar loop of exps took 13 ms of a 64-row step across the 30 layers.
+// silu(gate) * up for gu [rows, 2I] holding gate then up, through ATen's silu (vectorized, and the reference
+// forward's own, so the same bits): a scalar loop of exps took 13 ms of a 64-row step across the 30 layers.
+// Many rows (a prefill) go in blocks split over the threads, each multiplied by up while it is in cache.
 at::Tensor silu_mul(const at::Tensor& gu) {
   TORCH_CHECK(gu.is_contiguous() && gu.scalar_type() == at::kFloat && gu.dim() == 2 && gu.size(1) % 2 == 0,
               "silu_mul: gu must be contiguous fp32 [rows, 2I]");
-  const int64_t inter = gu.size(1) / 2;
-  return at::silu(gu.narrow(1, 0, inter)).mul_(gu.narrow(1, inter, inter));
+  const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
+  at::Tensor out = at::empty({rows, inter}, gu.options());
+  // a block of ~16K values; fewer rows than one block run as one block, whose silu ATen may split itself
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(inter, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    at::Tensor block = out.narrow(0, begin, end - begin);
+    const at::Tensor part = gu.narrow(0, begin, end - begin);
+    at::silu_out(block, part.narrow(1, 0, inter));
+    block.mul_(part.narrow(1, inter, inter));
+  });
+  return out;
 }
 
 // exp(s[t] - mx) into s[t] for t < n, returning their sum: eight at a time with Cephes' expf (range reduction

@@ -70,6 +70,7 @@ from kvtool.paths import cache_root
 
 ENV = "KVTOOL_CPU_DECODE"
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+SOURCES = (SOURCE, SOURCE.with_name("cpu_prefill.cpp"))  # one library: the prefill ops (kvtool.models.cpu_prefill) too
 FLAGS = ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w"]
 BUILD_TIMEOUT_S = 600
 # Up to this many rows the ops' own gemv beats oneDNN's packed GEMM (30 distinct weights of each SmolLM2
@@ -89,19 +90,21 @@ def _cpu_id() -> str:
 
 
 def library_path(compiler: str) -> Path:
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, compiler, *FLAGS, _cpu_id()]).encode())
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, torch.__version__, compiler, *FLAGS, _cpu_id()]).encode())
     return cache_root() / "ext" / f"kvtool_cpu_decode-{key.hexdigest()[:16]}.so"
 
 
 def build(compiler: str, target: Path) -> None:
-    """Compile SOURCE into `target` (written beside it first, then renamed, so readers never see half a file)."""
+    """Compile SOURCES into `target` (written beside it first, then renamed, so readers never see half a file)."""
     torch_dir = Path(torch.__file__).parent
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".tmp{os.getpid()}.so")
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    cmd = [compiler, *FLAGS, *includes, str(SOURCE), "-o", str(tmp), f"-L{torch_dir / 'lib'}", "-lc10",
+    cmd = [compiler, *FLAGS, *includes, *map(str, SOURCES), "-o", str(tmp), f"-L{torch_dir / 'lib'}", "-lc10",
            "-ltorch_cpu"]
-    print(f"kvtool: compiling the CPU decode ops ({SOURCE.name}, once for this machine and torch)", file=sys.stderr)
+    names = ", ".join(source.name for source in SOURCES)
+    print(f"kvtool: compiling the CPU decode and prefill ops ({names}, once for this machine and torch)", file=sys.stderr)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:

@@ -2,7 +2,8 @@
 KV cache, the gated MLP, and the tap that lets callers see what attention saw.
 
 Module and parameter names match the Hugging Face checkpoints, so weights load by name. kvtool.models.runner
-puts them together into a model; kvtool.models.cpu_step runs the same layers' weights through C++ ops.
+puts them together into a model; kvtool.models.cpu_step and kvtool.models.cpu_prefill run the same layers'
+weights through C++ ops.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from kvtool.cache.kv import KVCache
 from kvtool.config import is_whole
 from kvtool.errors import InvalidParameterError
 from kvtool.kernels import cpu_gemm, quant
-from kvtool.models import cpu_step
+from kvtool.models import cpu_prefill, cpu_step
 from kvtool.models.layers import AttentionTap, Backbone, RMSNorm, Tap
 from kvtool.models.rope import cos_sin, inv_frequencies
 from kvtool.models.spec import ModelSpec
@@ -39,6 +39,7 @@ class ModelRunner(nn.Module):
         self._head_bf16: torch.Tensor | None = None  # the output head in bf16, after quantize_int4()
         self._head_packed: cpu_gemm.PackedWeight | None = None  # after pack_cpu_gemm()
         self._cpu_step: cpu_step.DecodeStep | None = None  # after use_cpu_decode()
+        self._cpu_prefill: cpu_prefill.PrefillPass | None = None  # after use_cpu_decode() or use_cpu_prefill()
         self.register_load_state_dict_post_hook(lambda module, _keys: module._repack_cpu_gemm())
 
     @property
@@ -171,16 +172,27 @@ class ModelRunner(nn.Module):
         return None
 
     def use_cpu_decode(self, on: bool = True) -> str | None:
-        """Run decode steps (one new token per sequence) through kvtool.kernels.cpu_decode (on) or the reference
-        forward (off).
+        """Run decode steps (one new token per sequence) through kvtool.kernels.cpu_decode, and prefill chunks
+        through kvtool.models.cpu_prefill (on), or both through the reference forward (off).
         Returns None when the requested path is set, else why the C++ path cannot run (the reference stays)."""
-        reason = cpu_step.unsupported(self) if on else None
+        reason = self.use_cpu_prefill(on)
         self._cpu_step = cpu_step.DecodeStep(self) if on and reason is None else None
+        return reason
+
+    def use_cpu_prefill(self, on: bool = True) -> str | None:
+        """Run chunks of more than one new token (prefill) through kvtool.models.cpu_prefill (on) or the reference
+        forward (off); decode steps are left as they are. Returns None or why the C++ path cannot run."""
+        reason = cpu_step.unsupported(self) if on else None
+        self._cpu_prefill = cpu_prefill.PrefillPass(self) if on and reason is None else None
         return reason
 
     @property
     def cpu_decode(self) -> bool:
         return self._cpu_step is not None
+
+    @property
+    def cpu_prefill(self) -> bool:
+        return self._cpu_prefill is not None
 
     def _packed_weights(self) -> list[cpu_gemm.PackedWeight]:
         found = [self._head_packed] if self._head_packed is not None else []
@@ -237,8 +249,12 @@ class ModelRunner(nn.Module):
                                    for c, t in zip(caches, lengths)])
         cos, sin = self.rope_cos_sin(positions)
         x = self.model.embed_tokens(torch.cat(ids) if len(ids) > 1 else ids[0])[None]
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, caches, positions, lengths, tap)
+        if (self._cpu_prefill is not None and tap is None and x.dtype == torch.float32
+                and len({id(c) for c in caches}) == len(caches) and self._cpu_prefill.takes(caches)):
+            x = self._cpu_prefill(x[0], caches, lengths, cos, sin)[None]
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin, i, caches, positions, lengths, tap)
         if logits == "none":
             return [None] * len(seqs)
         ends = torch.tensor(lengths, device=self.device).cumsum(0)
