@@ -20,7 +20,26 @@
 #include <immintrin.h>
 #endif
 
+namespace kvtool_cpu {
+
+// Sum of a[i] * b[i] in eight partial sums, which the compiler vectorises without -ffast-math (cpu_prefill.cpp
+// uses it too).
+float dot(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  }
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+}  // namespace kvtool_cpu
+
 namespace {
+
+using kvtool_cpu::dot;
 
 #if defined(__AVX2__) && defined(__FMA__)
 // The sum of a vector's eight lanes.
@@ -31,18 +50,6 @@ inline float hsum(__m256 a) {
   return _mm_cvtss_f32(v);
 }
 #endif
-
-// Sum of a[i] * b[i] in eight partial sums, which the compiler vectorises without -ffast-math.
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  }
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
 
 // Sum of w[i] * x[i] for one weight row, reading the row front to back.
 inline float row_dot(const float* w, const float* x, int64_t n) {

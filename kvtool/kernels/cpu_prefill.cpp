@@ -16,26 +16,18 @@
 
 #pragma GCC optimize("fp-contract=off")
 
-namespace {
+namespace kvtool_cpu {
+float dot(const float* a, const float* b, int64_t n);  // cpu_decode.cpp
+}  // namespace kvtool_cpu
 
-// Sum of x[i]^2 in eight partial sums (vectorised without -ffast-math), combined pairwise.
-inline float sum_squares(const float* x, int64_t n) {
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] += x[i + j] * x[i + j];
-  }
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) s += x[i] * x[i];
-  return s;
-}
+namespace {
 
 // out [d] = RoPE (rotate_half convention, the row's cos/sin [d]) of in [d], after an RMSNorm with weight nw
 // when nw is given (Qwen3's q_norm / k_norm). in and out may not overlap.
 inline void norm_rope(const float* in, float* out, int64_t d, const float* nw, float eps, const float* cos,
                       const float* sin, float* scratch) {
   if (nw != nullptr) {
-    const float scale = 1.f / std::sqrt(sum_squares(in, d) / static_cast<float>(d) + eps);
+    const float scale = 1.f / std::sqrt(kvtool_cpu::dot(in, in, d) / static_cast<float>(d) + eps);
     for (int64_t i = 0; i < d; ++i) scratch[i] = in[i] * scale * nw[i];
     in = scratch;
   }
