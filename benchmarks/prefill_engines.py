@@ -35,10 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2", help="smollm2, qwen25, or a path kvtool serve takes")
     p.add_argument("--baseline", default=None, help="a checkout whose kvtool runs as the third engine")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--decode-tokens", type=int, default=64, help="tokens of the batch-1 decode row")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     model = str(MODELS[args.model]()) if args.model in MODELS else args.model
-    cfg = EnginesBenchConfig(repeats=args.repeats, streams=(), out=args.out)
+    cfg = EnginesBenchConfig(repeats=args.repeats, decode_tokens=args.decode_tokens, streams=(), out=args.out)
     common = ["--model", model, "--max-active", "8", "--max-queue", "8", "--log-level", "warning"]
     workdir = Path(tempfile.mkdtemp(prefix="kvtool-prefill-engines-"))
     servers = {"kvtool": ServerProcess(common, workdir / "kvtool.log"),

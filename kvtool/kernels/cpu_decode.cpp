@@ -318,10 +318,13 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   // a block of ~16K values; fewer rows than one block run as one block, whose silu ATen may split itself
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(inter, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    at::Tensor block = out.narrow(0, begin, end - begin);
-    const at::Tensor part = gu.narrow(0, begin, end - begin);
-    at::silu_out(block, part.narrow(1, 0, inter));
-    block.mul_(part.narrow(1, inter, inter));
+    for (int64_t r = begin; r < end; r += grain) {  // each thread's share, a block at a time
+      const int64_t n = std::min(grain, end - r);
+      at::Tensor block = out.narrow(0, r, n);
+      const at::Tensor part = gu.narrow(0, r, n);
+      at::silu_out(block, part.narrow(1, 0, inter));
+      block.mul_(part.narrow(1, inter, inter));
+    }
   });
   return out;
 }
