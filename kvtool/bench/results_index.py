@@ -97,6 +97,10 @@ HEADLINES.update({  # one-line summaries
                                  f"({_x(r['transformers_vs_kvtool'])} transformers); kvtool's op time: GEMMs "
                                  f"{100 * _share(r['kvtool_ops'], 'linear', '::mm'):.0f}%, attention "
                                  f"{100 * _share(r['kvtool_ops'], 'attention'):.0f}%",
+    "prefill_engines": lambda r: "; ".join(
+        f"{pair.replace('_over_', ' / ')}: " + ", ".join(f"cold TTFT @{m[13:]} {_x(row[m]['median'])}"
+                                                        for m in row if m.startswith("cold_ttft_ms_"))
+        for pair, row in r["ratios"].items()),
     "shared_prefix": lambda r: f"TTFT {_x(r['ttft_speedup'])}, wall {_x(r['wall_speedup'])} vs caching only "
                                "finished requests",
     "choices": lambda r: f"n={r['n']} in one request: wall {_x(r['speedup_wall'])}, last TTFT "

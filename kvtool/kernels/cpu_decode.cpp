@@ -20,7 +20,26 @@
 #include <immintrin.h>
 #endif
 
+namespace kvtool_cpu {
+
+// Sum of a[i] * b[i] in eight partial sums, which the compiler vectorises without -ffast-math (cpu_prefill.cpp
+// uses it too).
+float dot(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  }
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+}  // namespace kvtool_cpu
+
 namespace {
+
+using kvtool_cpu::dot;
 
 #if defined(__AVX2__) && defined(__FMA__)
 // The sum of a vector's eight lanes.
@@ -31,18 +50,6 @@ inline float hsum(__m256 a) {
   return _mm_cvtss_f32(v);
 }
 #endif
-
-// Sum of a[i] * b[i] in eight partial sums, which the compiler vectorises without -ffast-math.
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  }
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
 
 // Sum of w[i] * x[i] for one weight row, reading the row front to back.
 inline float row_dot(const float* w, const float* x, int64_t n) {
@@ -279,7 +286,8 @@ at::Tensor gemv_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   return y;
 }
 
-// y = x / sqrt(mean(x^2) + eps) * w over the last dimension of x [rows, n].
+// y = x / sqrt(mean(x^2) + eps) * w over the last dimension of x [rows, n], rows split over the threads
+// (each row by one thread, so the same bits at any thread count).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "rms_norm: x must be contiguous fp32 [rows, n]");
@@ -287,23 +295,38 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(w.numel() == n && w.is_contiguous() && w.scalar_type() == at::kFloat, "rms_norm: w must be fp32 [n]");
   at::Tensor y = at::empty({rows, n}, x.options());
   const float* wp = w.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xp = x.data_ptr<float>() + r * n;
-    float* yp = y.data_ptr<float>() + r * n;
-    const float ss = dot(xp, xp, n);
-    const float scale = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
-    for (int64_t i = 0; i < n; ++i) yp[i] = xp[i] * scale * wp[i];
-  }
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xp = x.data_ptr<float>() + r * n;
+      float* yp = y.data_ptr<float>() + r * n;
+      const float ss = dot(xp, xp, n);
+      const float scale = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+      for (int64_t i = 0; i < n; ++i) yp[i] = xp[i] * scale * wp[i];
+    }
+  });
   return y;
 }
 
-// silu(gate) * up for gu [rows, 2I] holding gate then up, through ATen's silu (vectorized, threaded, and the
-// reference forward's own): a scalar loop of exps took 13 ms of a 64-row step across the 30 layers.
+// silu(gate) * up for gu [rows, 2I] holding gate then up, through ATen's silu (vectorized, and the reference
+// forward's own, so the same bits): a scalar loop of exps took 13 ms of a 64-row step across the 30 layers.
+// Many rows (a prefill) go in blocks split over the threads, each multiplied by up while it is in cache.
 at::Tensor silu_mul(const at::Tensor& gu) {
   TORCH_CHECK(gu.is_contiguous() && gu.scalar_type() == at::kFloat && gu.dim() == 2 && gu.size(1) % 2 == 0,
               "silu_mul: gu must be contiguous fp32 [rows, 2I]");
-  const int64_t inter = gu.size(1) / 2;
-  return at::silu(gu.narrow(1, 0, inter)).mul_(gu.narrow(1, inter, inter));
+  const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
+  at::Tensor out = at::empty({rows, inter}, gu.options());
+  // a block of ~16K values; fewer rows than one block run as one block, whose silu ATen may split itself
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(inter, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; r += grain) {  // each thread's share, a block at a time
+      const int64_t n = std::min(grain, end - r);
+      at::Tensor block = out.narrow(0, r, n);
+      const at::Tensor part = gu.narrow(0, r, n);
+      at::silu_out(block, part.narrow(1, 0, inter));
+      block.mul_(part.narrow(1, inter, inter));
+    }
+  });
+  return out;
 }
 
 // exp(s[t] - mx) into s[t] for t < n, returning their sum: eight at a time with Cephes' expf (range reduction

@@ -32,9 +32,10 @@ forward's own and vectorized: a scalar loop of exps took 13 ms of a 64-stream st
 (~150 keys each) went from ~260 to ~200 ms with both.
 
 ModelRunner.forward and forward_batch take this path for one new token of each sequence, without a tap,
-once `use_cpu_decode()` turned it on (kvtool.load does, for fp32 CPU models). Prefill, taps and every
-other dtype or device run the reference forward. For n sequences the matmuls run once over n rows and
-`attend` takes every sequence's own buffers, so continuous batching's decode steps use it too.
+once `use_cpu_decode()` turned it on (kvtool.load does, for fp32 CPU models). Prefill chunks take
+kvtool.models.cpu_prefill; taps and every other dtype or device run the reference forward. For n
+sequences the matmuls run once over n rows and `attend` takes every sequence's own buffers, so continuous
+batching's decode steps use it too.
 
 Int4 weights (`weights="int4"`, kvtool.kernels.quant) have two more ops here, which kvtool.kernels.quant
 uses wherever it multiplies few rows once the library is loaded (loaded()), in this path and the reference
@@ -44,9 +45,13 @@ exactly) for the bf16 copy of the head. A SmolLM2 int4 step then reads ~123 MB a
 27.1 with torch's int4 kernel and bf16 head (medians of 5 interleaved runs of 64 tokens, 1.45x; before
 `layers`), and its next-token KL to the dense model of its grid values went from 0.00038 to 0.00017.
 
-The C++ file is compiled once per machine with the system compiler (`CXX`, default c++) against the
+The same library holds the prefill ops of cpu_prefill.cpp (kvtool.models.cpu_prefill documents them), and the
+many-row paths of `rms_norm` and `silu_mul` that prefill uses: rows split over the threads, each row by one
+thread, so the same bits at any thread count.
+
+The C++ files are compiled once per machine with the system compiler (`CXX`, default c++) against the
 installed torch's headers, into `<kvtool cache>/ext` (KVTOOL_CACHE, default ~/.cache/kvtool), named by a
-hash of the source, torch version, flags and CPU, so a new torch or CPU builds anew (~15 s on 2 cores).
+hash of the sources, torch version, flags and CPU, so a new torch or CPU builds anew (~15 s on 2 cores).
 When no compiler is found or the build fails, the runner keeps the reference forward and one line on
 stderr says why. FLAGS are gcc's, as built and measured on x86_64 Linux; Apple's clang has no -fopenmp
 and is expected to take that fallback. `KVTOOL_CPU_DECODE=0` keeps the reference forward.
@@ -70,6 +75,7 @@ from kvtool.paths import cache_root
 
 ENV = "KVTOOL_CPU_DECODE"
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+SOURCES = (SOURCE, SOURCE.with_name("cpu_prefill.cpp"))  # one library: the prefill ops (kvtool.models.cpu_prefill) too
 FLAGS = ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w"]
 BUILD_TIMEOUT_S = 600
 # Up to this many rows the ops' own gemv beats oneDNN's packed GEMM (30 distinct weights of each SmolLM2
@@ -89,19 +95,22 @@ def _cpu_id() -> str:
 
 
 def library_path(compiler: str) -> Path:
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, compiler, *FLAGS, _cpu_id()]).encode())
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, torch.__version__, compiler, *FLAGS, _cpu_id()]).encode())
     return cache_root() / "ext" / f"kvtool_cpu_decode-{key.hexdigest()[:16]}.so"
 
 
 def build(compiler: str, target: Path) -> None:
-    """Compile SOURCE into `target` (written beside it first, then renamed, so readers never see half a file)."""
+    """Compile SOURCES into `target` (written beside it first, then renamed, so readers never see half a file)."""
     torch_dir = Path(torch.__file__).parent
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".tmp{os.getpid()}.so")
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    cmd = [compiler, *FLAGS, *includes, str(SOURCE), "-o", str(tmp), f"-L{torch_dir / 'lib'}", "-lc10",
+    cmd = [compiler, *FLAGS, *includes, *map(str, SOURCES), "-o", str(tmp), f"-L{torch_dir / 'lib'}", "-lc10",
            "-ltorch_cpu"]
-    print(f"kvtool: compiling the CPU decode ops ({SOURCE.name}, once for this machine and torch)", file=sys.stderr)
+    names = ", ".join(source.name for source in SOURCES)
+    print(f"kvtool: compiling the CPU decode and prefill ops ({names}, once for this machine and torch)",
+          file=sys.stderr)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:

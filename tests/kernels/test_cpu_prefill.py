@@ -1,0 +1,220 @@
+"""The C++ prefill ops (kvtool/kernels/cpu_prefill.cpp, and the many-row paths of rms_norm and silu_mul) against
+their PyTorch references at several thread counts, and prefill through them (kvtool.models.cpu_prefill) against
+the reference forward on tiny and real models."""
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvtool.kernels import cpu_decode, cpu_gemm
+from kvtool.models.rope import apply_rope
+from kvtool.testing.ops import ops_of
+from kvtool.testing.tiny import tiny_checkpoint, tiny_runner
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None or cpu_gemm._op_works() is not None,
+                                reason="needs a C++ compiler and oneDNN's packed linear")
+
+THREADS = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    assert cpu_decode.unavailable() is None
+    return torch.ops.kvtool_cpu
+
+
+def at_threads(fn):
+    """fn() at each of THREADS torch threads; the results, which must not depend on the count."""
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in THREADS:
+            torch.set_num_threads(n)
+            outs.append(fn())
+    finally:
+        torch.set_num_threads(before)
+    return outs
+
+
+def assert_same_bits(outs):
+    first = outs[0] if isinstance(outs[0], tuple) else (outs[0],)
+    for other in outs[1:]:
+        for a, b in zip(first, other if isinstance(other, tuple) else (other,)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 576), (37, 576), (300, 70), (2, 5)])
+def test_rms_norm_over_many_rows_equals_torch_at_any_thread_count(ops, rows, n):
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, n, generator=gen) * 3, torch.randn(n, generator=gen)
+    outs = at_threads(lambda: ops.rms_norm(x, w, 1e-5))
+    assert_same_bits(outs)
+    torch.testing.assert_close(outs[0], F.rms_norm(x, (n,), w, 1e-5), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 100), (45, 1536), (513, 7), (3, 1)])
+def test_silu_mul_over_many_rows_gives_the_reference_bits(ops, rows, inter):
+    """Blocks of rows through ATen's own silu, then * up: the reference forward's bits, whatever the split."""
+    gu = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4
+    outs = at_threads(lambda: ops.silu_mul(gu))
+    for out in outs:
+        assert torch.equal(out, F.silu(gu[:, :inter]) * gu[:, inter:])
+
+
+def reference_rope_qkv(qkv, cos, sin, q_norm, k_norm, eps, hq, hkv):
+    """q [T, hq, d], k and v [hkv, T, d] as the reference forward computes them (kvtool.models.layers)."""
+    t = qkv.shape[0]
+    d = qkv.shape[1] // (hq + 2 * hkv)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    q, k, v = q.view(t, hq, d).transpose(0, 1), k.view(t, hkv, d).transpose(0, 1), v.view(t, hkv, d).transpose(0, 1)
+    if q_norm is not None:
+        q, k = F.rms_norm(q, (d,), q_norm, eps), F.rms_norm(k, (d,), k_norm, eps)
+    return apply_rope(q, cos, sin).transpose(0, 1), apply_rope(k, cos, sin), v
+
+
+@pytest.mark.parametrize("hq,hkv,d,t,slot,qk_norm", [(4, 2, 16, 1, 0, False), (9, 3, 64, 37, 0, False),
+                                                     (9, 3, 64, 130, 41, False), (14, 2, 6, 17, 3, False),
+                                                     (16, 8, 128, 33, 5, True), (4, 4, 10, 19, 0, True)])
+def test_rope_qkv_equals_norm_and_rope_and_writes_only_its_slots(ops, hq, hkv, d, t, slot, qk_norm):
+    """Odd token counts and head sizes that are no multiple of 8; without q/k norms q and k are the reference's
+    bits (RoPE's products and sums rounded as x * cos + rotate_half(x) * sin rounds them)."""
+    gen = torch.Generator().manual_seed(t + d)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen)
+    angles = torch.rand(t, d // 2, generator=gen) * 60
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    norms = (torch.rand(d, generator=gen) + 0.5, torch.rand(d, generator=gen) + 0.5) if qk_norm else (None, None)
+    q_want, k_want, v_want = reference_rope_qkv(qkv, cos, sin, *norms, 1e-6, hq, hkv)
+    capacity = slot + t + 4
+    start = (torch.randn(1, hkv, capacity, d, generator=gen), torch.randn(1, hkv, capacity, d, generator=gen))
+
+    def run():
+        keys, values = start[0].clone(), start[1].clone()
+        q = ops.rope_qkv(qkv, keys, values, slot, cos, sin, *norms, 1e-6, hq, hkv)
+        return q, keys, values
+
+    outs = at_threads(run)
+    assert_same_bits(outs)
+    q, keys, values = outs[0]
+    assert q.shape == (t, hq, d)
+    close = torch.equal if not qk_norm else lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert close(q, q_want) and close(keys[0, :, slot : slot + t], k_want)
+    assert torch.equal(values[0, :, slot : slot + t], v_want)
+    others = [i for i in range(capacity) if not slot <= i < slot + t]
+    assert torch.equal(keys[:, :, others], start[0][:, :, others])
+    assert torch.equal(values[:, :, others], start[1][:, :, others])
+
+
+def test_rope_qkv_refuses_what_does_not_fit(ops):
+    keys = values = torch.zeros(1, 2, 8, 16)
+    qkv, rows = torch.zeros(3, 8 * 16), torch.zeros(3, 16)
+    with pytest.raises(RuntimeError, match=r"slots 6\.\.8 are outside the buffers' 8"):
+        ops.rope_qkv(qkv, keys, values, 6, rows, rows, None, None, 1e-6, 4, 2)
+    with pytest.raises(RuntimeError, match="qkv's width must be"):
+        ops.rope_qkv(torch.zeros(3, 17), keys, values, 0, rows, rows, None, None, 1e-6, 4, 2)
+    with pytest.raises(RuntimeError, match="must be contiguous fp32"):
+        ops.rope_qkv(qkv, keys.transpose(2, 3), values, 0, rows, rows, None, None, 1e-6, 4, 2)
+    with pytest.raises(RuntimeError, match="cos/sin must be"):
+        ops.rope_qkv(qkv, keys, values, 0, rows[:2], rows, None, None, 1e-6, 4, 2)
+    with pytest.raises(RuntimeError, match="q_norm/k_norm must be"):
+        ops.rope_qkv(qkv, keys, values, 0, rows, rows, torch.ones(15), torch.ones(16), 1e-6, 4, 2)
+
+
+def prefill(runner, ids, on: bool, chunk: int, cache=None):
+    """(logits of every token, the cache) of a prefill through the ops (on) or the reference forward."""
+    assert runner.use_cpu_prefill(on) is None
+    cache = runner.new_cache(len(ids) + 1) if cache is None else cache
+    return runner.prefill(ids, cache, chunk=chunk, logits="all"), cache
+
+
+def assert_same_prefill(fast, ref, atol):
+    torch.testing.assert_close(fast[0], ref[0], atol=atol, rtol=1e-4)
+    assert torch.equal(fast[0].argmax(-1), ref[0].argmax(-1))
+    for a, b in zip(fast[1].layers, ref[1].layers):
+        assert a.offset == b.offset
+        torch.testing.assert_close(a.keys, b.keys, atol=atol, rtol=1e-4)
+        torch.testing.assert_close(a.values, b.values, atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+def test_prefill_through_the_ops_equals_the_reference_forward(tmp_path, family):
+    """Chunks of 7 over 40 tokens: the first chunk takes the causal kernel, later ones a mask over the cache."""
+    tiny_checkpoint(family, tmp_path)
+    runner = tiny_runner(family, tmp_path)
+    assert runner.cpu_prefill  # kvtool's loader turns it on with the decode ops
+    ids = list(range(3, 43))
+    try:
+        fast = at_threads(lambda: prefill(runner, ids, True, 7))
+        ref = prefill(runner, ids, False, 7)
+    finally:
+        runner.use_cpu_prefill(True)
+    assert_same_bits([(logits, *(layer.keys for layer in cache.layers)) for logits, cache in fast])
+    assert_same_prefill(fast[0], ref, 1e-5)
+
+
+def test_batched_prefill_and_taps(tmp_path):
+    """Sequences of several lengths in one forward_batch, after cached tokens, equal the reference batch; a tap
+    (attention capture) keeps the reference forward."""
+    tiny_checkpoint("qwen2", tmp_path)
+    runner = tiny_runner("qwen2", tmp_path)
+    prompts = [list(range(5, 17)), [9], list(range(40, 45))]
+
+    def batch(on):
+        runner.use_cpu_prefill(on)
+        caches = [runner.new_cache(32) for _ in prompts]
+        for cache in caches:
+            runner.forward(list(range(100, 103)), cache, logits="none")
+        out = runner.forward_batch([(torch.tensor(p), c) for p, c in zip(prompts, caches)], logits="all")
+        return out, caches
+
+    try:
+        fast, ref = batch(True), batch(False)
+        runner.use_cpu_prefill(True)
+        assert "kvtool_cpu::rope_qkv" in ops_of(lambda: runner.prefill(list(range(3, 20)), runner.new_cache(32)))
+        seen = []
+        tapped = ops_of(lambda: runner.prefill(list(range(3, 20)), runner.new_cache(32), tap=seen.append))
+        assert "kvtool_cpu::rope_qkv" not in tapped and len(seen) == runner.spec.num_layers
+    finally:
+        runner.use_cpu_prefill(True)
+    for a, b in zip(fast[0], ref[0]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    for ca, cb in zip(fast[1], ref[1]):
+        assert ca.offset == cb.offset
+        torch.testing.assert_close(ca.layers[1].keys, cb.layers[1].keys, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_and_the_env_switch_keep_the_reference_prefill(tmp_path, monkeypatch):
+    tiny_checkpoint("llama", tmp_path)
+    runner = tiny_runner("llama", tmp_path)
+    assert "fp32 on the CPU" in runner.to(torch.bfloat16).use_cpu_prefill()
+    assert not runner.cpu_prefill
+    monkeypatch.setenv(cpu_decode.ENV, "0")
+    assert tiny_runner("llama", tmp_path).cpu_prefill is False
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", ["smollm2", "qwen25"])
+def test_real_models_prefill_through_the_ops(request, name):
+    """600 tokens in chunks of 256 (the causal kernel, then masks over the cache): logits of every token close
+    to the reference forward's, the same greedy token everywhere, and the same 16 greedy tokens after it."""
+    runner = request.getfixturevalue(name).runner
+    assert runner.cpu_prefill
+    ids = torch.randint(100, 20000, (600,), generator=torch.Generator().manual_seed(3)).tolist()
+
+    def greedy(on):
+        logits, cache = prefill(runner, ids, on, 256)
+        runner.use_cpu_decode(on)
+        cache.reserve(len(ids) + 17)
+        tokens = [int(logits[-1].argmax())]
+        for _ in range(15):
+            tokens.append(int(runner.forward(tokens[-1:], cache).argmax(-1)))
+        return logits, cache, tokens
+
+    try:
+        fast, ref = greedy(True), greedy(False)
+    finally:
+        runner.use_cpu_decode(True)
+    assert fast[2] == ref[2]
+    assert_same_prefill(fast[:2], ref[:2], 5e-3)
