@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/silu.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -317,7 +318,11 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   at::Tensor out = at::empty({rows, inter}, gu.options());
   // a block of ~16K values; fewer rows than one block run as one block, whose silu ATen may split itself
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(inter, 1));
+  // The ATen ops below run on the pool's threads, which do not inherit the caller's InferenceMode: without
+  // it, writing into a block of an inference tensor (out, made under torch.inference_mode) is refused.
+  const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    c10::InferenceMode guard(inference);
     for (int64_t r = begin; r < end; r += grain) {  // each thread's share, a block at a time
       const int64_t n = std::min(grain, end - r);
       at::Tensor block = out.narrow(0, r, n);

@@ -64,6 +64,16 @@ def test_silu_mul_over_many_rows_gives_the_reference_bits(ops, rows, inter):
         assert torch.equal(out, F.silu(gu[:, :inter]) * gu[:, inter:])
 
 
+def test_silu_mul_under_inference_mode_on_many_threads(ops):
+    """The blocks run on the pool's threads; under torch.inference_mode (as the runner's forward is) their
+    writes into the inference-mode output must be allowed there too, as they are on the calling thread."""
+    with torch.inference_mode():
+        gu = torch.randn(45, 2 * 1536, generator=torch.Generator().manual_seed(3))
+        outs = at_threads(lambda: ops.silu_mul(gu))
+    for out in outs:
+        assert torch.equal(out, F.silu(gu[:, :1536]) * gu[:, 1536:])
+
+
 def reference_rope_qkv(qkv, cos, sin, q_norm, k_norm, eps, hq, hkv):
     """q [T, hq, d], k and v [hkv, T, d] as the reference forward computes them (kvtool.models.layers)."""
     t = qkv.shape[0]
