@@ -48,6 +48,32 @@ def parse_layers(text: str) -> list[tuple[str, list[str], set[str]]]:
     return layers
 
 
+def parse_diagram(text: str) -> tuple[set[str], list[tuple[str, str]]]:
+    """The nodes and arrows (from, to) of the page's mermaid diagram."""
+    match = re.search(r"^```mermaid\n(.*?)^```", text, flags=re.M | re.S)
+    if match is None:
+        raise ValueError(f"{DOC.name} has no mermaid diagram")
+    nodes, arrows = set(), []
+    for line in match.group(1).splitlines()[1:]:
+        names = [re.sub(r"\[.*?\]", "", side).strip() for side in re.split(r"-->", line)]
+        sides = [[n.strip() for n in side.split("&")] for side in names]
+        for side in sides:
+            nodes.update(n for n in side if n)
+        for src, dst in zip(sides, sides[1:]):
+            arrows += [(a, b) for a in src for b in dst]
+    return nodes, arrows
+
+
+def diagram_problems(layers, nodes: set[str], arrows: list[tuple[str, str]]) -> list[str]:
+    """The diagram draws every layer and only layers, and each arrow points at a layer below its source."""
+    order = [name for name, _, _ in layers]
+    problems = [f"layer {n} is not in the diagram" for n in order if n not in nodes]
+    problems += [f"the diagram draws {n}, which is not a layer" for n in sorted(nodes - set(order))]
+    problems += [f"arrow {a} --> {b} does not point down" for a, b in arrows
+                 if a in order and b in order and order.index(b) >= order.index(a)]
+    return problems
+
+
 def parse_budgets(text: str) -> dict[str, int]:
     return {package: int(budget.replace(",", "")) for package, budget in _table(text, "Line budgets")}
 
@@ -288,3 +314,18 @@ def test_import_graph_resolves_relative_and_function_level_imports(tmp_path):
                      "kvtool.cache.kv": {"kvtool.errors", "kvtool.cache.store"},
                      "kvtool.cache.store": {"kvtool.cache.kv", "kvtool.errors"}}
     assert circles(graph) == [["kvtool.cache.kv", "kvtool.cache.store"]]
+
+
+def test_the_mermaid_diagram_draws_the_layers_pointing_down(declared):
+    nodes, arrows = parse_diagram(DOC.read_text())
+    layers, _ = declared
+    assert arrows and diagram_problems(layers, nodes, arrows) == []
+
+
+def test_a_diagram_with_an_upward_arrow_or_a_missing_layer_fails():
+    layers = [("base", [], set()), ("cache", [], {"base"}), ("engine", [], {"base", "cache"})]
+    assert diagram_problems(layers, {"base", "cache", "engine"}, [("engine", "cache"), ("cache", "base")]) == []
+    assert diagram_problems(layers, {"base", "cache", "engine"}, [("cache", "engine")]) == [
+        "arrow cache --> engine does not point down"]
+    assert diagram_problems(layers, {"base", "engine", "gpu"}, []) == [
+        "layer cache is not in the diagram", "the diagram draws gpu, which is not a layer"]

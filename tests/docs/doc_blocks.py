@@ -7,7 +7,9 @@ Every block of README.md and docs/*.md falls under one rule, or `plan` raises Un
   preceded by `<!-- run-by: tests/FILE.py -->`: then it is parsed by the real CLI parser and FILE must exist
   and mention its subcommand; `bash scripts/X.sh` is checked by `bash -n` and needs a run-by file that
   mentions it; `pip install`, `python -m venv` and `python benchmarks/X.py` need a run-by file that mentions
-  the package or script.
+  the package or script;
+- ```mermaid (a diagram): needs a run-by file that mentions "mermaid", the test that checks the diagram
+  against what it draws.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class Block:
 
 @dataclass
 class Step:
-    kind: str  # python | curl | kvtool-run | kvtool-parse | script | setup
+    kind: str  # python | curl | kvtool-run | kvtool-parse | script | setup | diagram
     block: Block
     argv: list[str] = field(default_factory=list)
     source: str = ""
@@ -103,9 +105,14 @@ def plan(block: Block) -> list[Step]:
     """How each part of a block is checked; Unclassified when no rule covers it."""
     if block.lang == "python":
         return [Step("python", block, source=block.text)]
+    if block.lang == "mermaid":
+        if not block.run_by:
+            raise Unclassified(f"{block.where}: a diagram needs <!-- run-by: tests/FILE.py --> naming the test "
+                               "that checks it")
+        return [Step("diagram", block)]
     if block.lang not in ("bash", "sh", "shell"):
         raise Unclassified(f"{block.where}: a ```{block.lang or '(no language)'} block; only python and bash "
-                           "blocks are allowed, each run or parsed by a test")
+                           "blocks (and mermaid diagrams) are allowed, each run, parsed or checked by a test")
     steps = []
     for cmd in commands(block.text):
         argv = shlex.split(cmd.replace("\\\n", " "), comments=True)
@@ -131,6 +138,8 @@ def plan(block: Block) -> list[Step]:
 def subject(step: Step) -> str:
     """What the run-by file must mention: the subcommand, script or package the command runs."""
     argv = step.argv
+    if step.kind == "diagram":
+        return "mermaid"
     if step.kind == "kvtool-parse":
         words = [a for a in argv[1:3] if not a.startswith("-")]
         return " ".join(words[:2]) if len(words) > 1 and words[0] in _NESTED else words[0]
