@@ -31,7 +31,7 @@ def test_each_turn_reuses_the_conversation_so_far(monkeypatch, capsys):
     (c1, p1), (c2, p2), (c3, p3) = turns
     assert c1 == 0 and p2 > p1 + 12  # the second prompt holds the first turn, its answer and the new question
     assert c2 >= (p1 + 12) // 16 * 16 - 16  # all of that but the answer's last block came from the cache
-    assert p3 == p1 and c3 == (p1 - 1) // 16 * 16  # after /reset: the first question again, from the cache
+    assert p3 == p1 and c3 == p1 - 1  # after /reset: the first question again, from the cache to the token
     assert "queries 1, hit_tokens 0" in out.err and "unknown command /bogus" in out.err
 
 
