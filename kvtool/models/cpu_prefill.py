@@ -40,24 +40,23 @@ class PrefillPass:
         self.ops = torch.ops.kvtool_cpu
 
     def attention(self, qkv: torch.Tensor, layer: int, caches: list, lengths: list[int], slots: list[int],
-                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The attention output [N, hq d] of one layer for qkv [N, (hq + 2 hkv) d]; K and V go into the caches."""
+                  masks: list, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The attention output [N, hq d] of one layer for qkv [N, (hq + 2 hkv) d]; K and V go into the caches.
+        masks: each sequence's causal mask over its cache, None where the kernel's own causal path applies."""
         s, attn = self.runner.spec, self.runner.model.layers[layer].self_attn
         hq, hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
         qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
         eps = attn.q_norm.eps if attn.qk_norm else 0.0
         outs, start = [], 0
-        for cache, t, slot in zip(caches, lengths, slots):
+        for cache, t, slot, mask in zip(caches, lengths, slots, masks):
             kv = cache.layers[layer]
             keys, values = kv.buffers
             rows = slice(start, start + t)
             q = self.ops.rope_qkv(qkv[rows], keys, values, slot, cos[rows], sin[rows], qn, kn, eps, hq, hkv)
             kv.offset = slot + t
-            first = t > 1 and slot == 0  # a chunk that starts the sequence: the kernel's own causal path
-            mask = None if first else causal_mask(t, slot + t, qkv.device)
             out = F.scaled_dot_product_attention(q.view(1, t, hq, d).transpose(1, 2), keys[:, :, : slot + t],
-                                                 values[:, :, : slot + t], attn_mask=mask, is_causal=first,
-                                                 enable_gqa=True)
+                                                 values[:, :, : slot + t], attn_mask=mask,
+                                                 is_causal=t > 1 and mask is None, enable_gqa=True)
             outs.append(out.transpose(1, 2).reshape(t, hq * d))
             start += t
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -70,10 +69,12 @@ class PrefillPass:
         slots = [cache.offset for cache in caches]
         for cache, t, slot in zip(caches, lengths, slots):
             cache.reserve(slot + t)
+        # a chunk that starts its sequence takes the kernel's own causal path; the others, one mask for all layers
+        masks = [None if t > 1 and slot == 0 else causal_mask(t, slot + t, x.device) for t, slot in zip(lengths, slots)]
         for i, layer in enumerate(self.runner.model.layers):
             attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
             qkv = _product(ops.rms_norm(x, norm.weight, norm.eps), attn._wqkv, attn._bqkv)
-            out = self.attention(qkv, i, caches, lengths, slots, cos, sin)
+            out = self.attention(qkv, i, caches, lengths, slots, masks, cos, sin)
             x = _product(out, _weight(attn.o_proj), residual=x)
             norm = layer.post_attention_layernorm
             gate_up = _product(ops.rms_norm(x, norm.weight, norm.eps), mlp._wgu)
