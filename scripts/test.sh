@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# Run the whole test suite (real-model tests included) after setting everything up: the suite in .venv, then
-# the --engine vllm tests again in .venv-vllm, where vLLM is installed (in .venv they skip).
+# Run the whole test suite (real-model tests included) after setting everything up from the locks: the suite in
+# .venv, then the --engine vllm tests again in .venv-vllm, where vLLM is installed (in .venv they skip).
 # Arguments go to the first run only; with arguments the vLLM run is left out.
+#   scripts/test.sh --latest [ARGS]   the release canary: the fast tests (no real model, not slow) in
+#                                     .venv-latest, set up with the newest releases pyproject.toml allows
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--latest" ]; then
+  shift
+  bash scripts/setup.sh --latest
+  exec .venv-latest/bin/python -m pytest -q -m "not real_model and not slow" "$@"
+fi
 bash scripts/setup.sh --test
-VLLM_TESTS="tests/serving/test_engine_contract.py tests/serving/test_engine_parity.py
+VLLM_TESTS="tests/test_no_shadowing.py tests/test_install.py
+  tests/serving/test_engine_contract.py tests/serving/test_engine_parity.py
   tests/serving/test_vllm_options.py tests/serving/test_vllm_start_stop.py tests/serving/test_vllm_clients.py
   tests/bench/test_engines_bench.py"
 status=0

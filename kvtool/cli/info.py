@@ -1,4 +1,4 @@
-"""`kvtool info`: model shape, dtype, weights, device, KV bytes per token, weight bytes per decode step, matmul
+"""`kvtool info`: the installed versions and lock (`--versions`), or model shape, dtype, weights, device, KV bytes per token, weight bytes per decode step, matmul
 and decode-step paths."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("info", help="print model shape, dtype, device and KV bytes per token")
     add_model_args(p)
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--versions", action="store_true",
+                   help="print kvtool's key package versions and the lock the venv was installed from; loads no model")
     p.set_defaults(func=run)
 
 
@@ -42,7 +44,19 @@ def matmul_path(runner) -> str:
 def run(args) -> int:
     import json
 
-    info = describe(load_from_args(args))
+    if args.versions:
+        from kvtool.version import install_record
+
+        info = install_record()
+        if not args.json:
+            lock = info.pop("lock")
+            info.update(info.pop("packages"))
+            info["lock"] = (f"{', '.join(lock['files'])} sha256 {lock['sha256']}, {lock['pins']} pins, "
+                            f"{len(lock['differ'])} differ" if lock else "none (not set up by scripts/setup.sh)")
+            if lock and lock["differ"]:
+                info["differ"] = ", ".join(f"{k} {v['installed']} (lock {v['lock']})" for k, v in lock["differ"].items())
+    else:
+        info = describe(load_from_args(args))
     if args.json:
         print(json.dumps(info, indent=1))
     else:
