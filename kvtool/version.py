@@ -29,7 +29,10 @@ def lock_pins(path: Path) -> dict[str, str]:
 def install_record(prefix: str | None = None) -> dict:
     """The installed versions of kvtool's key packages and, when the venv was set up from locks/, the locks'
     hash and the pinned packages whose installed version differs from the lock."""
-    installed = {_norm(d.metadata["Name"]): d.version for d in metadata.distributions() if d.metadata["Name"]}
+    installed: dict[str, str] = {}
+    for d in metadata.distributions():  # the first on sys.path wins, as for imports (vendored copies come later)
+        if d.metadata["Name"]:
+            installed.setdefault(_norm(d.metadata["Name"]), d.version)
     out = {"kvtool": __version__, "python": sys.version.split()[0],
            "packages": {k: installed[_norm(k)] for k in KEY_PACKAGES if _norm(k) in installed}}
     record = Path(prefix or sys.prefix) / LOCK_RECORD
