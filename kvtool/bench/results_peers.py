@@ -33,7 +33,8 @@ def spread(row: dict, path: str) -> str:
     f = figure(row, path)
     if f is None:
         raise KeyError(path)
-    return _n(f[0]) + (f" ({_n(f[1])}-{_n(f[2])})" if f[1] != f[2] else "")
+    lo, hi = _n(f[1]), _n(f[2])
+    return _n(f[0]) + (f" ({lo}-{hi})" if lo != hi else "")
 
 
 def _mean(xs):

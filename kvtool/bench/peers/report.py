@@ -174,7 +174,8 @@ def spread_text(row: dict, path: str) -> str:
     f = figure(row, path)
     if f is None:
         return "n/a"
-    return _num(f[0]) + (f" ({_num(f[1])}-{_num(f[2])})" if f[2] != f[1] else "")
+    lo, hi = _num(f[1]), _num(f[2])
+    return _num(f[0]) + (f" ({lo}-{hi})" if lo != hi else "")
 
 
 def _memory_md(record: dict) -> list[str]:

@@ -71,19 +71,21 @@ def run_client(ep, cfg, log, timeout_s: float = 3600.0) -> dict:
     result = Path(ep.out_dir) / "vllm-bench" / f"{ep.label}.json"
     result.parent.mkdir(parents=True, exist_ok=True)
     result.unlink(missing_ok=True)
+    log_file = Path(ep.out_dir) / "logs" / f"vllm-bench-{ep.label}.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
     args = client_args(cfg, ep.base, ep.model, str(ep.folder), result)
     log(f"  vLLM bench serve: {cfg.client_prompts} prompts ({cfg.client_prefix_tokens} shared + "
         f"{cfg.client_input_tokens} random tokens, {cfg.client_output_tokens} out), concurrency "
         f"{cfg.client_concurrency}")
     proc = subprocess.run([python, "-c", LAUNCH, *args], capture_output=True, text=True, timeout=timeout_s)
-    (result.with_suffix(".log")).write_text(proc.stdout + proc.stderr)
+    log_file.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not result.exists():
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-12:])
         raise RuntimeError(f"vLLM bench serve exited with status {proc.returncode}:\n{tail}")
     out = parse_result(json.loads(result.read_text()))
     if out["completed"] < cfg.client_prompts:
         raise RuntimeError(f"vLLM bench serve completed {out['completed']} of {cfg.client_prompts} requests; "
-                           f"see {result.with_suffix('.log')}")
+                           f"see {log_file}")
     log(f"    {out['output_throughput']:.1f} output tok/s, TTFT median {out['median_ttft_ms']:.0f} ms, "
         f"TPOT median {out['median_tpot_ms']:.1f} ms")
     return {"vllm_bench": out, "vllm_bench_file": str(result),
