@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -110,8 +111,9 @@ def engine_row(runs: list[dict]) -> dict:
     row["results"], row["spread"] = combine([r.get("results") or {} for r in ok])
     row["unsupported"] = {k: v for r in ok for k, v in (r.get("unsupported") or {}).items()
                           if k not in row["results"]}
-    if ok:
-        row["startup_s"] = combine([{"s": r["startup_s"]} for r in ok if r.get("startup_s") is not None])[0].get("s")
+    startups = [r["startup_s"] for r in ok if r.get("startup_s") is not None]
+    if startups:
+        row["startup_s"] = statistics.median(startups)
     loads = [x for r in runs for x in (r["load"]["min"], r["load"]["max"]) if x is not None]
     row["load_avg"] = [min(loads), max(loads)] if loads else []  # the lowest and highest sample over its runs
     row["rounds"] = len(ok)
