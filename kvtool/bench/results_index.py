@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from kvtool.bench.results_peers import is_quiet, peer_table, quiet_block
+
 BEGIN, END = "<!-- results:begin (python -m kvtool.bench.results_index) -->", "<!-- results:end -->"
 HEADLINES: dict[str, Callable[[dict], str]] = {}
 
@@ -122,7 +124,7 @@ def _peers(r):
     ok = [n for n, e in r["engines"].items() if e["status"] == "ok"]
     rows = {t["target"]: t for t in r.get("targets", [])}
     met = sum(t["status"] == "met" for t in rows.values())
-    return f"engines {', '.join(ok)}; targets met {met}/{len(rows)}"
+    return (f"{'quiet' if is_quiet(r) else 'noisy'}: engines {', '.join(ok)}; targets met {met}/{len(rows)}")
 
 
 def kind(record: dict) -> str | None:
@@ -165,59 +167,6 @@ def latest(records: list[tuple[Path, dict]]) -> list[tuple[Path, dict, str]]:
     return sorted(best.values(), key=lambda x: (kind(x[1]), x[0].name))
 
 
-# ---- the peer table -----------------------------------------------------------------------------
-
-PEER_COLUMNS = ("kvtool", "kvtool-int4", "llama.cpp", "vllm", "transformers")
-
-
-def peer_rows(record: dict) -> list[list[str]]:
-    """One row per workload: each engine's figure (its weights in the header), the file's engines in columns."""
-    engines, c = record["engines"], record["config"]
-
-    def cell(name, get):
-        e = engines.get(name)
-        if e is None:
-            return "not run"
-        if e["status"] != "ok":
-            return e["status"]
-        try:
-            return get(e["results"])
-        except (KeyError, TypeError):
-            return "n/a"
-
-    workloads = [(f"decode bs=1, {c['decode_tokens']} tokens (tok/s)", lambda r: _n(r["decode_tok_s"]["median"]))]
-    workloads += [(f"cold TTFT @{n} (ms)", lambda r, n=n: _n(r[f"ttft_ms_{n}"]["median"])) for n in c["ttft_lengths"]]
-    workloads.append((f"prefix hit {c['prefix_tokens']}+{c['suffix_tokens']} (ms; cached tokens)",
-                      lambda r: f"{_n(r['prefix_hit_ms']['median'])}; {r['prefix_cached_tokens']}"))
-    workloads += [(f"{n} streams x {c['stream_tokens']} (tok/s; ITL p99 ms)",
-                   lambda r, n=n: f"{_n(r[f'streams_{n}']['tok_s']['median'])}; {_n(r[f'streams_{n}']['itl_ms_p99'])}")
-                  for n in c["streams"]]
-    workloads.append(("context layouts: mean cached after 1st",
-                      lambda r: f"{100 * _mean([x['hit_rate_after_first'] for x in r['layouts'].values()]):.0f}%"))
-    rows = [[label, *[cell(n, get) for n in PEER_COLUMNS]] for label, get in workloads]
-    rows = [r for r in rows if any(c not in ("n/a", "not run", "missing", "failed") for c in r[1:])]
-    # other work on the machine while each engine ran (the 1-minute load average at its start and end)
-    load = ["/".join(f"{x:.1f}" for x in engines[n].get("load_avg", [])) or "-" if n in engines else "-"
-            for n in PEER_COLUMNS]
-    return rows + [["load average (start/end)", *load]]
-
-
-def _mean(xs):
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs)
-
-
-def peer_table(path: Path, record: dict, link: str) -> list[str]:
-    engines = record["engines"]
-    head = ["workload", *[f"{n} ({engines[n].get('weights', '')})" if n in engines else n for n in PEER_COLUMNS]]
-    lines = [f"{record['model']} on {record['device']}, {record['date'][:10]} ([{path.name}]({link})):", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(row) + " |" for row in peer_rows(record)]
-    lines += ["", "Targets: " + "; ".join(f"{t['target']}: {_x(t['ratio'])} ({t['status']})"
-                                          for t in record.get("targets", []))]
-    return lines
-
-
 # ---- writing ------------------------------------------------------------------------------------
 
 
@@ -243,63 +192,14 @@ def results_readme(folder: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-RATIO_METRICS = (("decode_tok_s", "decode bs=1 (tok/s)"), ("ttft_ms_", "cold TTFT @{} tokens"),
-                 ("prefix_hit_ms", "prefix hit TTFT"), ("streams_", "{} streams (tok/s)"))
-RATIO_PEERS = (("llama.cpp", "llama.cpp"), ("vllm", "vLLM"), ("transformers", "transformers"))
-
-
-def _ratio_label(metric: str) -> str | None:
-    """The README row of a peer ratio; None for the ratios it leaves to the full tables (ITL, layouts)."""
-    for key, label in RATIO_METRICS:
-        if metric == key:
-            return label
-        if key.endswith("_") and metric.startswith(key):
-            arg = metric[len(key):].removesuffix("_tok_s")
-            if arg.isdigit() and (key == "ttft_ms_" or metric.endswith("_tok_s")):
-                return label.format(arg)
-    return None
-
-
-def ratio_rows(path: Path, record: dict, link: str) -> list[str]:
-    """One row per workload: the better kvtool variant's ratio against each peer (above 1: kvtool ahead)."""
-    best: dict[str, dict[str, tuple[float, str]]] = {}
-    for variant, peers in record.get("ratios", {}).items():
-        for peer, metrics in peers.items():
-            for metric, ratio in metrics.items():
-                if ratio is not None and _ratio_label(metric):
-                    cell = best.setdefault(metric, {})
-                    if peer not in cell or ratio > cell[peer][0]:
-                        cell[peer] = (ratio, variant)
-    loads = [x for e in record["engines"].values() for x in e.get("load_avg", [])]
-    load = f", load {min(loads):.1f}-{max(loads):.1f}" if loads else ""
-    run = f"{record['model']}, {record['date'][:10]}{load} ([{path.parent.name}]({link}))"
-    rows = []
-    for metric, cells in best.items():
-        peers = [f"{cells[p][0]:.2f}x ({cells[p][1]})" if p in cells else "-" for p, _ in RATIO_PEERS]
-        rows.append(f"| {run if not rows else ''} | {_ratio_label(metric)} | " + " | ".join(peers) + " |")
-    return rows
-
-
 def readme_block(folder: Path, readme: Path) -> str:
-    """The project README's results block: one table of kvtool's ratios against its peers, from the latest
-    `kvtool bench peers` records, linked from the README's folder."""
+    """The project README's results block: the latest quiet `kvtool bench peers` record per model and workload
+    (results_peers.quiet_block), linked from the README's folder."""
     peers = [(p, r) for p, r, _ in latest(load_records(folder)) if kind(r) == "peers"]
-    lines = [BEGIN, ""]
-    rows = [row for path, rec in peers for row in ratio_rows(path, rec, str(path.relative_to(readme.parent)))]
-    if rows:
-        lines += ["| run | workload | " + " | ".join(f"vs {name}" for _, name in RATIO_PEERS) + " |",
-                  "|---|---|" + "---|" * len(RATIO_PEERS), *rows, "",
-                  "Each cell is the better kvtool variant (fp32 `kvtool`, `kvtool-int4`) against the peer in the same "
-                  "run: tok/s over tok/s, or the peer's TTFT over kvtool's, so above 1 kvtool is ahead. The load "
-                  "average is the machine's 1-minute load while the engines ran (2 cores).", ""]
-        for path, rec in peers:
-            lines.append(f"- {path.parent.name}: " + "; ".join(f"{t['target']}: {_x(t['ratio'])} ({t['status']})"
-                                                              for t in rec.get("targets", []) if t["ratio"] is not None))
-    else:
-        lines.append("(no `kvtool bench peers` record yet)")
     rel = folder.relative_to(readme.parent)
-    lines += ["", f"Every engine's figures and every benchmark's latest record, each with its file: "
-                  f"[{rel}/README.md]({rel}/README.md).", END]
+    lines = [BEGIN, "", *quiet_block(peers, readme), "",
+             f"Every engine's figures of every record, quiet or noisy, and every benchmark's latest record, each with "
+             f"its file: [{rel}/README.md]({rel}/README.md).", END]
     return "\n".join(lines)
 
 

@@ -134,6 +134,20 @@ def add_peers_parser(sub) -> None:
     p.add_argument("--scenario-requests", type=int, default=c.scenario_requests,
                    help="requests per context-layout scenario")
     p.add_argument("--warmup", type=int, default=c.warmup, help="untimed runs before each measurement")
+    p.add_argument("--rounds", type=int, default=c.rounds,
+                   help="runs of every engine, in alternating order (A B C C B A ...); figures are their median")
+    p.add_argument("--client-prompts", type=int, default=c.client_prompts, help="vllm-bench: requests")
+    p.add_argument("--client-prefix-tokens", type=int, default=c.client_prefix_tokens,
+                   help="vllm-bench: tokens of the prefix every prompt shares")
+    p.add_argument("--client-input-tokens", type=int, default=c.client_input_tokens,
+                   help="vllm-bench: random tokens after the shared prefix")
+    p.add_argument("--client-output-tokens", type=int, default=c.client_output_tokens,
+                   help="vllm-bench: tokens each request generates")
+    p.add_argument("--client-concurrency", type=int, default=c.client_concurrency,
+                   help="vllm-bench: requests in flight at once")
+    p.add_argument("--kv-mib", type=int, default=c.kv_mib, help="KV budget of every server (MiB)")
+    p.add_argument("--prefix-cache-mib", type=int, default=c.prefix_cache_mib,
+                   help="kvtool's prefix-cache budget (MiB)")
     p.add_argument("--threads", type=int, default=c.threads, help="threads of every engine (default: all cores)")
     p.add_argument("--vllm-python", default=c.vllm_python,
                    help="python of the environment vLLM is installed in (default: $KVTOOL_VLLM_PYTHON, else this one)")
@@ -275,6 +289,10 @@ def run_peers(args) -> int:
                       scenario_requests=args.scenario_requests,
                       decode_tokens=args.decode_tokens, ttft_lengths=args.ttft_lengths,
                       streams=args.streams, stream_tokens=args.stream_tokens, threads=args.threads,
+                      rounds=args.rounds, client_prompts=args.client_prompts,
+                      client_prefix_tokens=args.client_prefix_tokens, client_input_tokens=args.client_input_tokens,
+                      client_output_tokens=args.client_output_tokens, client_concurrency=args.client_concurrency,
+                      kv_mib=args.kv_mib, prefix_cache_mib=args.prefix_cache_mib,
                       vllm_python=args.vllm_python, vllm_dtype=args.vllm_dtype, out_dir=args.out_dir).validate()
     check_writable(args.out_dir, "--out-dir", folder=True)
     import signal

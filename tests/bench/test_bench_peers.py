@@ -139,15 +139,21 @@ def test_quick_run_against_llama_server_and_kvtool_serve(tmp_path, capsys):
         find_llama_server()
     except PeerError as exc:
         pytest.skip(str(exc))
-    cfg = PeersConfig(model="smollm2", engines=["kvtool", "llama.cpp"], quick=True, out_dir=str(tmp_path))
+    # every workload but vllm-bench (vLLM's client lives in its own environment: tests/bench/test_peers_vllm_client.py)
+    cfg = PeersConfig(model="smollm2", engines=["kvtool", "llama.cpp"], quick=True, out_dir=str(tmp_path),
+                      workloads=["memory", "decode", "ttft", "prefix", "streams", "layouts"])
     record = run_peers(cfg, log=lambda s: None)
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["benchmark"] == "peers" and last["engines"].keys() == record["engines"].keys()
     assert record["gguf_type"] == "Q4_1"
+    assert record["order"] == ["kvtool #1", "llama.cpp #1", "llama.cpp #2", "kvtool #2"]
+    assert isinstance(record["quiet"], bool) and record["load"]["samples"] >= 4
     c = record["config"]
     for name, e in record["engines"].items():
         assert e["status"] == "ok", (name, e.get("reason"))
         assert e["unsupported"] == {}, (name, e["unsupported"])
+        assert e["rounds"] == 2 and [r["round"] for r in e["runs"]] == [1, 2]
+        assert e["results"]["memory"]["rss_mib"] > 0 and e["budgets"]["kv"]
         r = e["results"]
         assert r["decode_tok_s"]["median"] > 0 and r["ttft_ms_128"]["median"] > 0
         assert r["prefix_prompt_tokens"] == c["prefix_tokens"] + c["suffix_tokens"]

@@ -10,33 +10,44 @@ from kvtool.bench.results_index import BEGIN, END, main, update
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _summary(x):
-    return {"median": x, "min": x, "max": x, "stdev": 0.0, "n": 1, "runs": [x]}
+def _summary(x, lo=None, hi=None):
+    return {"median": x, "min": x if lo is None else lo, "max": x if hi is None else hi, "stdev": 0.0, "n": 2,
+            "runs": [x, x]}
 
 
-def _peers(date: str, decode: float) -> dict:
-    results = {"decode_tok_s": _summary(decode), "ttft_ms_512": _summary(900.0), "prefix_hit_ms": _summary(150.0),
-               "prefix_cached_tokens": 2048, "prefix_prompt_tokens": 2112,
-               "streams_8": {"tok_s": _summary(90.0), "itl_ms_p99": 120.0},
+def _peers(date: str, decode: float, quiet: bool | None, workloads=("memory", "decode", "ttft", "prefix", "streams",
+                                                                      "layouts")) -> dict:
+    results = {"decode_tok_s": _summary(decode, decode - 1, decode + 2), "ttft_ms_512": _summary(900.0),
+               "prefix_hit_ms": _summary(150.0), "prefix_cached_tokens": 2048, "prefix_prompt_tokens": 2112,
+               "streams_8": {"tok_s": _summary(90.0), "itl_ms_p99": 120.0}, "memory": {"rss_mib": 700.0, "processes": 1},
                "layouts": {"shared-prefix": {"hit_rate_after_first": 0.9}, "timestamp": {"hit_rate_after_first": 0.1}}}
-    return {"benchmark": "peers", "model": "SmolLM2", "device": "Xeon x2", "date": date,
-            "config": {"decode_tokens": 256, "ttft_lengths": [512], "prefix_tokens": 2048, "suffix_tokens": 64,
-                       "streams": [8], "stream_tokens": 128},
-            "engines": {"kvtool": {"status": "ok", "weights": "fp32 dense", "results": results, "load_avg": [1.5, 2.5]},
-                        "kvtool-int4": {"status": "ok", "weights": "int4", "results": results, "load_avg": [2.0, 3.0]},
-                        "llama.cpp": {"status": "missing", "weights": "GGUF Q4_1"}},
-            "ratios": {"kvtool": {"transformers": {"decode_tok_s": decode / 20, "streams_8_itl_ms_p99": 9.0}},
-                       "kvtool-int4": {"transformers": {"decode_tok_s": 1.25, "ttft_ms_512": None}}},
-            "targets": [{"target": "decode", "ratio": 0.8, "status": "missed"}]}
+    row = {"status": "ok", "weights": "fp32 dense", "results": results, "load_avg": [1.5, 1.9],
+           "spread": {"memory.rss_mib": {"min": 690.0, "max": 720.0, "n": 2}}}
+    record = {"benchmark": "peers", "model": "SmolLM2", "device": "Xeon x2", "date": date,
+              "command": f"kvtool bench peers --model smollm2 --decode-tokens {int(decode)}",
+              "config": {"decode_tokens": 256, "ttft_lengths": [512], "prefix_tokens": 2048, "suffix_tokens": 64,
+                         "streams": [8], "stream_tokens": 128, "rounds": 2, "workloads": list(workloads)},
+              "engines": {"kvtool": row, "kvtool-int4": {**row, "weights": "int4"},
+                          "llama.cpp": {"status": "missing", "weights": "GGUF Q4_1"}},
+              "load": {"cores": 2, "min": 1.5, "max": 1.9 if quiet else 3.4, "samples": 9},
+              "targets": [{"target": "decode", "ratio": 0.8, "status": "missed"}]}
+    if quiet is not None:
+        record["quiet"] = quiet
+    return record
 
 
-def test_latest_record_per_benchmark_with_its_file_and_the_readme_peer_table(tmp_path):
+def _write(folder: Path, name: str, record: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(json.dumps(record))
+
+
+def test_the_readme_shows_the_latest_quiet_record_per_model_and_workload(tmp_path):
     results = tmp_path / "benchmarks" / "results"
-    (results / "peers-smollm2").mkdir(parents=True)
-    (results / "peers-smollm2" / "report-20261101-100000.json").write_text(json.dumps(_peers("2026-11-01 10:00", 10.0)))
-    (results / "peers-smollm2" / "report.json").write_text(json.dumps(_peers("2026-12-03 08:00:00", 42.0)))
-    (results / "peers-smollm2-quick").mkdir()
-    (results / "peers-smollm2-quick" / "report.json").write_text(json.dumps(_peers("2026-12-04 08:00:00", 1.0)))
+    _write(results / "peers-smollm2-old", "report.json", _peers("2026-11-01 10:00", 10.0, True))
+    _write(results / "peers-smollm2", "report.json", _peers("2026-12-01 08:00:00", 42.0, True, ("decode",)))
+    _write(results / "peers-smollm2-noisy", "report.json", _peers("2026-12-03 08:00:00", 99.0, False))
+    _write(results / "peers-smollm2-unmarked", "report.json", _peers("2026-12-04 08:00:00", 77.0, None))
+    _write(results / "peers-smollm2-quick", "report.json", _peers("2026-12-05 08:00:00", 1.0, True))
     (results / "partial.json").write_text("{}")
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\nbefore\n{BEGIN}\nstale\n{END}\nafter\n")
@@ -47,15 +58,29 @@ def test_latest_record_per_benchmark_with_its_file_and_the_readme_peer_table(tmp
 
     index = (results / "README.md").read_text()
     assert "[peers-smollm2/report.json](peers-smollm2/report.json)" in index
-    assert "| 42.0 | 42.0 | missing |" in index  # beside kvtool-int4 and llama.cpp; the newest record only
-    assert "quick" not in index and "| 10.0 |" not in index
+    assert "| 42.0 (41.0-44.0) | 42.0 (41.0-44.0) | missing |" in index  # beside kvtool-int4 and llama.cpp
+    assert index.count("noisy (not in the project README)") == 2  # quiet: false, and no quiet field at all
+    assert "quick" not in index
     body = readme.read_text()
     assert body.startswith("# x\n\nbefore\n") and body.endswith(f"{END}\nafter\n") and "stale" not in body
-    # one table of ratios: the better kvtool variant per workload and peer; ITL and missing ratios left out
-    assert "SmolLM2, 2026-12-03, load 1.5-3.0 ([peers-smollm2](benchmarks/results/peers-smollm2/report.json))" in body
-    assert "| decode bs=1 (tok/s) | - | - | 2.10x (kvtool) |" in body
-    assert "ITL" not in body and "TTFT" not in body.split(BEGIN)[1].split("Each cell")[0]
-    assert "- peers-smollm2: decode: 0.80x (missed)" in body and "HISTORY" not in body + index
+    table = body.split(BEGIN)[1].split(END)[0]
+    # decode from the newest quiet record; the other workloads only the older quiet record ran
+    assert "|  | decode bs=1, 256 tokens (tok/s) | 42.0 (41.0-44.0) | 42.0 (41.0-44.0) | missing |" in table
+    assert "| SmolLM2 | RSS after one request (MiB) | 700 (690-720) |" in table
+    assert "| cold TTFT @512 (ms) | 900 | 900 | missing |" in table and "10.0 (9.00-12.0)" not in table
+    assert "99.0" not in table and "77.0" not in table  # noisy records stay out
+    assert "`kvtool bench peers --model smollm2 --decode-tokens 42`" in table
+    assert "`kvtool bench peers --model smollm2 --decode-tokens 10`" in table
+    assert "load 1.50-1.90 on 2 cores" in table
+
+
+def test_without_a_quiet_record_the_readme_says_so(tmp_path):
+    results = tmp_path / "results"
+    _write(results / "peers-a", "report.json", _peers("2026-12-03 08:00:00", 99.0, False))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{BEGIN}\n{END}\n")
+    update(results, readme)
+    assert "no quiet `kvtool bench peers` record yet: the 1 recorded here are noisy" in readme.read_text()
 
 
 def test_the_committed_results_readme_is_up_to_date():

@@ -1,4 +1,5 @@
-"""`kvtool bench peers` settings: which engines, the model, and the size of every workload (--quick: tiny)."""
+"""`kvtool bench peers` settings: which engines, the model, how many rounds, the size of every workload (--quick:
+tiny) and the KV and prefix-cache budgets every engine gets."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from kvtool.errors import InvalidParameterError
 
 ENGINE_NAMES = ("kvtool", "kvtool-int4", "llama.cpp", "vllm", "transformers")
-WORKLOAD_NAMES = ("decode", "ttft", "prefix", "streams", "layouts")
+WORKLOAD_NAMES = ("memory", "decode", "ttft", "prefix", "streams", "layouts", "vllm-bench")
 
 
 def _all_scenarios() -> list[str]:
@@ -34,8 +35,16 @@ class PeersConfig:
     scenario_requests: int = 6
     policy_paragraphs: int = 8
     tools: int = 6
+    client_prompts: int = 32  # vllm-bench: vLLM's own client, random prompts with one shared prefix
+    client_prefix_tokens: int = 1024
+    client_input_tokens: int = 128  # random tokens after the shared prefix
+    client_output_tokens: int = 64
+    client_concurrency: int = 4
     repeats: int = 3
     warmup: int = 1
+    rounds: int = 2  # every engine runs once per round, the rounds in alternating order (A B C C B A ...)
+    kv_mib: int = 2048  # KV budget of every server's running requests (llama.cpp: its --ctx-size instead)
+    prefix_cache_mib: int = 1024  # kvtool's prefix-cache budget (vLLM and llama.cpp keep prefixes in their KV)
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)  # every engine gets all the cores
     vllm_python: str | None = None  # None: $KVTOOL_VLLM_PYTHON, else this python
     vllm_dtype: str = "float32"  # as kvtool on CPU (the converted folders are fp32)
@@ -49,7 +58,8 @@ class PeersConfig:
             return self
         return replace(self, decode_tokens=16, ttft_lengths=[128], prefix_tokens=256, suffix_tokens=16, streams=[4],
                        stream_tokens=8, stream_prompt_tokens=16, scenarios=["shared-prefix", "timestamp"],
-                       scenario_requests=2, policy_paragraphs=0, tools=1, repeats=1, warmup=1)
+                       scenario_requests=2, policy_paragraphs=0, tools=1, repeats=1, warmup=1, client_prompts=4,
+                       client_prefix_tokens=64, client_input_tokens=32, client_output_tokens=8, client_concurrency=2)
 
     def validate(self) -> "PeersConfig":
         for name, allowed in (("engines", ENGINE_NAMES), ("workloads", WORKLOAD_NAMES),
@@ -60,14 +70,22 @@ class PeersConfig:
         sizes = {"decode_tokens": self.decode_tokens, "prompt_tokens": self.prompt_tokens,
                  "prefix_tokens": self.prefix_tokens, "suffix_tokens": self.suffix_tokens,
                  "stream_tokens": self.stream_tokens, "stream_prompt_tokens": self.stream_prompt_tokens,
-                 "scenario_requests": self.scenario_requests, "repeats": self.repeats, "threads": self.threads}
+                 "scenario_requests": self.scenario_requests, "repeats": self.repeats, "threads": self.threads,
+                 "client_prompts": self.client_prompts, "client_input_tokens": self.client_input_tokens,
+                 "client_output_tokens": self.client_output_tokens, "client_concurrency": self.client_concurrency,
+                 "kv_mib": self.kv_mib, "prefix_cache_mib": self.prefix_cache_mib}
         bad = {k: v for k, v in sizes.items() if v < 1}
         bad.update({"ttft_lengths": self.ttft_lengths} if not self.ttft_lengths or min(self.ttft_lengths) < 1 else {})
         bad.update({"streams": self.streams} if not self.streams or min(self.streams) < 1 else {})
         if self.decode_tokens < 2:
             bad["decode_tokens"] = self.decode_tokens  # a rate needs two streamed tokens
+        if self.rounds < 2:
+            bad["rounds"] = self.rounds  # a median and a spread need every engine at least twice
+        if self.client_prefix_tokens < 0:
+            bad["client_prefix_tokens"] = self.client_prefix_tokens
         if bad or self.warmup < 0:
-            raise InvalidParameterError(f"these must be >= 1 (--decode-tokens >= 2, --warmup >= 0): {bad or 'warmup'}")
+            raise InvalidParameterError(f"these must be >= 1 (--decode-tokens and --rounds >= 2, --warmup and "
+                                        f"--client-prefix-tokens >= 0): {bad or 'warmup'}")
         if self.vllm_dtype not in ("float32", "bfloat16", "float16"):
             raise InvalidParameterError(f"--vllm-dtype {self.vllm_dtype!r}: choose float32, bfloat16 or float16")
         return self
@@ -76,4 +94,10 @@ class PeersConfig:
         """KV tokens a server must hold at once: the longest request, or all streams together."""
         longest = max(self.ttft_lengths + [self.prefix_tokens + self.suffix_tokens + 8, 4096])
         together = max(self.streams) * (self.stream_prompt_tokens + self.stream_tokens + 8)
-        return max(longest, together) + 256
+        client = self.client_concurrency * (self.client_prefix_tokens + self.client_input_tokens
+                                            + self.client_output_tokens + 8)
+        return max(longest, together, client) + 256
+
+    def concurrency(self) -> int:
+        """The most requests any workload sends at once."""
+        return max(self.streams + [self.client_concurrency])

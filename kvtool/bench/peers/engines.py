@@ -104,7 +104,12 @@ class PeerOptions:
     streams: int  # most concurrent requests
     vllm_python: str | None = None
     vllm_dtype: str = "float32"
-    vllm_kv_gib: int = 2
+    kv_mib: int = 2048
+    prefix_cache_mib: int = 1024
+
+    @property
+    def vllm_kv_gib(self) -> int:
+        return max(1, -(-self.kv_mib // 1024))  # VLLM_CPU_KVCACHE_SPACE takes whole GiB
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,7 @@ class Peer:
     engine: str
     weights: Callable[[ModelFiles, PeerOptions], str]  # the label every row of this peer carries
     command: Callable[[ModelFiles, int, PeerOptions], tuple[list[str], dict]]
+    budgets: Callable[[PeerOptions], dict]  # the KV and prefix-cache budgets the command gives the engine
     startup_s: float = 300.0
 
 
@@ -120,7 +126,8 @@ def _kvtool(weights: str):
     def command(files: ModelFiles, port: int, opt: PeerOptions):
         argv = [sys.executable, "-m", "kvtool.cli", "serve", "--model", str(files.folder), "--host", "127.0.0.1",
                 "--port", str(port), "--weights", weights, "--max-active", str(opt.streams),
-                "--max-queue", str(opt.streams), "--log-level", "warning"]
+                "--max-queue", str(opt.streams), "--kv-bytes", str(opt.kv_mib << 20),
+                "--cache-bytes", str(opt.prefix_cache_mib << 20), "--log-level", "warning"]
         return argv, {"OMP_NUM_THREADS": str(opt.threads)}
 
     return command
@@ -152,9 +159,25 @@ def _vllm(files: ModelFiles, port: int, opt: PeerOptions):
     return argv, env
 
 
+def _kvtool_budgets(opt: PeerOptions) -> dict:
+    return {"kv": f"{opt.kv_mib} MiB (--kv-bytes)", "prefix_cache": f"{opt.prefix_cache_mib} MiB (--cache-bytes)"}
+
+
+def _llama_budgets(opt: PeerOptions) -> dict:
+    return {"kv": f"{opt.context} tokens (--ctx-size, one pool for all slots)",
+            "prefix_cache": "in the slots' KV (--ctx-size), plus llama-server's default --cache-ram"}
+
+
+def _vllm_budgets(opt: PeerOptions) -> dict:
+    return {"kv": f"{opt.vllm_kv_gib} GiB (VLLM_CPU_KVCACHE_SPACE)",
+            "prefix_cache": "in the KV pool (--enable-prefix-caching)"}
+
+
 PEERS: dict[str, Peer] = {p.name: p for p in (
-    Peer("kvtool", "kvtool serve", lambda f, o: "fp32 dense (HF folder from the GGUF)", _kvtool("dense")),
-    Peer("kvtool-int4", "kvtool serve --weights int4", lambda f, o: "int4 projections, bf16 head", _kvtool("int4")),
-    Peer("llama.cpp", "llama-server", lambda f, o: f"GGUF {f.gguf_type or '(none)'}", _llama),
-    Peer("vllm", "vLLM OpenAI server", lambda f, o: o.vllm_dtype, _vllm, startup_s=900.0),
+    Peer("kvtool", "kvtool serve", lambda f, o: "fp32 dense (HF folder from the GGUF)", _kvtool("dense"),
+         _kvtool_budgets),
+    Peer("kvtool-int4", "kvtool serve --weights int4", lambda f, o: "int4 projections, bf16 head", _kvtool("int4"),
+         _kvtool_budgets),
+    Peer("llama.cpp", "llama-server", lambda f, o: f"GGUF {f.gguf_type or '(none)'}", _llama, _llama_budgets),
+    Peer("vllm", "vLLM OpenAI server", lambda f, o: o.vllm_dtype, _vllm, _vllm_budgets, startup_s=900.0),
 )}

@@ -2,20 +2,26 @@
 (llama.cpp's llama-server on the GGUF itself, vLLM on the HF folder kvtool made of it), plus transformers
 in this process, on one model and machine in one run. Each server is started on a free loopback port, waited
 for, measured alone (nothing else of this run uses the CPU meanwhile) and stopped before the next one.
+
+Every engine runs once per round, the rounds in alternating order (rounds.alternating_order); each figure of
+the record is the median over the rounds with their min and max, and the machine's load is sampled throughout
+(the record is quiet only when it never passed the core count).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-from kvtool.bench.peers.config import PeersConfig
+from kvtool.bench.peers.config import WORKLOAD_NAMES, PeersConfig
 from kvtool.bench.peers.engines import PEERS, ModelFiles, PeerOptions, gguf_type
+from kvtool.bench.peers.rounds import LoadMonitor, alternating_order, combine, load_summary
 from kvtool.bench.peers.servers import PeerError, ServerProcess, free_port
 from kvtool.bench.peers.workloads import WORKLOADS, Endpoint, TokenSource
 
@@ -36,15 +42,16 @@ def model_files(model: str, log) -> ModelFiles:
 
 def _run_workloads(functions: dict, target, cfg: PeersConfig, log, unsupported: dict | None = None) -> dict:
     """Every workload in cfg.workloads on one engine; one that fails is recorded with why, the rest still run."""
-    results, errors = {}, dict(unsupported or {})
-    for i, name in enumerate(cfg.workloads):
+    results, errors = {}, {k: v for k, v in (unsupported or {}).items() if k in cfg.workloads}
+    for name in sorted(cfg.workloads, key=WORKLOAD_NAMES.index):  # memory first: after one request
         if name in errors or name not in functions:
             errors.setdefault(name, "not measured for this engine")
             continue
         t0 = time.perf_counter()
         try:
-            # the same prompts for every engine: each workload draws from its own seeded source
-            results.update(functions[name](target, cfg, TokenSource(cfg.seed * 100 + i), log))
+            # the same prompts for every engine and round: each workload draws from its own seeded source
+            seed = cfg.seed * 100 + WORKLOAD_NAMES.index(name)
+            results.update(functions[name](target, cfg, TokenSource(seed), log))
         except Exception as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"
             log(f"  {name} failed: {errors[name]}\n{traceback.format_exc(limit=2)}")
@@ -52,13 +59,15 @@ def _run_workloads(functions: dict, target, cfg: PeersConfig, log, unsupported: 
     return {"results": results, "unsupported": errors}
 
 
-def run_server_peer(name: str, files: ModelFiles, cfg: PeersConfig, logs: Path, log) -> dict:
+def run_server_peer(name: str, files: ModelFiles, cfg: PeersConfig, out_dir: Path, log, label: str = "") -> dict:
     from kvtool.bench.backends import first_model, open_client
 
     peer = PEERS[name]
-    opts = PeerOptions(threads=cfg.threads, context=cfg.context(), streams=max(cfg.streams),
-                       vllm_python=cfg.vllm_python, vllm_dtype=cfg.vllm_dtype)
-    row = {"engine": peer.engine, "weights": peer.weights(files, opts)}
+    opts = PeerOptions(threads=cfg.threads, context=cfg.context(), streams=cfg.concurrency(),
+                       vllm_python=cfg.vllm_python, vllm_dtype=cfg.vllm_dtype, kv_mib=cfg.kv_mib,
+                       prefix_cache_mib=cfg.prefix_cache_mib)
+    row = {"engine": peer.engine, "weights": peer.weights(files, opts), "budgets": peer.budgets(opts)}
+    label = label or name
     port = free_port()
     try:
         argv, env = peer.command(files, port, opts)
@@ -66,12 +75,13 @@ def run_server_peer(name: str, files: ModelFiles, cfg: PeersConfig, logs: Path, 
         log(f"{name}: {exc}")
         return {**row, "status": "missing" if exc.missing else "failed", "reason": str(exc)}
     row["command"] = " ".join(argv)
-    server = ServerProcess(name, argv, port, logs / f"{name}.log", env, peer.startup_s, log_fn=log)
+    server = ServerProcess(name, argv, port, out_dir / "logs" / f"{label}.log", env, peer.startup_s, log_fn=log)
     try:
         with server as url:
-            base, client = open_client(url, connections=max(cfg.streams) + 4)
+            base, client = open_client(url, connections=cfg.concurrency() + 4)
             with client:
-                ep = Endpoint(client, base, first_model(client, base))
+                ep = Endpoint(client, base, first_model(client, base), pid=server.proc.pid, folder=str(files.folder),
+                              out_dir=str(out_dir), label=label)
                 row.update(_run_workloads(WORKLOADS, ep, cfg, log))
     except PeerError as exc:
         return {**row, "status": "failed", "reason": str(exc)}
@@ -91,10 +101,31 @@ def run_transformers(files: ModelFiles, cfg: PeersConfig, log) -> dict:
     return {**row, "status": "ok"}
 
 
+def engine_row(runs: list[dict]) -> dict:
+    """One engine's entry of the record from its runs (one per round): the median of the runs that worked, the
+    spread of every figure, the load while it ran, and each run as it was."""
+    ok = [r for r in runs if r["status"] == "ok"]
+    last = ok[-1] if ok else runs[-1]
+    row = {k: last[k] for k in ("engine", "weights", "budgets", "command", "reason") if k in last}
+    row["status"] = "ok" if ok else last["status"]
+    row["results"], row["spread"] = combine([r.get("results") or {} for r in ok])
+    row["unsupported"] = {k: v for r in ok for k, v in (r.get("unsupported") or {}).items()
+                          if k not in row["results"]}
+    startups = [r["startup_s"] for r in ok if r.get("startup_s") is not None]
+    if startups:
+        row["startup_s"] = statistics.median(startups)
+    loads = [x for r in runs for x in (r["load"]["min"], r["load"]["max"]) if x is not None]
+    row["load_avg"] = [min(loads), max(loads)] if loads else []  # the lowest and highest sample over its runs
+    row["rounds"] = len(ok)
+    row["runs"] = [{k: r.get(k) for k in ("round", "status", "reason", "startup_s", "seconds", "load", "results")
+                    if r.get(k) is not None} for r in runs]
+    return row
+
+
 def run_peers(cfg: PeersConfig | None = None, log=lambda s: print(s, file=sys.stderr, flush=True),
               command: str | None = None) -> dict:
-    """Run every engine in cfg.engines through cfg.workloads; write the report (report.md, report.json, PNGs)
-    and return its record (also printed as the last stdout line)."""
+    """Run every engine in cfg.engines through cfg.workloads, cfg.rounds times in alternating order; write the
+    report (report.md, report.json, PNGs) and return its record (also printed as the last stdout line)."""
     from kvtool.bench.peers.report import write_report
     from kvtool.bench.protocol import versions
 
@@ -103,26 +134,35 @@ def run_peers(cfg: PeersConfig | None = None, log=lambda s: print(s, file=sys.st
     files = model_files(cfg.model, log)
     slug = "".join(c if c.isalnum() else "-" for c in files.name.lower()).strip("-")
     out_dir = Path(cfg.out_dir or f"benchmarks/results/peers-{slug}{'-quick' if cfg.quick else ''}")
-    engines, seconds = {}, {}
+    order = alternating_order(cfg.engines, sized.rounds)
+    engines, seconds, runs, samples = {}, {}, {name: [] for name in cfg.engines}, []
     record = {"benchmark": "peers", "model": files.name, "gguf": str(files.gguf) if files.gguf else None,
               "gguf_type": files.gguf_type, "folder": str(files.folder), "device": _cpu_name(),
               "threads": sized.threads, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-              "command": command or f"run_peers({cfg!r})", "config": asdict(sized), "engines": engines,
-              "seconds": seconds, "versions": versions()}
-    for i, name in enumerate(cfg.engines, start=1):
-        log(f"\n[{i}/{len(cfg.engines)}] {name}")
-        t0, load0 = time.perf_counter(), os.getloadavg()
-        try:
-            engines[name] = run_transformers(files, sized, log) if name == "transformers" else \
-                run_server_peer(name, files, sized, out_dir / "logs", log)
-        except Exception as exc:  # recorded; the other engines still run
-            engines[name] = {"engine": name, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
-            log(f"{name} failed: {engines[name]['reason']}\n{traceback.format_exc(limit=3)}")
-        seconds[name] = round(time.perf_counter() - t0, 1)
-        # what else ran on the machine meanwhile: the 1-minute load average when this engine started and ended
-        engines[name]["load_avg"] = [round(load0[0], 2), round(os.getloadavg()[0], 2)]
-        if i < len(cfg.engines):  # the engines so far, in case the run is stopped before the last one
-            record["unfinished"] = cfg.engines[i:]
+              "command": command or f"run_peers({cfg!r})", "config": asdict(sized),
+              "order": [f"{name} #{r}" for r, name in order], "engines": engines, "seconds": seconds,
+              "versions": versions()}
+    for i, (rnd, name) in enumerate(order, start=1):
+        if any(r["status"] == "missing" for r in runs[name]):
+            continue  # not installed: once is enough to say so
+        log(f"\n[{i}/{len(order)}] {name}, round {rnd}")
+        t0 = time.perf_counter()
+        with LoadMonitor() as load:
+            try:
+                run = run_transformers(files, sized, log) if name == "transformers" else \
+                    run_server_peer(name, files, sized, out_dir, log, label=f"{name}-round{rnd}")
+            except Exception as exc:  # recorded; the other engines still run
+                run = {"engine": name, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
+                log(f"{name} failed: {run['reason']}\n{traceback.format_exc(limit=3)}")
+        run.update(round=rnd, seconds=round(time.perf_counter() - t0, 1), load=load_summary(load.samples))
+        samples += load.samples
+        runs[name].append(run)
+        engines[name] = engine_row(runs[name])
+        seconds[name] = round(sum(r["seconds"] for r in runs[name]), 1)
+        record["load"] = load_summary(samples)
+        record["quiet"] = record["load"]["quiet"]  # no sample of the 1-minute load above the core count
+        if i < len(order):  # the engines so far, in case the run is stopped before the last one
+            record["unfinished"] = [f"{n} #{r}" for r, n in order[i:]]
             write_report(record, out_dir, log, quiet=True)
     record.pop("unfinished", None)
     write_report(record, out_dir, log)

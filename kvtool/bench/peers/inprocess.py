@@ -72,4 +72,6 @@ def _streams(hf, cfg, prompts, log) -> dict:
 
 
 WORKLOADS = {"decode": _decode, "ttft": _ttft, "prefix": _prefix, "streams": _streams}
-UNSUPPORTED = {"layouts": NO_CACHE}  # workload -> why this column has none
+UNSUPPORTED = {"layouts": NO_CACHE,  # workload -> why this column has none
+               "memory": "runs inside the benchmark's own process: no server process tree to measure",
+               "vllm-bench": "no HTTP server for vLLM's client to call"}

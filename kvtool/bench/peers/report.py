@@ -7,6 +7,7 @@ from pathlib import Path
 
 import json
 
+from kvtool.bench.peers.rounds import figure
 from kvtool.bench.protocol import emit, portable
 from kvtool.bench.report_md import _num, _ratio, _stat, _table
 
@@ -26,6 +27,12 @@ def metrics(results: dict) -> dict[str, tuple[float, bool]]:
             for m in ("itl_ms_p50", "itl_ms_p99"):
                 if value.get(m) is not None:
                     out[f"{key}_{m}"] = (value[m], False)
+        elif key == "memory":
+            out["memory_rss_mib"] = (value["rss_mib"], False)
+        elif key == "vllm_bench":
+            out["vllm_bench_output_tok_s"] = (value.get("output_throughput"), True)
+            for m in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms"):
+                out[f"vllm_bench_{m}"] = (value.get(m), False)
         elif key == "layouts":
             for name, row in value.items():
                 out[f"layout_{name}_ttft_ms_p50"] = (row["ttft_ms_p50"], False)
@@ -162,6 +169,55 @@ def _ratios_md(record: dict) -> list[str]:
     return lines
 
 
+def spread_text(row: dict, path: str) -> str:
+    """A figure of an engine's entry as median (min-max over the rounds)."""
+    f = figure(row, path)
+    if f is None:
+        return "n/a"
+    lo, hi = _num(f[1]), _num(f[2])
+    return _num(f[0]) + (f" ({lo}-{hi})" if lo != hi else "")
+
+
+def _memory_md(record: dict) -> list[str]:
+    rows = [[n, e.get("weights", ""), spread_text(e, "memory.rss_mib"), str(e["results"]["memory"]["processes"]),
+             (e.get("budgets") or {}).get("kv", "n/a"), (e.get("budgets") or {}).get("prefix_cache", "n/a")]
+            for n, e in record["engines"].items() if "memory" in (e.get("results") or {})]
+    if not rows:
+        return ["(no engine ran the memory workload)"]
+    return ["Resident memory (RSS) of each server's process tree, from /proc, after one request; the budgets are "
+            "the ones this run started it with.", "",
+            *_table(["engine", "weights", "RSS (MiB)", "processes", "KV budget", "prefix-cache budget"], rows)]
+
+
+VLLM_BENCH_COLUMNS = (("output tok/s", "output_throughput"), ("TTFT median (ms)", "median_ttft_ms"),
+                      ("TTFT p99 (ms)", "p99_ttft_ms"), ("TPOT median (ms)", "median_tpot_ms"),
+                      ("TPOT p99 (ms)", "p99_tpot_ms"), ("ITL p99 (ms)", "p99_itl_ms"), ("E2E median (ms)",
+                                                                                         "median_e2el_ms"))
+
+
+def _vllm_bench_md(record: dict) -> list[str]:
+    have = {n: e for n, e in record["engines"].items() if "vllm_bench" in (e.get("results") or {})}
+    if not have:
+        return ["(no engine ran vLLM's client)"]
+    c = record["config"]
+    rows = [[n, *[spread_text(e, f"vllm_bench.{key}") for _, key in VLLM_BENCH_COLUMNS]] for n, e in have.items()]
+    command = next(iter(have.values()))["results"]["vllm_bench_command"]
+    return [f"vLLM's own client (`vllm bench serve`, random dataset): {c['client_prompts']} prompts of "
+            f"{c['client_prefix_tokens']} shared + {c['client_input_tokens']} random tokens, "
+            f"{c['client_output_tokens']} tokens out (ignore_eos, greedy), {c['client_concurrency']} at once. "
+            "Its command for one engine (the base URL and model differ per engine):", "", f"`{command}`", "",
+            *_table(["engine", *[label for label, _ in VLLM_BENCH_COLUMNS]], rows)]
+
+
+def _load_line(record: dict) -> str:
+    load = record.get("load") or {}
+    if not load:
+        return "No load samples."
+    verdict = "quiet" if record.get("quiet") else "NOT quiet: other work shared the cores, so the figures are noisy"
+    return (f"1-minute load average sampled while the engines ran: {_num(load['min'])}-{_num(load['max'])} over "
+            f"{load['samples']} samples on {load['cores']} cores: {verdict}.")
+
+
 def markdown(record: dict, plots: dict[str, str]) -> str:
     v, engines = record["versions"], record["engines"]
     lines = [f"# kvtool vs peers: {record['model']} on {record['device']}", "",
@@ -174,21 +230,25 @@ def markdown(record: dict, plots: dict[str, str]) -> str:
                                  if record["config"]["quick"] else "full"],
                                 ["command", f"`{record['command']}`"]]),
              "", "Servers run one at a time on the same model (no two engines of this run share the CPU; other work on "
-                 "the machine shows in the load average below); median (min-max) of "
-             f"{record['config']['repeats']} runs after {record['config']['warmup']} warm-up.", "",
+                 f"the machine shows in the load average below), {record['config']['rounds']} rounds in alternating "
+                 f"order ({', '.join(record.get('order', []))}). Each figure is the median (min-max) of the rounds; "
+                 f"within a round, the median of {record['config']['repeats']} runs after "
+                 f"{record['config']['warmup']} warm-up.", "",
              "## Engines", "",
-             *_table(["engine", "what", "weights", "status", "start-up (s)", "load avg start/end", "why not / note"],
-                     [[n, e.get("engine", ""), e.get("weights", ""), e["status"], _num(e.get("startup_s")),
-                       "/".join(f"{x:.1f}" for x in e.get("load_avg", [])), e.get("reason", "").split("\n")[0]]
-                      for n, e in engines.items()]),
-             "", f"The machine has {record['threads']} threads; a load average above that means other work shared "
-                 "the cores during the run.",
+             *_table(["engine", "what", "weights", "status", "rounds", "start-up (s)", "load min/max",
+                      "why not / note"],
+                     [[n, e.get("engine", ""), e.get("weights", ""), e["status"], str(e.get("rounds", "")),
+                       _num(e.get("startup_s")), "/".join(f"{x:.1f}" for x in e.get("load_avg", [])),
+                       e.get("reason", "").split("\n")[0]] for n, e in engines.items()]),
+             "", _load_line(record),
              "", "## Targets", "", *_table(["target", "ratio", "detail", "status"],
                                            [[t["target"], _ratio(t["ratio"]), t["detail"], t["status"]]
                                             for t in record["targets"]]),
              "", "## Decode, cold TTFT and prefix hit", "", *_single_md(record),
              "", "## Concurrent streams", "", *_streams_md(record),
              "", "## Context layouts", "", *_layouts_md(record),
+             "", "## Memory", "", *_memory_md(record),
+             "", "## vLLM bench serve", "", *_vllm_bench_md(record),
              "", "## Ratios", *_ratios_md(record)]
     if record.get("unfinished"):
         lines += ["", f"**Unfinished:** {', '.join(record['unfinished'])} had not run yet when this was written."]

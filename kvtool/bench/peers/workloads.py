@@ -22,6 +22,10 @@ class Endpoint:
     client: object  # httpx.Client on the server's base URL
     base: str
     model: str
+    pid: int | None = None  # the server process (its tree's memory is the memory row)
+    folder: str | None = None  # the HF folder: the tokenizer vLLM's client loads
+    out_dir: str | None = None  # where a workload keeps its files
+    label: str = "engine"  # engine and round, for those files' names
 
 
 class TokenSource:
@@ -140,4 +144,24 @@ def layouts(ep: Endpoint, cfg, prompts: TokenSource, log) -> dict:
             "layouts_tools_rendering": backend.tools_rendering, "layouts_isolation": record["isolation"]}
 
 
-WORKLOADS = {"decode": decode_b1, "ttft": cold_ttft, "prefix": prefix_hit, "streams": streams, "layouts": layouts}
+def memory(ep: Endpoint, cfg, prompts: TokenSource, log) -> dict:
+    """One streamed request (the decode workload's prompt length, 16 new tokens), then the resident memory of the
+    server's process tree."""
+    from kvtool.bench.peers.memory import tree_rss
+
+    if ep.pid is None:
+        raise RuntimeError("no server process to measure: the engine runs in this process")
+    complete(ep, prompts(cfg.prompt_tokens), min(16, cfg.decode_tokens))
+    row = tree_rss(ep.pid)
+    log(f"  memory after one request: {row['rss_mib']:.0f} MiB in {row['processes']} processes")
+    return {"memory": row}
+
+
+def _vllm_bench(ep, cfg, prompts, log) -> dict:
+    from kvtool.bench.peers.vllm_client import vllm_bench
+
+    return vllm_bench(ep, cfg, prompts, log)
+
+
+WORKLOADS = {"memory": memory, "decode": decode_b1, "ttft": cold_ttft, "prefix": prefix_hit, "streams": streams,
+             "layouts": layouts, "vllm-bench": _vllm_bench}

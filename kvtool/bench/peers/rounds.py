@@ -1,0 +1,128 @@
+"""How `kvtool bench peers` repeats its engines and judges the machine it ran on (pure Python, no torch):
+
+- every engine runs once per round, the rounds in alternating order (A B C D D C B A A B ...), so a drift of
+  the machine hits every engine alike;
+- each figure of the record is the median over the rounds, its spread the min and max of the rounds;
+- a run is quiet when the 1-minute load average stayed at or below the core count the whole time.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+
+
+def alternating_order(engines: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, engine) in run order: the engines forward in odd rounds, backward in even ones."""
+    order = []
+    for r in range(rounds):
+        names = engines if r % 2 == 0 else engines[::-1]
+        order += [(r + 1, name) for name in names]
+    return order
+
+
+def _summary(values: list[float]) -> dict:
+    """The shape kvtool.bench.protocol.summary gives: median, min, max, stdev, n and the values (runs)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "stdev": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values), "runs": list(values)}
+
+
+def _is_summary(value) -> bool:
+    return isinstance(value, dict) and "median" in value and "runs" in value
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def combine(rounds: list[dict]) -> tuple[dict, dict]:
+    """One engine's results of several rounds as one: every figure the median over the rounds.
+
+    A summary ({median, min, max, runs}) becomes the summary of the rounds' medians (its runs: one value per
+    round); a plain number becomes the rounds' median (an int stays an observed value: the lower median).
+    Other values (names, lists) are the first round's. Returns (results, spread), spread mapping each figure's
+    dotted path to {min, max, n} over the rounds.
+    """
+    spread: dict[str, dict] = {}
+
+    def note(path: str, values: list) -> None:
+        spread[path] = {"min": min(values), "max": max(values), "n": len(values)}
+
+    def merge(values: list, path: str):
+        if _is_summary(values[0]):
+            medians = [v["median"] for v in values if _is_summary(v) and v["median"] is not None]
+            if not medians:
+                return values[0]
+            note(path, medians)
+            return _summary(medians)
+        if isinstance(values[0], dict):
+            keys = dict.fromkeys(k for v in values if isinstance(v, dict) for k in v)
+            return {k: merge([v[k] for v in values if isinstance(v, dict) and k in v], f"{path}.{k}" if path else k)
+                    for k in keys}
+        numbers = [v for v in values if _is_number(v)]
+        if not numbers:
+            return values[0]
+        note(path, numbers)
+        if all(isinstance(v, int) for v in numbers):
+            return statistics.median_low(numbers)
+        return statistics.median(numbers)
+
+    results = [r for r in rounds if r]
+    return (merge(results, "") if results else {}), spread
+
+
+def is_quiet(loads: list[float], cores: int) -> bool:
+    """True when every sampled 1-minute load average is at most the core count (and there is a sample)."""
+    return bool(loads) and max(loads) <= cores
+
+
+class LoadMonitor:
+    """Samples os.getloadavg()[0] every ``every_s`` seconds in a daemon thread while the block runs:
+    ``with LoadMonitor() as m: ...`` then m.samples (first taken on entry, last on exit)."""
+
+    def __init__(self, every_s: float = 5.0):
+        self.every_s, self.samples = every_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        self.samples.append(round(os.getloadavg()[0], 2))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._sample()
+
+    def __enter__(self) -> "LoadMonitor":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def load_summary(samples: list[float], cores: int | None = None) -> dict:
+    """The machine's load over a whole run: cores, the first, last, lowest and highest sample, quiet or not."""
+    cores = cores or os.cpu_count() or 1
+    return {"cores": cores, "first": samples[0] if samples else None, "last": samples[-1] if samples else None,
+            "min": min(samples, default=None), "max": max(samples, default=None), "samples": len(samples),
+            "quiet": is_quiet(samples, cores)}
+
+
+def figure(row: dict, path: str) -> tuple[float, float, float] | None:
+    """(median, min, max) over the rounds of one figure of an engine's entry, by its dotted path in the results
+    ("decode_tok_s", "memory.rss_mib"); min and max equal the median where the record has no spread for it."""
+    value = row.get("results") or {}
+    for key in path.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    if _is_summary(value):
+        return value["median"], value["min"], value["max"]
+    if not _is_number(value):
+        return None
+    spread = (row.get("spread") or {}).get(path) or {}
+    return value, spread.get("min", value), spread.get("max", value)

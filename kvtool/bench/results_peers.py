@@ -1,0 +1,148 @@
+"""The `kvtool bench peers` tables of the results index: every record's full table (benchmarks/results/README.md)
+and the project README's table of the latest quiet record per model and workload, each figure the median of the
+record's rounds with their min-max, and the command that reproduces it.
+
+A record is quiet only when it says so (``"quiet": true``: its load, sampled throughout, never passed the core
+count); a record without the field was made before the load was sampled throughout, and counts as noisy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvtool.bench.peers.rounds import figure
+
+PEER_COLUMNS = ("kvtool", "kvtool-int4", "llama.cpp", "vllm", "transformers")
+VLLM_BENCH_ROWS = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT median (ms)"),
+                   ("p99_ttft_ms", "TTFT p99 (ms)"), ("median_tpot_ms", "TPOT median (ms)"),
+                   ("p99_tpot_ms", "TPOT p99 (ms)"))
+
+
+def is_quiet(record: dict) -> bool:
+    return record.get("quiet") is True
+
+
+def _n(v) -> str:
+    if v is None:
+        return "n/a"
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
+
+
+def spread(row: dict, path: str) -> str:
+    """median (min-max) of one figure; the median alone where every round gave the same value."""
+    f = figure(row, path)
+    if f is None:
+        raise KeyError(path)
+    lo, hi = _n(f[1]), _n(f[2])
+    return _n(f[0]) + (f" ({lo}-{hi})" if lo != hi else "")
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs)
+
+
+def workload_rows(record: dict) -> list[tuple[str, str, object]]:
+    """(workload, label, engine entry -> cell) for every figure the record's workloads produce."""
+    c = record["config"]
+    rows = [("memory", "RSS after one request (MiB)", lambda e: spread(e, "memory.rss_mib")),
+            ("decode", f"decode bs=1, {c['decode_tokens']} tokens (tok/s)", lambda e: spread(e, "decode_tok_s"))]
+    rows += [("ttft", f"cold TTFT @{n} (ms)", lambda e, n=n: spread(e, f"ttft_ms_{n}")) for n in c["ttft_lengths"]]
+    rows.append(("prefix", f"prefix hit {c['prefix_tokens']}+{c['suffix_tokens']} (ms; cached tokens)",
+                 lambda e: f"{spread(e, 'prefix_hit_ms')}; {e['results']['prefix_cached_tokens']}"))
+    rows += [("streams", f"{n} streams x {c['stream_tokens']} (tok/s)", lambda e, n=n: spread(e, f"streams_{n}.tok_s"))
+             for n in c["streams"]]
+    rows.append(("layouts", "context layouts: mean cached after 1st",
+                 lambda e: f"{100 * _mean([x['hit_rate_after_first'] for x in e['results']['layouts'].values()]):.0f}%"))
+    if "client_prompts" in c:
+        what = (f"vLLM bench serve, {c['client_prompts']} x {c['client_prefix_tokens']}+{c['client_input_tokens']}"
+                f" tokens -> {c['client_output_tokens']}, {c['client_concurrency']} at once")
+        rows += [("vllm-bench", f"{what}: {label}", lambda e, key=key: spread(e, f"vllm_bench.{key}"))
+                 for key, label in VLLM_BENCH_ROWS]
+    return [r for r in rows if r[0] in c.get("workloads", [])]
+
+
+def cells(record: dict, get) -> list[str]:
+    engines, out = record["engines"], []
+    for name in PEER_COLUMNS:
+        e = engines.get(name)
+        if e is None:
+            out.append("not run")
+        elif e["status"] != "ok":
+            out.append(e["status"])
+        else:
+            try:
+                out.append(get(e))
+            except (KeyError, TypeError, ZeroDivisionError):
+                out.append("n/a")
+    return out
+
+
+def _has_figures(row: list[str]) -> bool:
+    return any(c not in ("n/a", "not run", "missing", "failed") for c in row)
+
+
+def load_text(record: dict) -> str:
+    """The machine's load while the record was made: sampled throughout (newer records) or per engine."""
+    load = record.get("load")
+    if load:
+        return f"load {_n(load['min'])}-{_n(load['max'])} on {load['cores']} cores"
+    loads = [x for e in record["engines"].values() for x in e.get("load_avg", [])]
+    return f"load {_n(min(loads))}-{_n(max(loads))} at each engine's start and end" if loads else "load not recorded"
+
+
+def peer_table(path: Path, record: dict, link: str) -> list[str]:
+    """The full table of one record for benchmarks/results/README.md, quiet or noisy said first."""
+    engines = record["engines"]
+    head = ["workload", *[f"{n} ({engines[n].get('weights', '')})" if n in engines else n for n in PEER_COLUMNS]]
+    rows = [[label, *cells(record, get)] for _, label, get in workload_rows(record)]
+    rows = [r for r in rows if _has_figures(r[1:])]
+    load = ["/".join(f"{x:.1f}" for x in engines[n].get("load_avg", [])) or "-" if n in engines else "-"
+            for n in PEER_COLUMNS]
+    rounds = record["config"].get("rounds", 1)
+    quiet = "quiet" if is_quiet(record) else "noisy (not in the project README)"
+    lines = [f"{record['model']} on {record['device']}, {record['date'][:10]} ([{path.name}]({link})): {quiet}, "
+             f"{load_text(record)}; median (min-max) of {rounds} round{'s' if rounds > 1 else ''}"
+             f"{'' if rounds > 1 else ' (min-max over its repeats)'}.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows + [["load average (min/max)", *load]]]
+    lines += ["", "Targets: " + "; ".join(f"{t['target']}: {_x(t['ratio'])} ({t['status']})"
+                                          for t in record.get("targets", []))]
+    return lines
+
+
+def _x(v) -> str:
+    return "n/a" if v is None else f"{v:.2f}x"
+
+
+def quiet_block(peers: list[tuple[Path, dict]], readme: Path) -> list[str]:
+    """The README's peer table: per model and workload, the latest quiet record's figures, and per record the
+    command that reproduces it."""
+    latest: dict[tuple[str, str], tuple[Path, dict]] = {}
+    for path, rec in sorted(((p, r) for p, r in peers if is_quiet(r)), key=lambda pr: pr[1]["date"]):
+        for workload in rec["config"].get("workloads", []):
+            latest[(rec["model"], workload)] = (path, rec)
+    if not latest:
+        noisy = len(peers)
+        return ["(no quiet `kvtool bench peers` record yet: " + (f"the {noisy} recorded here are noisy, their load "
+                "passed the core count or was not sampled throughout, so they stay in benchmarks/results/ only)"
+                if noisy else "none recorded)")]
+    lines = ["| model | workload | " + " | ".join(PEER_COLUMNS) + " | record |", "|" + "---|" * (len(PEER_COLUMNS) + 3)]
+    used: dict[Path, dict] = {}
+    for model in sorted({m for m, _ in latest}):
+        first = True
+        for workload in [w for m, w in latest if m == model]:
+            path, rec = latest[(model, workload)]
+            used[path] = rec
+            link = str(path.relative_to(readme.parent))
+            for wl, label, get in workload_rows(rec):
+                row = cells(rec, get)
+                if wl == workload and _has_figures(row):
+                    lines.append(f"| {model if first else ''} | {label} | " + " | ".join(row) +
+                                 f" | [{path.parent.name}]({link}) |")
+                    first = False
+    lines += ["", "Each cell is the median of the record's rounds (every engine run at least twice, in alternating "
+                  "order), min-max in brackets. Reproduce a record with its command:", ""]
+    for path, rec in used.items():
+        lines.append(f"- {path.parent.name} ({rec['date'][:10]}, {load_text(rec)}): `{rec['command']}`")
+    return lines
