@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 from kvtool.engine import TokenEvent
 from kvtool.serving.chat import PreparedChat
-from kvtool.serving.errors import ServingError, error_body
+from kvtool.serving.errors import ServingError, Unavailable, error_body
 from kvtool.serving.served import ServedModel
 from kvtool.serving.toolparse import OutputParser, ParseEvent, ToolFormat
 from kvtool.serving.worker import Handle, RequestFailed, WorkerCrash
@@ -66,6 +66,12 @@ def finish_reason(gen, called: bool) -> str:
     return "length" if gen.finish_reason == "length" else "stop"
 
 
+def aborted(exc: Exception) -> bool:
+    """Whether exc ended the request because the server is shutting down (its stream ends with finish_reason
+    "abort", then the error)."""
+    return getattr(exc, "code", None) == "shutting_down"
+
+
 def stream_error(exc: Exception) -> dict:
     status = getattr(exc, "status_code", 500)
     return error_body(status, str(exc), code=getattr(exc, "code", None))
@@ -74,6 +80,8 @@ def stream_error(exc: Exception) -> dict:
 def chunk_error(chunk: dict) -> ServingError:
     """What a non-streaming response raises for its stream's error chunk: a 400 stays a 400, the rest are 500s."""
     err = chunk["error"]
+    if err.get("code") == "shutting_down":
+        return Unavailable(err["message"], err.get("param"), err["code"])
     return (RequestFailed if err["type"] == "invalid_request_error" else WorkerCrash)(err["message"], err.get("param"),
                                                                                       err.get("code"))
 
@@ -151,6 +159,8 @@ class ChatSession:
                     yield chunk
                 deltas = []
         except (WorkerCrash, ServingError) as exc:
+            if aborted(exc):
+                yield self._chunk({}, "abort")
             yield {"error": stream_error(exc)["error"]}
             return
         if not self.sealed:
@@ -259,6 +269,8 @@ class CompletionSession:
                     yield self._chunk(ev.text, logprobs=logprobs)
                 offset += len(ev.text)
         except (WorkerCrash, ServingError) as exc:
+            if aborted(exc):
+                yield self._chunk("", "abort")
             yield {"error": stream_error(exc)["error"]}
             return
         gen = self.handle.gen
