@@ -290,7 +290,7 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
             prompt = prompts[i // body.n]
             echo = (prompt if isinstance(prompt, str) else served.decode(prompt)) if body.echo else None
             sessions.append(CompletionSession(served, handle, i, sessions[0] if sessions else None, echo,
-                                              body.prompt_logprobs is not None))
+                                              body.prompt_logprobs is not None, body.score_only))
         if body.stream:
             return StreamingResponse(sse(merged_chunks(sessions, body.n), handles, body.include_usage),
                                      media_type="text/event-stream")

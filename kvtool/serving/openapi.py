@@ -1,6 +1,6 @@
 """The API's own description: /openapi.json, /docs and /redoc behind the API key, and a schema that says
 what the server really answers: 400 with kvtool's error object where FastAPI would document 422 (the
-server turns every validation error into a 400), plus 401, 413, 429 and 503 in the same shape."""
+server turns every validation error into a 400), plus 401, 404, 413, 429 and 503 in the same shape."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 # status -> when; 400 on every route with input, the rest where they apply
 STATUSES = {400: "invalid request: the message says which field and why",
             401: "missing or wrong API key (kvtool serve --api-key)",
+            404: "the request names a model this server does not serve",
             413: "request body over --max-body-bytes",
             429: "server busy: more requests in flight than --max-active + --max-queue",
             503: "the server is shutting down, or its worker stopped"}
@@ -44,13 +45,16 @@ def schema(app: FastAPI, keyed: bool, open_paths: set[str]) -> dict:
         for method, op in ops.items():
             responses = op.setdefault("responses", {})
             had_input = responses.pop("422", None) is not None or "requestBody" in op
-            wanted = [400] if had_input else []
+            wanted = [400, 404] if had_input else []
             if method == "post":
                 wanted.append(413)
             if keyed and path not in open_paths:
                 wanted.append(401)
             if path in GENERATING:
                 wanted += [429, 503]
+                ok = responses.get("200", {}).setdefault("content", {})
+                ok["text/event-stream"] = {"schema": {"type": "string"},  # with "stream": true
+                                           "example": "data: {...}\n\ndata: [DONE]\n\n"}
             for status in wanted:
                 responses[str(status)] = {"description": STATUSES[status],
                                           "content": {"application/json": {"schema": ERROR_REF}}}
