@@ -31,8 +31,8 @@ def held_keys(cache) -> list[str]:
 
 
 def child(path: str, seed: int) -> None:
-    """Load path (if there), print the keys held; then add chains and save forever, printing each completed
-    save's keys."""
+    """Load path (if there), print the keys held; then add chains and save forever, printing the keys a save
+    is about to write before it starts ("saving") and "saved" once it returned."""
     import torch
 
     from kvtool.cache.manager import PrefixCache
@@ -53,15 +53,17 @@ def child(path: str, seed: int) -> None:
         if rng.random() < 0.15:  # evict some: the data file gathers dead blocks, and compacts past half
             cache.set_budget(cache.store.bytes_per_block * rng.randrange(20, 80))
             cache.set_budget(cache.store.bytes_per_block * 400)
+        print("saving", json.dumps(held_keys(cache)), flush=True)
         save_cache(cache, path, SETUP)
-        print("saved", json.dumps(held_keys(cache)), flush=True)
+        print("saved", flush=True)
 
 
 @pytest.mark.slow
 def test_kill_9_at_random_moments_never_corrupts_or_loses_a_saved_block(tmp_path):
     path, rng = tmp_path / "prefix.kvc", random.Random(42)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    last_saved: set[str] = set()
+    last_saved: set[str] = set()  # the keys of the last save that returned
+    in_flight: set[str] | None = None  # those of a save the kill cut short (it may have renamed its manifest)
     saves = 0
     for cycle in range(CYCLES):
         out, err = tmp_path / f"child{cycle}.out", tmp_path / f"child{cycle}.err"
@@ -80,9 +82,16 @@ def test_kill_9_at_random_moments_never_corrupts_or_loses_a_saved_block(tmp_path
         lines = out.read_text().split("\n")[:-1]  # a line cut by the kill has no newline
         loaded = set(json.loads(lines[0].split(" ", 1)[1]))
         assert "Traceback" not in err.read_text(), err.read_text()[-3000:]
-        assert last_saved <= loaded, f"cycle {cycle}: {len(last_saved - loaded)} saved blocks missing after restart"
+        # the manifest is replaced atomically: the restart holds exactly the last completed save, or the one the
+        # previous kill interrupted if it got as far as its rename
+        assert loaded == last_saved or loaded == in_flight, \
+            f"cycle {cycle}: loaded {len(loaded)} blocks, {len(last_saved - loaded)} of the last save missing"
+        in_flight = None
         for line in lines[1:]:
-            assert line.startswith("saved "), line
-            last_saved = set(json.loads(line.split(" ", 1)[1]))
-            saves += 1
+            if line.startswith("saving "):
+                in_flight = set(json.loads(line.split(" ", 1)[1]))
+            else:
+                assert line == "saved", line
+                last_saved, in_flight = in_flight, None
+                saves += 1
     assert saves >= CYCLES, f"only {saves} saves completed in {CYCLES} cycles: the kills hit too early to test"
