@@ -72,10 +72,12 @@ def _hash(meta: dict[str, str], names, get) -> str:
     return h.hexdigest()
 
 
-def write_checked(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Path:
+def write_checked(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict[str, str],
+                  sync: bool = False) -> Path:
     """Write tensors (moved to CPU) and meta plus its sha256, atomically: a temp file of this writer's own, then a
     rename, so concurrent writers of one path each leave a whole file (the last one wins). The file is the
-    owner's only (mode 0600, as mkstemp makes it): a cache holds the token ids of every prompt in it."""
+    owner's only (mode 0600, as mkstemp makes it): a cache holds the token ids of every prompt in it. sync: the
+    temp file reaches the disk before the rename (a power cut then leaves the old file or the new one)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -88,6 +90,9 @@ def write_checked(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict
     tmp = Path(name)
     try:
         save_file(tensors, str(tmp), metadata=meta)
+        if sync:
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -100,11 +105,14 @@ class CheckedFile:
     reads tensors one by one. A context manager.
 
     kind: what the file is, for messages ('skill block (.kvb)'); fmt/version: the expected `format` and
-    `format_version`; remedy: what to do about a bad file. Every problem is a CacheFormatError naming the path."""
+    `format_version` (or a tuple of the versions read); remedy: what to do about a bad file. Every problem is a CacheFormatError naming the path."""
 
-    def __init__(self, path: str | Path, kind: str, fmt: str, version: str, remedy: str, keep: bool = False):
+    def __init__(self, path: str | Path, kind: str, fmt: str, version: str | tuple[str, ...], remedy: str,
+                 keep: bool = False):
         self.path, self.kind, self.short = Path(path), kind, kind.split(" (")[0]
-        self.fmt, self.version, self.remedy = fmt, version, remedy
+        self.fmt, self.remedy = fmt, remedy
+        self.versions = (version,) if isinstance(version, str) else tuple(version)
+        self.closers: list = []  # run on exit (e.g. a data file opened beside this one)
         self.meta: dict[str, str] = {}
         self.names: set[str] = set()
         self._kept: dict[str, torch.Tensor] | None = {} if keep else None  # keep: a small file, read once
@@ -127,7 +135,7 @@ class CheckedFile:
         try:
             self._fh = safe_open(str(path), framework="pt", device="cpu").__enter__()
             meta, self.names = dict(self._fh.metadata() or {}), set(self._fh.keys())
-            if meta.get("format") == self.fmt and meta.get("format_version") == self.version:
+            if meta.get("format") == self.fmt and meta.get("format_version") in self.versions:
                 stored = meta.pop("sha256", None)
                 intact = stored == _hash(meta, self.names, self._read)
         except Exception as exc:  # safetensors raises its own error types for truncated/garbled files
@@ -137,9 +145,9 @@ class CheckedFile:
         try:
             if meta.get("format") != self.fmt:
                 raise CacheFormatError(f"{path}: not a kvtool {short} (format {meta.get('format')!r})")
-            if meta.get("format_version") != self.version:
+            if meta.get("format_version") not in self.versions:
                 raise CacheFormatError(f"{path}: {short} format version {meta.get('format_version')!r}; this "
-                                       f"kvtool reads version {self.version}. {self.remedy}")
+                                       f"kvtool reads version {' or '.join(self.versions)}. {self.remedy}")
             if not intact:
                 self.tampered()
         except CacheFormatError:
@@ -159,6 +167,8 @@ class CheckedFile:
         return self._read(name)
 
     def __exit__(self, *exc) -> None:
+        while self.closers:
+            self.closers.pop()()
         if self._fh is not None:
             self._fh.__exit__(None, None, None)
             self._fh = None

@@ -3,9 +3,12 @@
 As llama.cpp's ``--prompt-cache`` and mlx-lm's ``cache_prompt`` do for one prompt, but for the whole
 prefix tree: a server restarted with ``--cache-file`` answers its first request on a known system
 prompt + tools from the cache, and ``kvtool generate --cache-file`` skips the prefill of a prompt
-it has seen. A .kvc file is a checked KV file (kvtool.cache.kvfile: safetensors, sha256, setup):
+it has seen. A .kvc file is a checked KV file (kvtool.cache.kvfile: safetensors, sha256, setup). Saves
+write format version 2 (kvtool.cache.kvlog): the .kvc is a manifest, the KV sits in an append-only data file
+beside it and each save adds only new blocks. Version 1 (save_cache_full, still read) holds the KV itself:
 
     kv.<j>       [2, L, H, B, D]     block j's keys (post-RoPE, at its positions) then values, cache dtype
+                                     (version 1 only; version 2: offsets [N] and sha256 [N, 32] into the data)
     tokens       [N, B]              each block's token ids
     parents      [N]                 the parent's row in this file, -1 for a root; parents come first
     recency      [N]                 rank by last use, 0 = least recent
@@ -16,12 +19,13 @@ Loading inserts the pinned prefixes first (pinned as they go in, so nothing load
 then every chain root..leaf from the least to the most recently used: when the budget is smaller than
 the file, the index's own eviction keeps the most recent chains. The block size may differ from the
 saving cache's (chains are re-cut). One tensor per block keeps memory flat: saving a CPU cache copies
-no KV, and loading verifies the checksum and then reads block by block, so neither holds the cache twice. Blocks detached by a reset but still held by a running request
-are not saved; hit counts (the lfu policy's key) start again from zero.
+no KV, and loading verifies the checksums and then reads block by block, so neither holds the cache twice.
+Blocks detached by a reset but still held by a running request are not saved; hit counts (the lfu policy's key) start again from zero.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from pathlib import Path
@@ -29,36 +33,57 @@ from pathlib import Path
 import torch
 
 from kvtool.cache.kvfile import SETUP_FIELDS, CheckedFile, setup_mismatches, write_checked
+from kvtool.cache.kvlog import VERSION, block_reader, data_path, save_incremental
 from kvtool.errors import CacheFormatError, PrefixCacheWarning
 
 FORMAT = "kvtool.prefix-cache"
 FORMAT_VERSION = "1"
 INDEX_TENSORS = ("tokens", "parents", "recency", "pin_tokens", "pin_lengths")  # and kv.<j> per block
 KIND = "prefix cache (.kvc)"
+REMEDY = "Delete it; the server or `kvtool generate --cache-file` writes a new one."
 
 
-def save_cache(cache, path: str | Path, setup: dict[str, str]) -> dict:
-    """Write ``cache`` (a PrefixCache) to ``path``; returns what was written."""
-    start = time.perf_counter()
+def snapshot(cache, setup: dict[str, str]) -> tuple[dict, list[torch.Tensor], dict]:
+    """(index, KV per block, metadata) of what ``cache`` holds now, as both format versions store it."""
     blocks, pins, kv = cache.export_blocks()
     row = {block_id: j for j, (block_id, *_) in enumerate(blocks)}
     n, bs = len(blocks), cache.block_size
     recency = torch.empty(n, dtype=torch.int64)
     recency[sorted(range(n), key=lambda j: blocks[j][3])] = torch.arange(n)
+    rows = [list(tokens) for _, _, tokens, _ in blocks]
+    parents = [-1 if parent is None else row[parent] for _, parent, _, _ in blocks]
     tensors = {
-        **{block_name(j): t for j, t in enumerate(kv)},
-        "tokens": torch.tensor([tokens for _, _, tokens, _ in blocks], dtype=torch.int64).reshape(n, bs),
-        "parents": torch.tensor([-1 if parent is None else row[parent] for _, parent, _, _ in blocks],
-                                dtype=torch.int64),
+        "tokens": torch.tensor(rows, dtype=torch.int64).reshape(n, bs),
+        "parents": torch.tensor(parents, dtype=torch.int64),
         "recency": recency,
         "pin_tokens": torch.tensor([t for key in pins for t in key], dtype=torch.int64),
         "pin_lengths": torch.tensor([len(key) for key in pins], dtype=torch.int64),
     }
+    store = cache.store
     meta = {**setup, "format": FORMAT, "format_version": FORMAT_VERSION, "block_size": bs, "n_blocks": n,
-            "keys_layout": "post_rope", "kv_dtype": str(cache.store.dtype).replace("torch.", "")}
-    path = write_checked(path, tensors, meta)
-    return {"path": str(path), "blocks": n, "tokens": n * bs, "pins": len(pins), "bytes": path.stat().st_size,
-            "ms": round(1000 * (time.perf_counter() - start), 1)}
+            "keys_layout": "post_rope", "kv_dtype": str(store.dtype).replace("torch.", ""),
+            "kv_shape": json.dumps([2, store.num_layers, store.num_kv_heads, bs, store.head_dim])}
+    index = {"tensors": tensors, "rows": rows, "parents": parents, "pins": [tuple(p) for p in pins],
+             "block_size": bs}
+    return index, kv, meta
+
+
+def save_cache(cache, path: str | Path, setup: dict[str, str]) -> dict:
+    """Save ``cache`` (a PrefixCache) to ``path`` incrementally (format version 2, kvtool.cache.kvlog): only the
+    blocks the file lacks are written. Returns what was saved and written_bytes."""
+    index, kv, meta = snapshot(cache, setup)
+    return save_incremental(cache, path, index, kv, meta, read_manifest)
+
+
+def save_cache_full(cache, path: str | Path, setup: dict[str, str]) -> dict:
+    """Write ``cache`` to ``path`` whole, as one file (format version 1); returns what was written."""
+    start = time.perf_counter()
+    index, kv, meta = snapshot(cache, setup)
+    n = len(kv)
+    path = write_checked(path, {**{block_name(j): t for j, t in enumerate(kv)}, **index["tensors"]}, meta)
+    size = path.stat().st_size
+    return {"path": str(path), "blocks": n, "tokens": n * cache.block_size, "pins": len(index["pins"]),
+            "bytes": size, "written_bytes": size, "ms": round(1000 * (time.perf_counter() - start), 1)}
 
 
 def block_name(j: int) -> str:
@@ -66,20 +91,38 @@ def block_name(j: int) -> str:
 
 
 def open_file(path: str | Path) -> CheckedFile:
-    """The .kvc file at ``path``, verified when entered (``with open_file(path) as f``)."""
-    return CheckedFile(path, KIND, FORMAT, FORMAT_VERSION,
-                       "Delete it; the server or `kvtool generate --cache-file` writes a new one.")
+    """The .kvc file (either version) at ``path``, verified when entered (``with open_file(path) as f``)."""
+    return CheckedFile(path, KIND, FORMAT, (FORMAT_VERSION, VERSION), REMEDY)
 
 
-def read_index(f: CheckedFile) -> dict:
-    """What an open .kvc holds besides the KV: rows (token ids per block), parents, recency, pins, block_size."""
+def read_v2(f: CheckedFile) -> dict:
+    """The index of a version-2 manifest (as read_index) plus each block's offset and sha256 in its data file."""
+    saved = read_index(f, extra=("offsets", "sha256"))
+    n = len(saved["rows"])
+    offsets, digests = f.tensor("offsets"), f.tensor("sha256")
+    if tuple(offsets.shape) != (n,) or tuple(digests.shape) != (n, 32):
+        raise CacheFormatError(f"{f.path}: offsets and sha256 must have one entry per block ({n})")
+    saved["offsets"] = offsets.tolist()
+    saved["sha256"] = [bytes(row) for row in digests.tolist()]
+    return saved
+
+
+def read_manifest(path: Path) -> tuple[dict, dict] | None:
+    """(metadata, index) of the version-2 manifest at ``path``; None for a version-1 file."""
+    with open_file(path) as f:
+        return (dict(f.meta), read_v2(f)) if f.meta["format_version"] == VERSION else None
+
+
+def read_index(f: CheckedFile, extra: tuple[str, ...] = ()) -> dict:
+    """What an open .kvc holds besides the KV: rows (token ids per block), parents, recency, pins, block_size.
+    extra: the other tensors of a version-2 manifest (which holds no KV)."""
     path, t = f.path, {name: f.tensor(name) for name in INDEX_TENSORS}
     tokens, parents, recency = t["tokens"], t["parents"].tolist(), t["recency"]
     if tokens.dim() != 2 or tokens.shape[1] < 1:
         raise CacheFormatError(f"{path}: tokens must be [blocks, block_size], got {tuple(tokens.shape)}")
     n = tokens.shape[0]
-    if f.names != set(INDEX_TENSORS) | {block_name(j) for j in range(n)}:
-        f.tampered(": its KV tensors are not one per block")
+    if f.names != set(INDEX_TENSORS) | (set(extra) if extra else {block_name(j) for j in range(n)}):
+        f.tampered(": its KV tensors are not one per block" if not extra else ": its tensors are not a manifest's")
     if len(parents) != n or tuple(recency.shape) != (n,):
         raise CacheFormatError(f"{path}: parents and recency must have one entry per block ({n})")
     if any(not -1 <= p < j for j, p in enumerate(parents)):
@@ -113,8 +156,12 @@ def describe_file(path: str | Path) -> dict:
     from kvtool.cache.index import PrefixIndex
     from kvtool.cache.tree import segments, walk
 
+    size = Path(path).stat().st_size if Path(path).is_file() else 0
     with open_file(path) as f:
-        saved = read_index(f)
+        saved = read_v2(f) if f.meta["format_version"] == VERSION else read_index(f)
+        if f.meta["format_version"] == VERSION:
+            data = data_path(f.path, f.meta)
+            size += data.stat().st_size if data.is_file() else 0
     bs, n = saved["block_size"], len(saved["rows"])
     index = PrefixIndex(bs, max(n, 1))
     for rows in chains(saved):
@@ -127,7 +174,7 @@ def describe_file(path: str | Path) -> dict:
     meta = saved["meta"]
     return {"path": str(path), "setup": {k: meta.get(k) for k in SETUP_FIELDS}, "dtype": meta.get("kv_dtype"),
             "block_size": bs, "blocks": n, "tokens": n * bs, "pins": len(saved["pins"]),
-            "bytes": Path(path).stat().st_size, "tree": tree}
+            "format_version": meta["format_version"], "bytes": size, "tree": tree}
 
 
 def load_cache(cache, path: str | Path, setup: dict[str, str]) -> dict:
@@ -138,8 +185,8 @@ def load_cache(cache, path: str | Path, setup: dict[str, str]) -> dict:
 
 
 def _load(cache, f: CheckedFile, setup: dict[str, str], start: float) -> dict:
-    path = f.path
-    saved = read_index(f)
+    path, v2 = f.path, f.meta["format_version"] == VERSION
+    saved = read_v2(f) if v2 else read_index(f)
     diffs = setup_mismatches(saved["meta"], setup, what="file")
     if diffs:
         raise CacheFormatError(f"{path}: this prefix cache was saved for a different setup: " + "; ".join(diffs)
@@ -147,8 +194,10 @@ def _load(cache, f: CheckedFile, setup: dict[str, str], start: float) -> dict:
     rows, bs, store = saved["rows"], saved["block_size"], cache.store
     n, want = len(rows), (2, store.num_layers, store.num_kv_heads, saved["block_size"], store.head_dim)
 
+    read = block_reader(f, saved, store.dtype, want) if v2 else (lambda j: f.tensor(block_name(j)))
+
     def row(j: int) -> torch.Tensor:  # block j's KV [2, L, H, B, D], read from the file now
-        kv = f.tensor(block_name(j))
+        kv = read(j)
         if tuple(kv.shape) != want or kv.dtype != store.dtype:
             raise CacheFormatError(f"{path}: block {j} is {kv.dtype} {tuple(kv.shape)}; this cache holds "
                                    f"{store.dtype} [2, layers, kv_heads, block_size, head_dim] = {list(want)}")

@@ -20,7 +20,8 @@ def register(subparsers) -> None:
     p.add_argument("--host", default=SERVER.host, help="address to bind (use 0.0.0.0 to listen on all interfaces)")
     p.add_argument("--port", type=int, default=SERVER.port)
     p.add_argument("--api-key", default=os.environ.get("KVTOOL_API_KEY", SERVER.api_key),
-                   help="require 'Authorization: Bearer KEY' (default: $KVTOOL_API_KEY, else no key)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health (and /metrics with "
+                        "--metrics-open), the API docs included (default: $KVTOOL_API_KEY, else no key)")
     p.add_argument("--served-model-name", default=SERVER.served_model_name,
                    help="the model id clients see (default: the model's name)")
     p.add_argument("--max-active", type=int, default=SERVER.max_active,
@@ -31,6 +32,12 @@ def register(subparsers) -> None:
                    help="max_tokens for requests that name none (default: up to the context window)")
     p.add_argument("--max-body-bytes", type=int, default=SERVER.max_body_bytes,
                    help="largest request body accepted; a larger one gets HTTP 413 (default: %(default)s)")
+    p.add_argument("--shutdown-timeout", type=float, default=SERVER.shutdown_timeout, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, running requests get this long to finish; then each ends with "
+                        "finish_reason 'abort', the cache file is saved and the server exits; a second signal exits "
+                        "at once (default: %(default)s)")
+    p.add_argument("--metrics-open", action="store_true",
+                   help="with --api-key: /metrics answers without the key (for a Prometheus scraper)")
     p.add_argument("--tool-parser", default=SERVER.tool_parser, choices=sorted(TOOL_FORMATS),
                    help="tool-call format of the model's output")
     p.add_argument("--cache-bytes", type=int, default=ENGINE.cache_bytes,
@@ -69,7 +76,9 @@ def config_from_args(args) -> ServerConfig:
                         max_queue=args.max_queue, default_max_tokens=args.default_max_tokens,
                         tool_parser=args.tool_parser, cache_save_every=getattr(args, "cache_save_every", None),
                         kv_bytes=getattr(args, "kv_bytes", None),
-                        max_body_bytes=getattr(args, "max_body_bytes", SERVER.max_body_bytes)).validate()
+                        max_body_bytes=getattr(args, "max_body_bytes", SERVER.max_body_bytes),
+                        shutdown_timeout=getattr(args, "shutdown_timeout", SERVER.shutdown_timeout),
+                        metrics_open=getattr(args, "metrics_open", SERVER.metrics_open)).validate()
 
 
 def run(args) -> int:

@@ -30,10 +30,12 @@ from kvtool.serving.config import ServerConfig
 from kvtool.serving.errors import AuthError, ServingError, error_body, error_from_exception
 from kvtool.serving.limits import BodyLimit, too_deep_message
 from kvtool.serving.metrics import ServerMetrics
+from kvtool.serving.openapi import install_docs
 from kvtool.serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TemplateRequest,
                                      TokenizeRequest)
 from kvtool.serving.served import ServedModel
 from kvtool.serving.session import ChatSession, CompletionSession
+from kvtool.serving.shutdown import Drain, DrainMiddleware
 from kvtool.serving.tokens import token_table
 from kvtool.serving.toolparse import TOOL_FORMATS
 
@@ -129,16 +131,20 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
     metrics = ServerMetrics((lambda: [line for f in extra for line in f()]) if extra else None)
     worker = backend.start_worker(metrics)
     started = int(time.time())
+    drain = Drain(worker, cfg.shutdown_timeout)
 
     @asynccontextmanager
     async def lifespan(app):
+        drain.loop = asyncio.get_running_loop()
         await backend.on_start()
         yield
         await backend.on_stop()
 
-    app = FastAPI(title="kvtool serve", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="kvtool serve", version="0.1.0", lifespan=lifespan, openapi_url=None, docs_url=None,
+                  redoc_url=None,
                   description="OpenAI-compatible server that also shows the raw tokens and the chat template.")
     app.state.served, app.state.worker, app.state.metrics, app.state.config = served, worker, metrics, cfg
+    app.state.drain = drain
 
     def check_key(request: Request) -> None:
         if cfg.api_key is None:
@@ -177,11 +183,14 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
 
     @app.get("/health")
     async def health():
-        body = {"status": "ok" if worker.alive else "stopped", "model": served.name, "running": worker.running,
-                "waiting": worker.waiting}
-        return JSONResponse(body, status_code=200 if worker.alive else 503)
+        status = "draining" if drain.draining else "ok" if worker.alive else "stopped"
+        body = {"status": status, "model": served.name, "running": worker.running, "waiting": worker.waiting}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    open_paths = {"/health"} | ({"/metrics"} if cfg.metrics_open else set())
+
+    @app.get("/metrics", response_class=PlainTextResponse,
+             dependencies=[] if cfg.metrics_open else [Depends(check_key)])
     async def prometheus():
         return PlainTextResponse(metrics.render(worker.running, worker.waiting, worker.scheduler),
                                  media_type="text/plain; version=0.0.4")
@@ -281,7 +290,7 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
             prompt = prompts[i // body.n]
             echo = (prompt if isinstance(prompt, str) else served.decode(prompt)) if body.echo else None
             sessions.append(CompletionSession(served, handle, i, sessions[0] if sessions else None, echo,
-                                              body.prompt_logprobs is not None))
+                                              body.prompt_logprobs is not None, body.score_only))
         if body.stream:
             return StreamingResponse(sse(merged_chunks(sessions, body.n), handles, body.include_usage),
                                      media_type="text/event-stream")
@@ -331,8 +340,10 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
     app.include_router(api)
     for router in backend.routers(worker, served):
         app.include_router(router, dependencies=[Depends(check_key)])
+    install_docs(app, check_key, cfg.api_key is not None, open_paths)
     app.state.prefix_cache = getattr(backend, "prefix_cache", None)
     routes = {r.path for r in [*app.routes, *api.routes] if hasattr(r, "path")}
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
+    app.add_middleware(DrainMiddleware, drain=drain)
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=routes)  # outermost: it counts the 413s too
     return app

@@ -51,7 +51,8 @@ def save_cache_file(prefix_cache, path: str | None, model, what: str = "saved") 
     except Exception as exc:
         log.error("could not %s the prefix cache to %s: %s: %s", what.removesuffix("d"), path, type(exc).__name__, exc)
         return False
-    log.info("%s the prefix cache to %s: %d tokens, %d pins", what, path, info["tokens"], info["pins"])
+    log.info("%s the prefix cache to %s: %d tokens, %d pins, %d bytes written", what, path, info["tokens"],
+             info["pins"], info.get("written_bytes", info.get("bytes", 0)))
     return True
 
 

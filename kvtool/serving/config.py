@@ -10,7 +10,8 @@ from typing import Callable, Iterable
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None  # when set, every /v1 and token route needs "Authorization: Bearer KEY"
+    api_key: str | None = None  # when set, every route but /health (and /metrics with metrics_open) needs
+    # "Authorization: Bearer KEY", the API documentation (/openapi.json, /docs, /redoc) included
     served_model_name: str | None = None  # default: the loaded model's name
     max_active: int = 16  # requests batched together in each decode step (continuous batching)
     max_queue: int = 64  # requests waiting beyond max_active; one more gets 429
@@ -21,6 +22,9 @@ class ServerConfig:
     max_body_bytes: int = 16 << 20  # a larger request body gets 413 unread; far more than a context window holds
     cache_save_every: float | None = None  # seconds: save the prefix cache to EngineConfig.cache_file this often
     # when it changed since the last save (a crash then loses at most this much); None: at shutdown and on request
+    shutdown_timeout: float = 10.0  # seconds running requests get to finish after SIGTERM/SIGINT; then they end
+    # with finish_reason "abort" and the server saves its cache file and exits (kvtool.serving.shutdown)
+    metrics_open: bool = False  # with api_key: /metrics answers without the key too (/health always does)
     tool_parser: str = "qwen"  # key in kvtool.serving.toolparse.TOOL_FORMATS
     extra_metrics: Callable[[], Iterable[str]] | None = None  # more Prometheus lines (e.g. prefix cache)
 
@@ -41,6 +45,9 @@ class ServerConfig:
         every = self.cache_save_every
         if every is not None and (isinstance(every, bool) or not isinstance(every, (int, float)) or not every >= 1):
             raise InvalidParameterError(f"--cache-save-every must be a number of seconds >= 1, got {every!r}")
+        wait = self.shutdown_timeout
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < float("inf"):
+            raise InvalidParameterError(f"--shutdown-timeout must be a number of seconds >= 0, got {wait!r}")
         if self.tool_parser not in TOOL_FORMATS:
             raise InvalidParameterError(f"--tool-parser {self.tool_parser!r} is not one of {', '.join(TOOL_FORMATS)}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,6 +19,32 @@ from kvtool.serving.errors import ServingError
 
 SEED_RANGE = dict(ge=SEEDS[0], lt=SEEDS[1])  # pydantic bounds of SamplingParams' range
 TOKEN_ID_KEY = re.compile(r"\s*[0-9]{1,18}\s*")  # a logit_bias key
+MAX_STOP_STRINGS = 64  # stop strings per request: each is looked for after every token
+MAX_STOP_CHARS = 1024  # characters per stop string
+
+
+def documented(**schema) -> Any:
+    """A limit the server checks itself (with its own message) declared in the OpenAPI schema."""
+    return Field(json_schema_extra=schema)
+
+
+StopString = Annotated[str, documented(maxLength=MAX_STOP_CHARS)]
+NonEmptyMessages = Annotated[list["ChatMessage"], documented(minItems=1)]  # "messages is empty" otherwise
+# a prompt of no tokens is refused ("the prompt is empty"), in every form
+Prompt = (Annotated[str, documented(minLength=1)] | Annotated[list[int], documented(minItems=1)]
+          | Annotated[list[Annotated[str, documented(minLength=1)]], documented(minItems=1)]
+          | Annotated[list[Annotated[list[int], documented(minItems=1)]], documented(minItems=1)])
+
+
+def check_stop(stop: list[str]) -> None:
+    """A 400 for more than MAX_STOP_STRINGS stop strings or one longer than MAX_STOP_CHARS."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ServingError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed (each is looked "
+                           "for after every token)", param="stop")
+    for i, text in enumerate(stop):
+        if len(text) > MAX_STOP_CHARS:
+            raise ServingError(f"stop string {i} has {len(text)} characters; at most {MAX_STOP_CHARS} are allowed",
+                               param="stop")
 
 
 class Strict(BaseModel):
@@ -95,13 +121,13 @@ class GenerationRequest(Strict):
     """Fields shared by chat and raw completions."""
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Annotated[int | None, documented(minimum=1)] = None  # completions: 0 with echo (scores the prompt)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = Field(default=None, **SEED_RANGE)
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], documented(maxItems=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -146,6 +172,7 @@ class GenerationRequest(Strict):
         if max_tokens is None:  # max_completion_tokens wins over max_tokens, then the server default
             max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        check_stop(stop)
         bias = {}
         for key, value in (self.logit_bias or {}).items():
             if not TOKEN_ID_KEY.fullmatch(key):  # ASCII digits only: "²".isdigit() is True, but int() refuses it
@@ -208,11 +235,11 @@ class GenerationRequest(Strict):
 
 
 class ChatCompletionRequest(GenerationRequest):
-    messages: list[ChatMessage]
+    messages: NonEmptyMessages
     tools: list[ToolDef] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Annotated[int | None, documented(minimum=1)] = None
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -230,7 +257,8 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Prompt
+    max_tokens: Annotated[int | None, documented(minimum=0)] = None  # 0 with echo: the prompt scored, no tokens
     logprobs: int | None = None
     echo: bool = False  # the text starts with the prompt; with logprobs, the prompt tokens' come first
     suffix: str | None = None  # fill-in-the-middle: the prompt is the text before, suffix the text after
@@ -240,8 +268,19 @@ class CompletionRequest(GenerationRequest):
         if self.suffix is not None and self.echo:
             raise ServingError("echo cannot be combined with suffix: a fill-in-the-middle prompt is not text to "
                                "echo (send the prefix and suffix again yourself)", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise ServingError("max_tokens=0 generates nothing: it only scores the prompt, with echo=true (and "
+                               "logprobs=N for the prompt tokens' logprobs); otherwise ask for max_tokens >= 1",
+                               param="max_tokens")
         scored = self.prompt_logprobs if self.prompt_logprobs is not None or not self.echo else self.logprobs
-        return self.sampling(default_max_tokens, logprobs=self.logprobs, prompt_logprobs=scored)
+        # max_tokens=0 with echo: one token is computed (the prompt is prefilled and scored) and not returned
+        return self.sampling(default_max_tokens, max_tokens=1 if self.score_only else None, logprobs=self.logprobs,
+                             prompt_logprobs=scored)
+
+    @property
+    def score_only(self) -> bool:
+        """echo with max_tokens=0: the response is the prompt (and its logprobs), no completion, as vLLM's."""
+        return self.echo and self.max_tokens == 0
 
 
 class TokenizeRequest(Strict):
@@ -268,7 +307,7 @@ class DetokenizeRequest(Strict):
 
 class TemplateRequest(Strict):
     model: str | None = None
-    messages: list[ChatMessage]
+    messages: NonEmptyMessages
     tools: list[ToolDef] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     add_generation_prompt: bool = True

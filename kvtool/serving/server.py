@@ -1,4 +1,5 @@
-"""Run the app: `serve()` in the foreground (the CLI), `BackgroundServer` in a thread (tests, benchmarks)."""
+"""Run the app: `serve()` in the foreground (the CLI; a signal drains it, kvtool.serving.shutdown),
+`BackgroundServer` in a thread (tests, benchmarks)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kvtool.config import EngineConfig
 from kvtool.serving.app import create_app
 from kvtool.serving.config import ServerConfig
 from kvtool.serving.errors import ServingError
+from kvtool.serving.shutdown import SETTLE_S, DrainingServer
 
 
 def serve(model, server_config: ServerConfig | None = None, engine_config: EngineConfig | None = None,
@@ -28,7 +30,10 @@ def serve(model, server_config: ServerConfig | None = None, engine_config: Engin
     app = create_app(model, engine_config, cfg, backend=backend)
     if on_ready is not None:
         on_ready(app)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=log_level)
+    # uvicorn's own wait for open connections is a backstop: the drain has ended every request by then
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level,
+                            timeout_graceful_shutdown=SETTLE_S + 1)
+    DrainingServer(config, app.state.drain).run()
 
 
 def check_listen(host: str, port: int) -> None:

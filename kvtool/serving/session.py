@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 from kvtool.engine import TokenEvent
 from kvtool.serving.chat import PreparedChat
-from kvtool.serving.errors import ServingError, error_body
+from kvtool.serving.errors import ServingError, Unavailable, error_body
 from kvtool.serving.served import ServedModel
 from kvtool.serving.toolparse import OutputParser, ParseEvent, ToolFormat
 from kvtool.serving.worker import Handle, RequestFailed, WorkerCrash
@@ -66,6 +66,12 @@ def finish_reason(gen, called: bool) -> str:
     return "length" if gen.finish_reason == "length" else "stop"
 
 
+def aborted(exc: Exception) -> bool:
+    """Whether exc ended the request because the server is shutting down (its stream ends with finish_reason
+    "abort", then the error)."""
+    return getattr(exc, "code", None) == "shutting_down"
+
+
 def stream_error(exc: Exception) -> dict:
     status = getattr(exc, "status_code", 500)
     return error_body(status, str(exc), code=getattr(exc, "code", None))
@@ -74,6 +80,8 @@ def stream_error(exc: Exception) -> dict:
 def chunk_error(chunk: dict) -> ServingError:
     """What a non-streaming response raises for its stream's error chunk: a 400 stays a 400, the rest are 500s."""
     err = chunk["error"]
+    if err.get("code") == "shutting_down":
+        return Unavailable(err["message"], err.get("param"), err["code"])
     return (RequestFailed if err["type"] == "invalid_request_error" else WorkerCrash)(err["message"], err.get("param"),
                                                                                       err.get("code"))
 
@@ -151,6 +159,8 @@ class ChatSession:
                     yield chunk
                 deltas = []
         except (WorkerCrash, ServingError) as exc:
+            if aborted(exc):
+                yield self._chunk({}, "abort")
             yield {"error": stream_error(exc)["error"]}
             return
         if not self.sealed:
@@ -211,9 +221,11 @@ class CompletionSession:
     With echo the text starts with the prompt (its tokens' logprobs first, the first token's None)."""
 
     def __init__(self, served: ServedModel, handle: Handle, index: int = 0, first: "CompletionSession | None" = None,
-                 echo: str | None = None, show_prompt_logprobs: bool = False):
+                 echo: str | None = None, show_prompt_logprobs: bool = False, score_only: bool = False):
+        """score_only: echo with max_tokens=0: the prompt (and its logprobs) alone, the token computed with it
+        is not returned."""
         self.served, self.handle, self.index = served, handle, index
-        self.echo, self.show_prompt_logprobs = echo, show_prompt_logprobs
+        self.echo, self.show_prompt_logprobs, self.score_only = echo, show_prompt_logprobs, score_only
         self.id = first.id if first else "cmpl-" + secrets.token_hex(12)
         self.created = first.created if first else int(time.time())
 
@@ -254,20 +266,27 @@ class CompletionSession:
                     yield self._chunk(self.echo, logprobs=self._echo_logprobs(rows) if scored else None)
                     offset = len(self.echo)
                 started = True
+                if self.score_only:
+                    continue
                 logprobs = self._logprobs([ev], offset)
                 if ev.text or logprobs:
                     yield self._chunk(ev.text, logprobs=logprobs)
                 offset += len(ev.text)
         except (WorkerCrash, ServingError) as exc:
+            if aborted(exc):
+                yield self._chunk("", "abort")
             yield {"error": stream_error(exc)["error"]}
             return
         gen = self.handle.gen
-        last = self._chunk("", finish_reason(gen, False), timings=timings_dict(gen))
-        last["choices"][0]["stop_reason"] = gen.stop_reason
+        last = self._chunk("", "length" if self.score_only else finish_reason(gen, False), timings=timings_dict(gen))
+        last["choices"][0]["stop_reason"] = None if self.score_only else gen.stop_reason
         if self.show_prompt_logprobs:
             last["choices"][0]["prompt_logprobs"] = prompt_logprobs_json(self.served, gen.prompt_logprobs)
         yield last
-        yield self._chunk(None, usage=usage_dict(gen))
+        usage = usage_dict(gen)
+        if self.score_only:
+            usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
+        yield self._chunk(None, usage=usage)
 
     async def response(self) -> dict:
         """The non-streaming text_completion: the fold of chunks()."""

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from typing import AsyncIterator
 
@@ -35,6 +36,7 @@ from kvtool.serving.errors import QueueFull, ServingError, Unavailable
 
 log = logging.getLogger("kvtool.serving")
 _DONE = object()
+_OPEN_LOCK = threading.Lock()  # the open handles are added on the event loop and dropped on a worker thread
 
 
 class RequestFailed(ServingError):
@@ -62,6 +64,7 @@ class Handle:
         self.submitted = time.perf_counter()
         self.first_token: float | None = None
         self.last_token: float | None = None
+        worker._track(self)
 
     def cancel(self) -> None:
         """Stop generating (idempotent); the worker closes the generation at its next turn."""
@@ -120,9 +123,28 @@ def check_count(prompts: int, n: int, max_active: int, max_queue: int) -> tuple[
 
 class EventSink:
     """What every engine's worker does with a handle's events: metrics (TTFT, inter-token latency, finished
-    generations) and posting to the handle's queue. Needs `self.metrics` (a ServerMetrics or None)."""
+    generations) and posting to the handle's queue; and ending every open handle at once (abort_all, the
+    server's shutdown past --shutdown-timeout). Needs `self.metrics` (a ServerMetrics or None)."""
 
     metrics = None
+    _open: "weakref.WeakSet[Handle] | None" = None
+
+    def _track(self, handle: Handle) -> None:
+        with _OPEN_LOCK:
+            if self._open is None:
+                self._open = weakref.WeakSet()  # a handle refused at submit (queue full) goes with its request
+            self._open.add(handle)
+
+    def abort_all(self, error: BaseException) -> int:
+        """End every unfinished handle now: its reader gets ``error`` next (ahead of anything the engine posts
+        later) and its generation is cancelled, which frees its KV. Engine-agnostic: only Handle is used.
+        Returns how many were ended."""
+        with _OPEN_LOCK:
+            handles = [h for h in list(self._open or ()) if not h.done and not h.cancelled.is_set()]
+        for handle in handles:
+            handle._post(error)
+            handle.cancel()
+        return len(handles)
 
     def _emit(self, handle: Handle, event: TokenEvent) -> None:
         now = time.perf_counter()
@@ -140,6 +162,9 @@ class EventSink:
         if handle.done:
             return
         handle.done = True
+        with _OPEN_LOCK:
+            if self._open is not None:
+                self._open.discard(handle)
         if error is not None:
             handle._post(error)
         if self.metrics:

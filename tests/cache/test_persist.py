@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtool import SamplingParams
+from kvtool.cache.kvfile import setup_of
 from kvtool.cache.manager import PrefixCache
 from kvtool.config import EngineConfig
 from kvtool.engine import Engine
@@ -63,7 +64,8 @@ def saved(model, tmp_path_factory):
 
 def test_round_trip_keeps_kv_pins_and_greedy_output(model, saved):
     cache, path, info, prompts, outputs, base = saved
-    assert info["blocks"] == cache.stats()["blocks"] > 0 and info["pins"] == 1 and path.stat().st_size == info["bytes"]
+    assert info["blocks"] == cache.stats()["blocks"] > 0 and info["pins"] == 1
+    assert sum(p.stat().st_size for p in path.parent.iterdir()) == info["bytes"]  # the manifest and its data
     engine = Engine(model, EngineConfig(prefill_chunk=16))
     loaded = fresh(model)
     engine.prefix_cache = loaded
@@ -156,9 +158,13 @@ def test_damaged_truncated_and_foreign_files_are_refused(model, saved, tmp_path)
 def test_a_failed_save_keeps_the_old_file(model, saved, tmp_path, monkeypatch):
     import safetensors.torch
 
-    cache, path = saved[0], saved[1]
+    from kvtool.cache.persist import save_cache_full
+
+    cache = saved[0]
     target = tmp_path / "keep.kvc"
-    target.write_bytes(path.read_bytes())
+    save_cache_full(cache, target, setup_of(runner=model.runner))  # a version-1 file: this save writes all anew
+    path = tmp_path.parent / "keep-copy.kvc"
+    path.write_bytes(target.read_bytes())
 
     def disk_full(tensors, filename, metadata=None):
         with open(filename, "wb") as fh:
@@ -179,7 +185,9 @@ def test_concurrent_saves_of_one_path_each_leave_a_whole_file(model, saved, tmp_
     cache, target = saved[0], tmp_path / "shared.kvc"
     with ThreadPoolExecutor(4) as pool:  # e.g. POST /v1/cache/save while the server shuts down
         list(pool.map(lambda _: cache.save(target), range(8)))
-    assert [p.name for p in tmp_path.iterdir()] == ["shared.kvc"] and target.stat().st_mode & 0o077 == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert len(names) == 2 and names[0] == "shared.kvc" and names[1].startswith("shared.kvc.")
+    assert all(p.stat().st_mode & 0o077 == 0 for p in tmp_path.iterdir())
     assert fresh(model).load(target)["loaded_tokens"] == saved[2]["tokens"]
 
 
@@ -216,9 +224,10 @@ def test_random_trees_round_trip_under_any_budget(model, tmp_path_factory, seed,
 
 def test_a_verified_file_whose_tensors_do_not_match_its_blocks_is_refused(model, saved, tmp_path):
     from kvtool.cache.kvfile import CheckedFile, write_checked
-    from kvtool.cache.persist import FORMAT, FORMAT_VERSION, block_name
+    from kvtool.cache.persist import FORMAT, FORMAT_VERSION, block_name, save_cache_full
 
-    with CheckedFile(saved[1], "prefix cache (.kvc)", FORMAT, FORMAT_VERSION, "Delete it.") as f:
+    save_cache_full(saved[0], tmp_path / "v1.kvc", setup_of(runner=model.runner))
+    with CheckedFile(tmp_path / "v1.kvc", "prefix cache (.kvc)", FORMAT, FORMAT_VERSION, "Delete it.") as f:
         meta, tensors = dict(f.meta), {name: f.tensor(name) for name in f.names}
     missing = dict(tensors)
     del missing[block_name(3)]

@@ -31,9 +31,10 @@ def test_flags_reach_serve(monkeypatch, capsys):
         cfg=cfg, engine=engine_config, level=log_level)))
     rc = main(["serve", "--port", "9123", "--host", "0.0.0.0", "--api-key", "k", "--max-queue", "3",
                "--max-active", "2", "--tool-parser", "hermes", "--default-max-tokens", "64", "--log-level", "warning",
-               "--cache-bytes", "1000000", "--kv-bytes", "5000000"])
+               "--cache-bytes", "1000000", "--kv-bytes", "5000000", "--shutdown-timeout", "4.5", "--metrics-open"])
     assert rc == 0
     cfg = seen["cfg"]
+    assert cfg.shutdown_timeout == 4.5 and cfg.metrics_open
     assert (cfg.port, cfg.host, cfg.api_key, cfg.max_queue, cfg.max_active, cfg.tool_parser,
             cfg.default_max_tokens, cfg.kv_bytes) == (9123, "0.0.0.0", "k", 3, 2, "hermes", 64, 5_000_000)
     assert seen["level"] == "warning"
@@ -132,6 +133,7 @@ def test_a_port_in_use_or_a_bad_host_is_said_before_the_model_loads(monkeypatch,
     (dict(port=-1), "--port must be in 0..65535, got -1"),
     (dict(tool_parser="hermes2"), "--tool-parser 'hermes2' is not one of"),
     (dict(api_key=""), "--api-key must be a non-empty string"),
+    (dict(shutdown_timeout=-1), "--shutdown-timeout must be a number of seconds >= 0, got -1"),
 ])
 def test_server_settings_are_checked_for_the_python_api_too(settings, words):
     from kvtool.errors import InvalidParameterError

@@ -156,8 +156,16 @@ def test_api_key(smollm2):
         assert client.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert client.post("/tokenize", json={"prompt": "x"}).status_code == 401
         assert client.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
-        assert client.get("/health").status_code == 200  # health and metrics stay open for probes
-        assert client.get("/metrics").status_code == 200
+        assert client.get("/health").status_code == 200  # health stays open for probes
+        for path in ("/metrics", "/openapi.json", "/docs", "/redoc"):  # the rest, API docs included, need the key
+            assert client.get(path).status_code == 401, path
+            assert client.get(path, headers={"Authorization": "Bearer s3cret"}).status_code == 200, path
+        schema = client.get("/openapi.json", headers={"Authorization": "Bearer s3cret"}).json()
+        assert "401" in schema["paths"]["/v1/models"]["get"]["responses"]
+        assert "401" not in schema["paths"]["/health"]["get"]["responses"]
+    with TestClient(create_app(smollm2, server_config=ServerConfig(api_key="s3cret", metrics_open=True))) as client:
+        assert client.get("/metrics").status_code == 200  # --metrics-open: a scraper needs no key
+        assert client.get("/docs").status_code == 401
 
 
 def test_full_queue_is_a_429_not_a_hang(smollm2):
