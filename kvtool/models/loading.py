@@ -212,10 +212,7 @@ def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device,
         if tensor.shape != expected[key].shape:
             raise ModelLoadError(f"weight {key} has shape {tuple(tensor.shape)}, config says {tuple(expected[key].shape)}")
     runner.load_state_dict(state, strict=False, assign=True)
-    from kvtool.models.rope import inv_frequencies
-
-    inv_freq, runner.rope_scaling = inv_frequencies(spec.rope, spec.head_dim, hf_config)
-    runner.inv_freq = inv_freq.to(device)
+    runner.set_rope(hf_config, device)
     runner.requires_grad_(False)
     runner.eval()
     runner.fuse()
