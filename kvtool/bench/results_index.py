@@ -113,8 +113,16 @@ HEADLINES.update({  # one-line summaries
                                                       for k, v in r["ratios_kvtool_over_vllm"].items()),
     "edit": lambda r: "; ".join(f"{mode}: the edit changes {v['edit_changes_answer']}/{v['cases']} answers, "
                                 f"field_only recovers {_pct(v['field_only_recovers'])}, erratum "
-                                f"{_pct(v['erratum_recovers'])}" for mode, v in r["verdict"].items()),
+                                f"{_pct(v['erratum_recovers'])}" + _at_1pct(v) for mode, v in r["verdict"].items()),
 })
+
+
+def _at_1pct(verdict: dict) -> str:
+    at = verdict.get("at_1pct")
+    if not at:
+        return ""
+    cost = f", {at['time_vs_full']:.2f}x full's time" if at.get("time_vs_full") else ""
+    return f", attended 1% agrees with full on {_pct(at['agreement'])} ({_pct(at['fraction_recomputed'])} recomputed{cost})"
 
 
 @headline("peers")
