@@ -103,14 +103,15 @@ def test_relocated_skill_keys_use_each_layers_rope_base(gemma3):
 
 
 def test_compose_says_when_a_block_is_beyond_the_window_and_still_runs(gemma3):
+    from kvtool.cache.kvfile import setup_of
     from kvtool.skills import compose
     from kvtool.skills.block import compile_ids
     from kvtool.skills.compose import SkillWindowWarning
 
     runner = gemma3.runner
     bos = [gemma3.tokenizer.bos_token_id]
-    block = compile_ids(runner, gemma3.encode("Skill: answer in French, in one short sentence."), {}, "french",
-                        preamble=bos)
+    block = compile_ids(runner, gemma3.encode("Skill: answer in French, in one short sentence."), setup_of(gemma3),
+                        "french", preamble=bos)
     filler = long_ids(gemma3, 540)[1:]
     query = gemma3.encode(" What colour is item 3?")
     with pytest.warns(SkillWindowWarning, match="only the 3 global layers attend to it"):

@@ -306,9 +306,26 @@ def readme_block(folder: Path, readme: Path) -> str:
     else:
         lines.append("(no `kvtool bench peers` record yet)")
     rel = folder.relative_to(readme.parent)
+    lines += ["", *family_rows(folder, readme)]
     lines += ["", f"Every engine's figures and every benchmark's latest record, each with its file: "
                   f"[{rel}/README.md]({rel}/README.md).", END]
     return "\n".join(lines)
+
+
+FAMILY_KINDS = ("skills", "edit")  # the README lists these per model: how each family composes and edits
+
+
+def family_rows(folder: Path, readme: Path) -> list[str]:
+    """Skill fidelity and field-edit records, one row each (every model family measured), linked from the README."""
+    rows = [(p, r) for p, r, _ in latest(load_records(folder)) if kind(r) in FAMILY_KINDS]
+    if not rows:
+        return []
+    lines = ["Skill composition and field edits, per model:", "", "| benchmark | model | headline | file |",
+             "|---|---|---|---|"]
+    for path, rec in rows:
+        link = str(path.relative_to(readme.parent))
+        lines.append(f"| {kind(rec)} | {rec.get('model', '-')} | {HEADLINES[kind(rec)](rec)} | [{path.name}]({link}) |")
+    return lines
 
 
 def update(folder: Path, readme: Path | None, check: bool = False) -> list[str]:
