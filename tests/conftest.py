@@ -46,3 +46,16 @@ def smollm2_hf(smollm2):
 @pytest.fixture(scope="session")
 def qwen25_hf(qwen25):
     return _hf_oracle(qwen25)
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    import kvtool
+    from kvtool.testing.models import gemma3_gguf
+
+    return kvtool.load(str(gemma3_gguf()), device="cpu", dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf(gemma3):
+    return _hf_oracle(gemma3)

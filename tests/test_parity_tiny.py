@@ -1,11 +1,11 @@
-"""Logit parity with transformers on tiny random Qwen3 / Qwen2 / Llama checkpoints."""
+"""Logit parity with transformers on tiny random Qwen3 / Qwen2 / Llama / Gemma 3 checkpoints."""
 
 import pytest
 import torch
 
 from kvtool.testing.tiny import tiny_checkpoint, tiny_runner
 
-FAMILIES = ["qwen3", "qwen2", "llama"]
+FAMILIES = ["qwen3", "qwen2", "llama", "gemma3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

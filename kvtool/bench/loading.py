@@ -24,7 +24,7 @@ def _qwen3_0_6b():
 
 
 SHAPES = {"qwen3-0.6b": _qwen3_0_6b}  # --shape name -> transformers config of the random checkpoint
-MODEL_ALIASES = ("smollm2", "qwen25")  # offline test models (kvtool.models.offline.<alias>_gguf)
+MODEL_ALIASES = ("smollm2", "qwen25", "gemma3")  # offline test models (kvtool.models.offline.<alias>_gguf)
 
 
 class IdTokenizer:

@@ -115,8 +115,16 @@ HEADLINES.update({  # one-line summaries
                                                       for k, v in r["ratios_kvtool_over_vllm"].items()),
     "edit": lambda r: "; ".join(f"{mode}: the edit changes {v['edit_changes_answer']}/{v['cases']} answers, "
                                 f"field_only recovers {_pct(v['field_only_recovers'])}, erratum "
-                                f"{_pct(v['erratum_recovers'])}" for mode, v in r["verdict"].items()),
+                                f"{_pct(v['erratum_recovers'])}" + _at_1pct(v) for mode, v in r["verdict"].items()),
 })
+
+
+def _at_1pct(verdict: dict) -> str:
+    at = verdict.get("at_1pct")
+    if not at:
+        return ""
+    cost = f", {at['time_vs_full']:.2f}x full's time" if at.get("time_vs_full") else ""
+    return f", attended 1% agrees with full on {_pct(at['agreement'])} ({_pct(at['fraction_recomputed'])} recomputed{cost})"
 
 
 @headline("peers")
@@ -197,10 +205,26 @@ def readme_block(folder: Path, readme: Path) -> str:
     (results_peers.quiet_block), linked from the README's folder."""
     peers = [(p, r) for p, r, _ in latest(load_records(folder)) if kind(r) == "peers"]
     rel = folder.relative_to(readme.parent)
-    lines = [BEGIN, "", *quiet_block(peers, readme), "",
+    lines = [BEGIN, "", *quiet_block(peers, readme), "", *family_rows(folder, readme), "",
              f"Every engine's figures of every record, quiet or noisy, and every benchmark's latest record, each with "
              f"its file: [{rel}/README.md]({rel}/README.md).", END]
     return "\n".join(lines)
+
+
+FAMILY_KINDS = ("skills", "edit")  # the README lists these per model: how each family composes and edits
+
+
+def family_rows(folder: Path, readme: Path) -> list[str]:
+    """Skill fidelity and field-edit records, one row each (every model family measured), linked from the README."""
+    rows = [(p, r) for p, r, _ in latest(load_records(folder)) if kind(r) in FAMILY_KINDS]
+    if not rows:
+        return []
+    lines = ["Skill composition and field edits, per model:", "", "| benchmark | model | headline | file |",
+             "|---|---|---|---|"]
+    for path, rec in rows:
+        link = str(path.relative_to(readme.parent))
+        lines.append(f"| {kind(rec)} | {rec.get('model', '-')} | {HEADLINES[kind(rec)](rec)} | [{path.name}]({link}) |")
+    return lines
 
 
 def update(folder: Path, readme: Path | None, check: bool = False) -> list[str]:

@@ -33,10 +33,12 @@ def rope_info(runner) -> str:
     """The RoPE setting as canonical JSON: rope parameters, attention scaling, inv_freq bytes."""
     if runner not in _ROPE_INFO:
         freq = runner.inv_freq.detach().float().cpu().contiguous()
-        _ROPE_INFO[runner] = json.dumps({"rope": runner.spec.rope, "attention_scaling": float(runner.rope_scaling),
-                                         "head_dim": runner.spec.head_dim,
-                                         "inv_freq_sha256": hashlib.sha256(freq.numpy().tobytes()).hexdigest()[:16]},
-                                        sort_keys=True, default=str)
+        info = {"rope": runner.spec.rope, "attention_scaling": float(runner.rope_scaling),
+                "head_dim": runner.spec.head_dim,
+                "inv_freq_sha256": hashlib.sha256(freq.numpy().tobytes()).hexdigest()[:16]}
+        if runner.spec.rope_local:  # a second base for sliding-window layers (Gemma 3)
+            info["rope_local"] = runner.spec.rope_local
+        _ROPE_INFO[runner] = json.dumps(info, sort_keys=True, default=str)
     return _ROPE_INFO[runner]
 
 

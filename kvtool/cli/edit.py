@@ -21,7 +21,7 @@ def register(subparsers) -> None:
                    help=f"a case by name (repeatable; default: all {len(CASES)}: {', '.join(c.name for c in CASES)})")
     e.add_argument("--limit", type=int, default=None, help="only the first N cases")
     e.add_argument("--mode", action="append", choices=list(MODES), default=None,
-                   help="direct (answer only) and/or reasoning (think step by step first); default: both")
+                   help="direct (answer only), reasoning (think step by step first) and/or cached_reasoning (reasoning generated before the edit, cached with the context); default: direct and reasoning")
     e.add_argument("--budgets", default=",".join(f"{b:g}" for b in DEFAULT_BUDGETS),
                    help="shares of the context the repairs recompute, comma-separated (default: %(default)s)")
     e.add_argument("--answer-tokens", type=int, default=12, help="greedy tokens of the answer")

@@ -35,7 +35,7 @@ class Engine:
 
     def static_decoder(self, total_tokens: int):
         """The fast bs=1 decode path for a request of total_tokens, or None (reference path)."""
-        if not fast_decode_enabled(self.config.fast_decode, self.runner.device):
+        if not fast_decode_enabled(self.config.fast_decode, self.runner.device, self.runner.spec):
             return None
         if self._static is None:
             slots = min(self.config.static_max_tokens, self.model.context_window)
@@ -48,7 +48,7 @@ class Engine:
         """A BatchedStaticDecoder with `slots` rows for continuous batching, or None (eager forward_batch).
 
         Built once per size and kept, so later schedulers reuse its buffers and captured graphs."""
-        if not fast_decode_enabled(self.config.fast_decode, self.runner.device):
+        if not fast_decode_enabled(self.config.fast_decode, self.runner.device, self.runner.spec):
             return None
         if slots not in self._batched:
             self._batched[slots] = self._new_batched_decoder(slots)

@@ -28,11 +28,15 @@ from kvtool.errors import ContextWindowError
 MODES = ("auto", "on", "off")  # EngineConfig.fast_decode: auto = on for CUDA only
 
 
-def fast_decode_enabled(mode: str, device: torch.device) -> bool:
+def fast_decode_enabled(mode: str, device: torch.device, spec=None) -> bool:
+    """Whether the static decoders run; never for a model with sliding-window layers (spec.layer_types), whose
+    layers they do not implement: its steps take the reference forward."""
     if mode not in MODES:
         from kvtool.errors import InvalidParameterError
 
         raise InvalidParameterError(f"fast_decode must be one of {', '.join(MODES)}; got {mode!r}")
+    if spec is not None and spec.layer_types:
+        return False
     return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
@@ -106,7 +110,7 @@ def prefill_logits(runner, cache: KVCache, ids: list[int], chunk: int,
 
 def static_decoder_for(runner, tokens: int, mode: str = "auto") -> StaticDecoder | None:
     """A StaticDecoder of `tokens` slots where fast decode `mode` is on for the runner's device, else None."""
-    return StaticDecoder(runner, tokens) if fast_decode_enabled(mode, runner.device) else None
+    return StaticDecoder(runner, tokens) if fast_decode_enabled(mode, runner.device, runner.spec) else None
 
 
 class BatchedStaticDecoder:

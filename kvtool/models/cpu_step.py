@@ -19,6 +19,8 @@ def unsupported(runner) -> str | None:
         return f"the ops take fp32 on the CPU; the model is {runner.dtype} on {runner.device.type}"
     if any(layer.self_attn._wqkv is None or layer.mlp._wgu is None for layer in runner.model.layers):
         return "the projections are not fused (call fuse() first)"
+    if runner.spec.layer_types:
+        return f"{runner.spec.model_type}'s layers (sliding windows, extra norms) run through the reference forward"
     if runner.spec.head_dim % 2 or runner.spec.head_dim > 1024:
         return f"head_dim {runner.spec.head_dim} is odd or above 1024"
     return unavailable()

@@ -108,4 +108,8 @@ def _convert(path: Path, out: Path) -> None:
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(config, indent=1))
+    if not getattr(tokenizer, "chat_template", None):  # a GGUF without tokenizer.chat_template
+        from kvtool.models.chat_templates import default_template
+
+        tokenizer.chat_template = default_template(config.get("model_type"))
     tokenizer.save_pretrained(str(out))

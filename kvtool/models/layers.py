@@ -53,11 +53,21 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor | None:
-    """Boolean [T, S] mask for q_len new tokens appended after kv_len - q_len cached ones."""
+def causal_mask(q_len: int, kv_len: int, device, window: int | None = None) -> torch.Tensor | None:
+    """Boolean [T, S] mask for q_len new tokens appended after kv_len - q_len cached ones; with a window,
+    each token sees only itself and the window - 1 slots before it (a sliding-window layer)."""
+    if window is not None and kv_len > window:
+        return window_mask(torch.arange(kv_len - q_len, kv_len, device=device), kv_len, window)
     if q_len == 1:
         return None
     return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=kv_len - q_len)
+
+
+def window_mask(rows: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
+    """Boolean [R, S]: slot s is visible to the query at slot r when s <= r (and r - s < window)."""
+    slots = torch.arange(kv_len, device=rows.device)[None, :]
+    mask = slots <= rows[:, None]
+    return mask if window is None else mask & (slots > rows[:, None] - window)
 
 
 class Attention(nn.Module):
@@ -73,6 +83,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, spec.rms_norm_eps)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
+        self.window: int | None = None  # a sliding-window layer's window (Gemma 3's local layers)
+        self.scale: float | None = None  # the query scale; None: 1/sqrt(head_dim)
         self._wqkv: torch.Tensor | quant.Int4Weight | cpu_gemm.PackedWeight | None = None
         self._bqkv: torch.Tensor | None = None
 
@@ -105,6 +117,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
+    def rotate(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        """RoPE for this layer; cos/sin as the runner's rope_cos_sin() gives them."""
+        return apply_rope(x, cos, sin)
+
     def forward(self, x, cos, sin, layer_idx: int, caches: list[KVCache], positions, lengths: list[int],
                 tap: Tap | None):
         """x [1, N, hidden] holds the new tokens of len(caches) sequences back to back (lengths sum to N).
@@ -114,7 +130,7 @@ class Attention(nn.Module):
         b, n, _ = x.shape
         d = self.head_dim
         q, k, v = self.qkv(x)
-        q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q_rot, k_rot = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         outs, start = [], 0
         for cache, t in zip(caches, lengths):
             sl = slice(start, start + t)
@@ -123,10 +139,10 @@ class Attention(nn.Module):
                 tap(AttentionTap(layer_idx, positions[sl], q[:, :, sl], k[:, :, sl], q_rot[:, :, sl],
                                  k_rot[:, :, sl], v[:, :, sl], cache))
             # A chunk that starts the sequence can use the kernel's own causal path (no mask tensor).
-            first = t > 1 and keys.shape[2] == t
-            mask = None if first else causal_mask(t, keys.shape[2], x.device)
+            first = t > 1 and keys.shape[2] == t and (self.window is None or t <= self.window)
+            mask = None if first else causal_mask(t, keys.shape[2], x.device, self.window)
             outs.append(F.scaled_dot_product_attention(q_rot[:, :, sl], keys, values, attn_mask=mask,
-                                                       is_causal=first, enable_gqa=True))
+                                                       is_causal=first, enable_gqa=True, scale=self.scale))
             start += t
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * d))
@@ -164,7 +180,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, x, cos, sin, layer_idx, caches, positions, lengths, tap):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_idx, caches, positions, lengths, tap)
+        return self.finish(x, self.self_attn(self.input_layernorm(x), cos, sin, layer_idx, caches, positions,
+                                             lengths, tap))
+
+    def finish(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: residual, then the MLP block (attn_out is o_proj's output)."""
+        x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

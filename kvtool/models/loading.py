@@ -85,7 +85,8 @@ class LoadedModel(ModelText):
 
 def resolve_folder(model: str) -> tuple[Path, str]:
     """(HF folder, display name) for a hub id, a local folder, a GGUF file (an Ollama blob is named after its
-    manifest), 'ollama:NAME[:TAG]' (kvtool.models.ollama) or 'smollm2' (the embedded SmolLM2 GGUF)."""
+    manifest), 'ollama:NAME[:TAG]' (kvtool.models.ollama), 'smollm2' (the embedded SmolLM2 GGUF), or 'qwen25' /
+    'gemma3' (the offline test models, kvtool.models.offline)."""
     if model.startswith(ollama.PREFIX):
         blob, name = ollama.resolve(model)
         return gguf.converted_folder(blob), name
@@ -94,6 +95,10 @@ def resolve_folder(model: str) -> tuple[Path, str]:
         from kvtool.models.embedded import smollm2_path
 
         path = smollm2_path()
+    if model in ("qwen25", "gemma3") and not path.exists():  # the offline test models, once their pieces are installed
+        from kvtool.models import offline
+
+        path = getattr(offline, f"{model}_gguf")(install=False)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"folder {path} has no config.json; expected a Hugging Face model folder")
@@ -105,7 +110,8 @@ def resolve_folder(model: str) -> tuple[Path, str]:
         return gguf.converted_folder(path), name
     if model.endswith(".gguf") or model.startswith(("/", ".", "~")) or model.count("/") != 1:
         raise ModelLoadError(f"model {model!r} not found: no such file or folder, and not a hub id like 'org/name', "
-                             "an Ollama model like 'ollama:qwen3:0.6b' or 'smollm2' (the embedded SmolLM2)")
+                             "an Ollama model like 'ollama:qwen3:0.6b', 'smollm2' (the embedded SmolLM2), "
+                             "'qwen25' or 'gemma3' (the offline test models)")
     return hub_folder(model), model
 
 
@@ -212,10 +218,7 @@ def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device,
         if tensor.shape != expected[key].shape:
             raise ModelLoadError(f"weight {key} has shape {tuple(tensor.shape)}, config says {tuple(expected[key].shape)}")
     runner.load_state_dict(state, strict=False, assign=True)
-    from kvtool.models.rope import inv_frequencies
-
-    inv_freq, runner.rope_scaling = inv_frequencies(spec.rope, spec.head_dim, hf_config)
-    runner.inv_freq = inv_freq.to(device)
+    runner.set_rope(hf_config, device)
     runner.requires_grad_(False)
     runner.eval()
     runner.fuse()

@@ -13,9 +13,10 @@ import torch
 
 def inv_frequencies(rope: dict[str, Any], head_dim: int, config: Any = None) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim/2] fp32, attention scaling) for the config's rope type."""
-    if rope.get("rope_type", "default") == "default":
-        base = float(rope["rope_theta"])
-        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    kind = rope.get("rope_type", "default")
+    if kind in ("default", "linear"):  # linear: positions divided by `factor` (Gemma 3's global layers)
+        base, factor = float(rope["rope_theta"]), float(rope.get("factor", 1.0)) if kind == "linear" else 1.0
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)) / factor, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if config is None:

@@ -1,4 +1,4 @@
-"""A lean forward pass for Qwen3, Qwen2/Qwen2.5 and Llama with an explicit KV cache.
+"""A lean forward pass for Qwen3, Qwen2/Qwen2.5, Llama and Gemma 3 (kvtool.models.gemma3) with an explicit KV cache.
 
 Module and parameter names match the Hugging Face checkpoints, so weights load by
 name (the layers are in kvtool.models.layers). Batch size is 1: tensors are [1, T, hidden]
@@ -18,6 +18,7 @@ from kvtool.config import is_whole
 from kvtool.errors import InvalidParameterError
 from kvtool.kernels import cpu_gemm, quant
 from kvtool.models import cpu_prefill, cpu_step
+from kvtool.models.gemma3 import GemmaBackbone, is_gemma
 from kvtool.models.layers import AttentionTap, Backbone, RMSNorm, Tap
 from kvtool.models.rope import cos_sin, inv_frequencies
 from kvtool.models.spec import ModelSpec
@@ -31,11 +32,12 @@ class ModelRunner(nn.Module):
     def __init__(self, spec: ModelSpec, hf_config=None):
         super().__init__()
         self.spec = spec
-        self.model = Backbone(spec)
+        self.model = GemmaBackbone(spec) if is_gemma(spec) else Backbone(spec)
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        inv_freq, self.rope_scaling = inv_frequencies(spec.rope, spec.head_dim, hf_config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", torch.zeros(0), persistent=False)
+        self.register_buffer("inv_freq_local", torch.zeros(0), persistent=False)  # sliding layers' (Gemma 3)
+        self.set_rope(hf_config)
         self._head_bf16: torch.Tensor | None = None  # the output head in bf16, after quantize_int4()
         self._head_packed: cpu_gemm.PackedWeight | None = None  # after pack_cpu_gemm()
         self._cpu_step: cpu_step.DecodeStep | None = None  # after use_cpu_decode()
@@ -212,8 +214,37 @@ class ModelRunner(nn.Module):
         s = self.spec
         return KVCache.empty(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.device, capacity)
 
+    def set_rope(self, hf_config=None, device=None) -> None:
+        """The inverse frequencies of the global layers (inv_freq) and, for Gemma 3, of the sliding ones."""
+        spec = self.spec
+        inv_freq, self.rope_scaling = inv_frequencies(spec.rope, spec.head_dim, hf_config)
+        self.inv_freq = inv_freq.to(device)
+        if spec.rope_local:
+            local, scaling = inv_frequencies(spec.rope_local, spec.head_dim, hf_config)
+            if scaling != self.rope_scaling:
+                raise ValueError(f"the sliding layers' RoPE scales attention by {scaling}, the global ones by "
+                                 f"{self.rope_scaling}; kvtool needs one scale")
+            self.inv_freq_local = local.to(device)
+
+    def layer_inv_freq(self, layer: int) -> torch.Tensor:
+        """The inverse frequencies layer `layer` rotates its keys with (skill relocation re-rotates with them)."""
+        return self.inv_freq_local if layer in self.spec.sliding_layers else self.inv_freq
+
+    def rope_groups(self) -> list[tuple[list[int], torch.Tensor]]:
+        """(layers, inv_freq) for each RoPE base in use: one group, or Gemma 3's global and sliding layers."""
+        local = self.spec.sliding_layers
+        if not local:
+            return [(list(range(self.spec.num_layers)), self.inv_freq)]
+        return [([i for i in range(self.spec.num_layers) if i not in local], self.inv_freq),
+                (local, self.inv_freq_local)]
+
     def rope_cos_sin(self, positions: torch.Tensor):
-        return cos_sin(self.inv_freq, positions, self.rope_scaling, self.dtype)
+        """cos, sin [T, head_dim]; for Gemma 3 each is a (global, local) pair that each layer picks from."""
+        cos, sin = cos_sin(self.inv_freq, positions, self.rope_scaling, self.dtype)
+        if not self.spec.rope_local:
+            return cos, sin
+        cos_l, sin_l = cos_sin(self.inv_freq_local, positions, self.rope_scaling, self.dtype)
+        return (cos, cos_l), (sin, sin_l)
 
     @torch.inference_mode()
     def forward(self, input_ids, cache: KVCache, positions=None, logits: str = "last", tap: Tap | None = None):

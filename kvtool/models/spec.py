@@ -14,7 +14,9 @@ FAMILIES: dict[str, tuple[bool, bool]] = {
     "qwen3": (True, False),
     "qwen2": (False, True),
     "llama": (False, False),
+    "gemma3_text": (True, False),  # also: sliding-window layers, two RoPE bases (kvtool.models.gemma3)
 }
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,24 @@ class ModelSpec:
     tie_word_embeddings: bool
     qk_norm: bool
     attention_bias: bool
-    rope: dict[str, Any] = field(default_factory=dict)  # rope_parameters as in the HF config
+    rope: dict[str, Any] = field(default_factory=dict)  # rope_parameters as in the HF config (global layers)
+    # Gemma 3: per-layer attention kind, the local window (a token sees itself and window - 1 before it),
+    # the sliding layers' own rope parameters and the query scale 1/sqrt(query_pre_attn_scalar).
+    layer_types: tuple[str, ...] = ()  # empty: every layer is full attention
+    sliding_window: int | None = None
+    rope_local: dict[str, Any] = field(default_factory=dict)
+    query_pre_attn_scalar: float | None = None
+
+    @property
+    def sliding_layers(self) -> list[int]:
+        return [i for i, kind in enumerate(self.layer_types) if kind == SLIDING]
+
+    def kv_bytes_read(self, tokens: int, element_size: int) -> int:
+        """KV bytes attention can still read after `tokens` tokens: global layers all of them, sliding
+        layers their window. kv_bytes_per_token * tokens is what the cache stores (every layer, every token)."""
+        local = len(self.sliding_layers)
+        seen = (self.num_layers - local) * tokens + local * min(tokens, self.sliding_window or tokens)
+        return 2 * seen * self.num_kv_heads * self.head_dim * element_size
 
     @property
     def rope_theta(self) -> float:
@@ -42,7 +61,11 @@ class ModelSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
 
     def config_hash(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True, default=str).encode()
+        fields = asdict(self)
+        for key in ("layer_types", "sliding_window", "rope_local", "query_pre_attn_scalar"):
+            if not fields[key]:  # the families without them hash as they did before these fields existed
+                fields.pop(key)
+        blob = json.dumps(fields, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     @classmethod
@@ -56,6 +79,8 @@ class ModelSpec:
         qk_norm, default_bias = FAMILIES[model_type]
         heads = cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_parameters") or {})
+        gemma = gemma_fields(cfg, rope) if model_type == "gemma3_text" else {}
+        rope = gemma.pop("rope", rope)
         if "rope_theta" not in rope:
             rope["rope_theta"] = cfg.get("rope_theta", 10000.0)
             rope.setdefault("rope_type", "default")
@@ -77,4 +102,24 @@ class ModelSpec:
             qk_norm=qk_norm,
             attention_bias=bool(cfg.get("attention_bias", default_bias)),
             rope=rope,
+            **gemma,
         )
+
+
+def gemma_fields(cfg: dict, rope: dict) -> dict:
+    """Gemma 3's extra fields from its config; ModelLoadError for what the forward does not implement."""
+    for knob in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(knob):
+            raise ModelLoadError(f"{knob}={cfg[knob]} is not supported; kvtool runs Gemma 3 without logit softcapping")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError("use_bidirectional_attention is not supported; kvtool runs causal Gemma 3")
+    layers = cfg["num_hidden_layers"]
+    kinds = tuple(cfg.get("layer_types") or ())
+    if len(kinds) != layers or set(kinds) - {SLIDING, FULL}:
+        raise ModelLoadError(f"layer_types must name {SLIDING} or {FULL} for each of the {layers} layers; got {kinds}")
+    if FULL in rope or SLIDING in rope:  # transformers 5 nests the two rope settings by layer type
+        full, local = dict(rope.get(FULL) or {}), dict(rope.get(SLIDING) or {})
+    else:
+        full, local = rope, {"rope_theta": cfg.get("rope_local_base_freq", 10000.0), "rope_type": "default"}
+    return {"rope": full, "layer_types": kinds, "sliding_window": int(cfg["sliding_window"]), "rope_local": local,
+            "query_pre_attn_scalar": float(cfg["query_pre_attn_scalar"])}

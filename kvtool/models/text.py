@@ -16,7 +16,7 @@ from kvtool.ids import as_token_ids
 from kvtool.models.spec import ModelSpec
 
 # Tokens that end a turn in the chat formats kvtool serves.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>")
 
 
 class ModelText:

@@ -1,4 +1,4 @@
-"""Tiny random Qwen3 / Qwen2 / Llama checkpoints for fast tests, with transformers as oracle."""
+"""Tiny random Qwen3 / Qwen2 / Llama / Gemma 3 checkpoints for fast tests, with transformers as oracle."""
 
 from __future__ import annotations
 
@@ -20,6 +20,14 @@ def tiny_config(family: str):
         return Qwen2Config(**TINY_COMMON, rope_theta=1e6, tie_word_embeddings=False)
     if family == "llama":
         return LlamaConfig(**TINY_COMMON, rope_theta=1e5, tie_word_embeddings=True)
+    if family == "gemma3":  # window 8 and layers local, local, global, local: prompts of ~40 tokens cross it
+        from transformers import Gemma3TextConfig
+
+        kinds = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+        return Gemma3TextConfig(**{**TINY_COMMON, "num_hidden_layers": 4}, head_dim=16, query_pre_attn_scalar=24,
+                                sliding_window=8, layer_types=kinds, tie_word_embeddings=True,
+                                rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     raise ValueError(family)
 
 

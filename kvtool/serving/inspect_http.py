@@ -128,6 +128,7 @@ def inspect_router(get_model: Callable[[], Any], run_exclusive: Callable[[Callab
         s = model.spec
         return {"model": model.name, "num_layers": s.num_layers, "num_heads": s.num_heads,
                 "num_kv_heads": s.num_kv_heads, "context_window": model.context_window,
+                "sliding_layers": s.sliding_layers, "sliding_window": s.sliding_window,
                 "stream": "chat" if chat_stream else "viz", "chat_raw_field": chat_raw_field,
                 "generate_url": "/v1/chat/completions" if chat_stream else "/v1/viz/generate",
                 "default_max_tokens": VizConfig.inspect_max_tokens}

@@ -17,6 +17,7 @@ prefill or decode, continues at the right positions.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
@@ -30,6 +31,12 @@ from kvtool.skills.block import SkillBlock
 from kvtool.skills.repair import PlaceStats, append_relocated, is_query_guided, make_repair
 from kvtool.skills.selective import recompute_slots
 
+
+
+class SkillWindowWarning(UserWarning):
+    """A composed skill block lies (partly) beyond the sliding-window layers' reach; the global layers see it."""
+
+
 Segment = Union[Sequence[int], SkillBlock]
 LOGITS = ("last", "all", "none")  # which logits of the last token run come back
 
@@ -41,6 +48,7 @@ class Composition:
     placements: list[PlaceStats] = field(default_factory=list)
     prefilled_tokens: int = 0  # token-run tokens prefilled (recomputed block tokens not included)
     ms: float = 0.0
+    notes: list[str] = field(default_factory=list)  # what the composition could not give (out_of_window)
 
     @property
     def block_tokens(self) -> int:
@@ -58,7 +66,25 @@ class Composition:
         return {"block_tokens": self.block_tokens, "reused_block_tokens": self.reused_tokens,
                 "recomputed_block_tokens": self.recomputed_tokens, "prefilled_tokens": self.prefilled_tokens,
                 "blocks": [{"name": p.name, "start": p.start, "tokens": p.tokens, "recomputed": p.recomputed}
-                           for p in self.placements], "compose_ms": round(self.ms, 3)}
+                           for p in self.placements], "compose_ms": round(self.ms, 3), "notes": self.notes}
+
+
+def out_of_window(spec, placements: list[PlaceStats], last: int) -> list[str]:
+    """Sliding-window layers show the token at slot `last` only the window before it: a block that ends
+    before that reaches it through the global layers alone; say so for each such block."""
+    window, local = spec.sliding_window, spec.sliding_layers
+    notes = []
+    for p in placements if window else []:
+        end = p.start + p.tokens  # one past the block's last slot
+        if last - (end - 1) >= window:
+            notes.append(f"skill block {p.name!r} ends {last - end + 1} tokens before the last token, beyond the "
+                         f"{window}-token window of the {len(local)} sliding-window layers: only the "
+                         f"{spec.num_layers - len(local)} global layers attend to it")
+        elif last - p.start >= window:
+            notes.append(f"skill block {p.name!r} starts {last - p.start} tokens before the last token: its first "
+                         f"{last - p.start - window + 1} tokens are beyond the {window}-token window of the "
+                         f"{len(local)} sliding-window layers, which do not attend to them")
+    return notes
 
 
 def check_fits(runner, start: int, segments: Sequence[Segment]) -> int:
@@ -113,6 +139,9 @@ def compose_segments(runner, segments: Sequence[Segment], repair="none", cache: 
         if segments[query + 1:]:
             out.logits = place(runner, cache, segments[query + 1:], repair, out, chunk, logits)
     out.ms = (time.perf_counter() - t0) * 1000.0
+    out.notes = out_of_window(runner.spec, out.placements, cache.offset - 1)
+    for note in out.notes:
+        warnings.warn(note, SkillWindowWarning, stacklevel=2)
     return out
 
 

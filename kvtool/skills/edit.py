@@ -156,9 +156,11 @@ def erratum_text(old_value: str, new_value: str, label: str | None = None) -> st
 
 def user_turn_ids(model, text: str) -> list[int]:
     """Token ids of one user turn as the chat template renders it after earlier turns (no generation prompt)."""
-    system = [{"role": "system", "content": "S"}]
-    head = model.render(system, add_generation_prompt=False)
-    both = model.render(system + [{"role": "user", "content": _check_text(text, "erratum")}],
+    # After a whole exchange: a template that folds the system message into the first user turn (Gemma)
+    # renders a later user turn on its own.
+    earlier = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+    head = model.render(earlier, add_generation_prompt=False)
+    both = model.render(earlier + [{"role": "user", "content": _check_text(text, "erratum")}],
                         add_generation_prompt=False)
     if not both.startswith(head):
         raise EditInputError("this model's chat template re-renders earlier turns when a user turn is added; "

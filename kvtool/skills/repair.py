@@ -61,8 +61,18 @@ def append_relocated(runner, cache, block, lo: int = 0) -> None:
     if lo >= len(block):
         return
     delta = cache.offset - (block.canonical_start + lo)
-    keys = rerotate(block.keys[:, :, lo:].contiguous(), delta, runner.inv_freq)
-    cache.append_all(keys, block.values[:, :, lo:])
+    cache.append_all(rerotate_layers(runner, block.keys[:, :, lo:], delta), block.values[:, :, lo:])
+
+
+def rerotate_layers(runner, keys, delta: int):
+    """keys [L, Hkv, T, D] moved by delta positions, each layer with its own RoPE base (Gemma 3 has two)."""
+    groups = runner.rope_groups()
+    if len(groups) == 1:
+        return rerotate(keys.contiguous(), delta, groups[0][1])
+    out = keys.new_empty(keys.shape)
+    for layers, inv_freq in groups:
+        out[layers] = rerotate(keys[layers].contiguous(), delta, inv_freq)
+    return out
 
 
 class NoRepair(NoRepairKnobs):

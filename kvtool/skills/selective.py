@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvtool.models.rope import apply_rope
 from kvtool.skill_settings import DEVIATION_SCORES
 
 
@@ -63,7 +62,7 @@ def _layer(layer, lkv, x: torch.Tensor, pos: torch.Tensor, cos, sin, slots: torc
     subset or None)."""
     attn, chosen = layer.self_attn, None
     q, k, v = attn.qkv(layer.input_layernorm(x))  # the fused (on CPU packed) projection
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k = attn.rotate(q, cos, sin), attn.rotate(k, cos, sin)  # this layer's RoPE base
     if keep is not None:
         chosen = keep(k, v)
     lkv.keys[:, :, pos] = k
@@ -76,11 +75,13 @@ def _layer(layer, lkv, x: torch.Tensor, pos: torch.Tensor, cos, sin, slots: torc
     outs = []
     for lo, hi, end in groups:
         mask = slots[None, :end] <= pos[lo:hi, None]  # [run, end]: causal by position
+        if attn.window is not None:  # a sliding-window layer sees only its window
+            mask &= slots[None, :end] > pos[lo:hi, None] - attn.window
         outs.append(F.scaled_dot_product_attention(q[:, :, lo:hi], lkv.keys[:, :, :end], lkv.values[:, :, :end],
-                                                   attn_mask=mask, enable_gqa=True))
+                                                   attn_mask=mask, enable_gqa=True, scale=attn.scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    x = x + attn.o_proj(out.transpose(1, 2).reshape(1, x.shape[1], attn.num_heads * attn.head_dim))
-    return x + layer.mlp(layer.post_attention_layernorm(x)), chosen
+    return layer.finish(x, attn.o_proj(out.transpose(1, 2).reshape(1, x.shape[1], attn.num_heads * attn.head_dim))), \
+        chosen
 
 
 ROW_BUDGET_BYTES = 128 << 20  # scores of one block of query rows, all heads
@@ -99,9 +100,11 @@ def attention_received(runner, cache, ids: list[int], window: int, chunk: int,
     first_row = start + max(0, len(ids) - window)
     received = torch.zeros(start, dtype=torch.float32, device=runner.device)
     spec = runner.spec
-    group, scale = spec.num_heads // spec.num_kv_heads, 1.0 / math.sqrt(spec.head_dim)
+    group = spec.num_heads // spec.num_kv_heads
 
     def tap(t) -> None:
+        attn = runner.model.layers[t.layer].self_attn
+        scale = attn.scale or 1.0 / math.sqrt(spec.head_dim)
         end, n = t.cache[t.layer].offset, t.q_rot.shape[2]
         lo = max(first_row, end - n)
         if lo >= end:
@@ -115,6 +118,9 @@ def attention_received(runner, cache, ids: list[int], window: int, chunk: int,
             scores = torch.matmul(t.q_rot[0][:, rows - (end - n)].float() * scale, keys)  # [Hq, R, end]
             future = torch.arange(start, end, device=runner.device)[None, :] > rows[:, None]  # [R, end - start]
             scores[..., start:].masked_fill_(future, float("-inf"))
+            if attn.window is not None:  # slots outside a sliding layer's window get nothing
+                scores.masked_fill_(torch.arange(end, device=runner.device)[None, :] <= rows[:, None] - attn.window,
+                                    float("-inf"))
             probs = torch.softmax(scores, -1)[..., :start]
             received.add_((probs if weight is None else probs * weight).sum((0, 1)))
 

@@ -97,8 +97,12 @@ def compute_heatmap(model, tokens: Tokens, layers: list[int], heads: list[int], 
     attention_pass(model, tokens.ids, layers, heads, rows, pooler)
     lnames = [layer_agg] if layer_agg else [str(x) for x in layers]
     hnames = [head_agg] if head_agg else [str(x) for x in heads]
+    local = model.spec.sliding_layers  # sliding-window layers: a query sees only its last `window` keys
+    lnames = [f"{ln} (local, window {model.spec.sliding_window})" if ln.isdigit() and int(ln) in local else ln
+              for ln in lnames]
     titles = [f"layer {ln} · head {hn}" for ln in lnames for hn in hnames]
-    meta = {"model": model.name, "layers": layers, "heads": heads, "head_agg": head_agg, "layer_agg": layer_agg}
+    meta = {"model": model.name, "layers": layers, "heads": heads, "head_agg": head_agg, "layer_agg": layer_agg,
+            "sliding_layers": [x for x in layers if x in local], "sliding_window": model.spec.sliding_window}
     return HeatmapData(tokens, rows, block, pool, titles, pooler.finish(), meta)
 
 

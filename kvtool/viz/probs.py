@@ -52,12 +52,17 @@ def check_layers_heads(model, layers: Sequence[int], heads: Sequence[int]) -> No
             raise InvalidParameterError(f"no {what}s selected")
 
 
-def reference_probs(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """q [h, R, D], keys [h, S, D] (already GQA-expanded), rows [R] slot indices -> probs [h, R, S] fp32."""
+def reference_probs(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, scale: float | None = None,
+                    window: int | None = None) -> torch.Tensor:
+    """q [h, R, D], keys [h, S, D] (already GQA-expanded), rows [R] slot indices -> probs [h, R, S] fp32.
+    scale defaults to 1/sqrt(D); a sliding-window layer's window hides slots at or before row - window."""
     q, keys = q.float(), keys.float()
-    scores = torch.matmul(q, keys.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    future = torch.arange(keys.shape[1], device=q.device)[None, :] > rows[:, None]
-    scores.masked_fill_(future, float("-inf"))
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * (scale or 1 / math.sqrt(q.shape[-1]))
+    slots = torch.arange(keys.shape[1], device=q.device)[None, :]
+    hidden = slots > rows[:, None]
+    if window is not None:
+        hidden |= slots <= rows[:, None] - window
+    scores.masked_fill_(hidden, float("-inf"))
     return torch.softmax(scores, dim=-1)
 
 
@@ -92,7 +97,8 @@ def attention_pass(model, ids: Sequence[int], layers: Sequence[int], heads: Sequ
                 for i in range(0, mine.numel(), step):
                     part = mine[i : i + step].to(runner.device)
                     q = t.q_rot[0].index_select(0, head_t).index_select(1, part - start)
-                    consume(t.layer, part.cpu(), reference_probs(q, keys, part))
+                    attn = runner.model.layers[t.layer].self_attn
+                    consume(t.layer, part.cpu(), reference_probs(q, keys, part, attn.scale, attn.window))
         if not full and t.layer == last_layer:
             raise _Done
 

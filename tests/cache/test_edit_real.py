@@ -67,3 +67,25 @@ def test_the_report_runs_with_and_without_reasoning(request, name, tmp_path):
     assert set(record["verdict"]) == {"direct", "reasoning"}
     png = plot_records([record, record], tmp_path / "edit.png")
     assert png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_cached_reasoning_mode_caches_the_reasoning_before_the_edit(request, name):
+    model = request.getfixturevalue(name)
+    case = by_name(SMOKE[:1])
+    record = run_edit_eval(model, case, modes=("cached_reasoning",), budgets=(0.01, 1.0), answer_tokens=4,
+                           reasoning_tokens=8, repeats=0, log=lambda _: None)
+    rows = record["rows"]
+    assert {r["mode"] for r in rows} == {"cached_reasoning"} and len(rows) == 8
+    reasoning = rows[0]["cached_reasoning"]
+    assert reasoning and all(r["cached_reasoning"] == reasoning for r in rows)
+    text = model.render(case[0].messages(case[0].old), add_generation_prompt=False)
+    assert rows[0]["context_tokens"] > len(model.encode(text)) + 4  # the question and the reasoning are cached too
+    for r in rows:
+        if r["way"] == "full":
+            assert r["agree_text"] and r["fraction"] == 1.0
+        if r["budget"] == 1.0:  # the field and everything after it, the reasoning included, recomputed
+            assert r["agree_text"] and r["kl_next"] < 1e-3, r
+    at = record["verdict"]["cached_reasoning"]["at_1pct"]
+    assert 0 < at["fraction_recomputed"] < 0.2 and at["agreement"] in (0.0, 1.0)
+    assert record["verdict"]["cached_reasoning"]["claim_1pct_close_to_full"] == (at["agreement"] >= 0.9)

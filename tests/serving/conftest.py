@@ -84,3 +84,10 @@ def vllm_qwen_server(tmp_path_factory):
     from kvtool.testing.models import qwen25_gguf
 
     yield from _vllm_server(qwen25_gguf(), tmp_path_factory, 16)
+
+
+@pytest.fixture(scope="session")
+def gemma_server(gemma3):
+    srv = start_server(gemma3, default_max_tokens=8)
+    yield srv
+    srv.stop()
