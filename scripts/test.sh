@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 VLLM_TESTS="tests/serving/test_engine_contract.py tests/serving/test_engine_parity.py
   tests/serving/test_vllm_options.py tests/serving/test_vllm_start_stop.py tests/serving/test_vllm_clients.py
-  tests/bench/test_engines_bench.py"
+  tests/bench/test_engines_bench.py tests/serving/test_skill_cache_contract.py tests/serving/test_vllm_cache_file.py"
 status=0
 .venv/bin/python -m pytest -q "$@" || status=$?
 if [ $# -eq 0 ]; then

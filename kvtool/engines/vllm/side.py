@@ -20,7 +20,7 @@ from kvtool.engines.vllm.plan import Plan, plan_request
 
 log = logging.getLogger("kvtool.serving")
 
-DEFAULT_MIN_BLOCK_TOKENS = 0
+MAX_ACCOUNTS = 4096
 
 
 @dataclass
@@ -36,7 +36,7 @@ class Account:
 
 
 class KvtoolSide:
-    def __init__(self, model, catalog=None, repair="none", store=None, min_block_tokens: int = DEFAULT_MIN_BLOCK_TOKENS,
+    def __init__(self, model, catalog=None, repair="none", store=None, min_block_tokens: int = 0,
                  chunk: int = 512):
         from kvtool.skills.repair import make_repair
 
@@ -65,11 +65,17 @@ class KvtoolSide:
             acc.stored = max(0, min(plan.stored, plan.cut) - plan.local)
         with self._lock:
             self.accounts[request_id] = acc
+            while len(self.accounts) > MAX_ACCOUNTS:  # requests aborted before their first token
+                self.accounts.pop(next(iter(self.accounts)))
         return acc
 
     def take_account(self, request_id: str) -> Account | None:
+        """The account of the request the serving worker added as `request_id` (vLLM appends "-<suffix>")."""
         with self._lock:
-            return self.accounts.pop(request_id, None)
+            for key in list(self.accounts):
+                if key == request_id or key.rsplit("-", 1)[0] == request_id:
+                    return self.accounts.pop(key)
+            return None
 
     @torch.inference_mode()
     def supply(self, prompt: list[int], plan: Plan, read_local, acc: Account):
