@@ -44,14 +44,14 @@ KVTOOL_ONLY = [
 ]
 
 
-def refusal(what: str) -> NotSupported:
-    return NotSupported(f"this server runs --engine vllm, which does not give {what}; start kvtool serve with "
-                        "--engine kvtool (the default) for this route", code="unsupported_by_engine")
+def refusal(what: str, remedy: str = "start kvtool serve with --engine kvtool (the default)") -> NotSupported:
+    return NotSupported(f"this server runs --engine vllm, which does not give {what}; {remedy} for this route",
+                        code="unsupported_by_engine")
 
 
-def refuser(what: str):
+def refuser(what: str, remedy: str | None = None):
     async def refuse():
-        raise refusal(what)
+        raise refusal(what, remedy) if remedy else refusal(what)
 
     return refuse
 
@@ -112,8 +112,11 @@ class VllmBackend:
         side, store = self.side, self.store
         served.skills = side.catalog if side is not None else None
         router = APIRouter()
-        for method, path, what in KVTOOL_ONLY + (STORE_ROUTES if store is None else []):
+        for method, path, what in KVTOOL_ONLY:
             router.add_api_route(path, refuser(what), methods=[method], include_in_schema=False)
+        for method, path, what in STORE_ROUTES if store is None else []:
+            router.add_api_route(path, refuser(what, "give it --cache-file PATH (kvtool's KV connector keeps the "
+                                                   "store)"), methods=[method], include_in_schema=False)
 
         @router.get("/v1/skills")
         async def list_skills():
