@@ -93,6 +93,7 @@ def kvtool_modes(model, catalog, prompts, repair: str, min_tokens: int) -> dict:
             if name == "compose":
                 paths.append("splice" if handle.stats.block_tokens else "prefill")
         out[name] = stats(ttft, served, sum(map(len, prompts)))
+        print(f"kvtool {name}: p50 {out[name]['ttft_ms_p50']} ms", file=sys.stderr, flush=True)
         if name != "cold":
             out[name].update(top1_agreement=sum(top1) / len(top1), kl_mean=round(sum(kls) / len(kls), 5))
         if paths:
@@ -151,6 +152,7 @@ def vllm_modes(model, catalog, prompts, repair: str, min_tokens: int, max_tokens
             kls.append(top_kl(ref_lp, lp))
             paths.append(acc.path if acc else "prefill")
         out[name] = stats(ttft, served, sum(map(len, prompts)))
+        print(f"vllm {name}: p50 {out[name]['ttft_ms_p50']} ms", file=sys.stderr, flush=True)
         if name != "cold":
             out[name].update(top1_agreement=sum(top1) / len(top1), kl_top20_mean=round(sum(kls) / len(kls), 5),
                              greedy_exact=sum(exact) / len(exact), paths={p: paths.count(p) for p in set(paths)})
@@ -198,6 +200,8 @@ def main(argv=None) -> int:
             model = load(str(gguf), device="cpu", dtype="float32", progress=False)
             catalog = load_catalog(folder, model, cache_dir=Path(tmp) / "kvb", preamble="none", log=lambda m: None)
             prompts = requests(model, catalog, args.requests, args.seed)
+            print(f"{name}: {len(catalog)} skills, prompts of {[len(p) for p in prompts]} tokens", file=sys.stderr,
+                  flush=True)
             row = {"skills": len(catalog), "library_tokens": sum(len(catalog.block(n)) for n in catalog.names()),
                    "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1)}
             row["kvtool"] = kvtool_modes(model, catalog, prompts, args.repair, args.min_tokens)

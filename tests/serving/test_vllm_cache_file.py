@@ -73,9 +73,10 @@ def test_killing_the_server_during_a_save_leaves_the_last_good_file(tmp_path):
             saver = threading.Thread(target=save)
             saver.start()
             time.sleep(0.05)
+            srv.stop(signal.SIGKILL)
+            saver.join(timeout=60)
     finally:
         srv.stop(signal.SIGKILL)
-    saver.join(timeout=60)
     info = describe_file(path)  # verified: checksum, setup, index
     assert info["tokens"] >= saved["tokens"], info
     assert info["setup"]["model"] == saved.get("model", info["setup"]["model"])
