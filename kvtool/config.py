@@ -43,6 +43,7 @@ class EngineConfig:
     skills_dir: str | None = None  # a skills folder: compile its blocks and splice them into prompts
     skill_repair: str = "recompute_attended:ratio=0.1"  # how spliced blocks are repaired (kvtool.skills.repair)
     skill_preamble: str = "deep:tokens=2048"  # what blocks are compiled after (kvtool.skills.preamble)
+    skill_min_tokens: int = 0  # blocks shorter than this are prefilled, not spliced (splicing them costs more)
 
     def validate(self) -> "EngineConfig":
         """Raise InvalidParameterError naming the first bad value; return self. Engine() runs it."""
@@ -51,6 +52,7 @@ class EngineConfig:
 
         for name, optional, least in (("prefill_chunk", False, 1), ("prefix_block", False, 1),
                                       ("static_max_tokens", False, 1), ("cache_bytes", True, 0),
+                                      ("skill_min_tokens", False, 0),
                                       ("static_kv_bytes", True, 1)):
             value = getattr(self, name)
             if not (optional and value is None) and not is_whole(value, least):

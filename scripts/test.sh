@@ -15,6 +15,7 @@ bash scripts/setup.sh --test
 VLLM_TESTS="tests/test_no_shadowing.py tests/test_install.py
   tests/serving/test_engine_contract.py tests/serving/test_engine_parity.py
   tests/serving/test_vllm_options.py tests/serving/test_vllm_start_stop.py tests/serving/test_vllm_clients.py
+  tests/serving/test_vllm_shutdown.py tests/serving/test_skill_cache_contract.py tests/serving/test_vllm_cache_file.py
   tests/bench/test_engines_bench.py tests/bench/test_peers_vllm_client.py"
 status=0
 .venv/bin/python -m pytest -q "$@" || status=$?

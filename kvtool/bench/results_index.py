@@ -85,6 +85,14 @@ def _skills(r):
     return f"composed skills vs full prefill: up to {_x(best.get('speedup_cold'))} TTFT ({best['repair']})"
 
 
+@headline("skills_vllm")
+def _skills_vllm(r):
+    return "; ".join(f"{name}: p90 TTFT composed vs cold " + ", ".join(
+        f"{e} {_x(row[e]['p90_speedup_compose_vs_cold'])} (hit {100 * row[e]['compose']['hit_rate']:.0f}%, top-1 "
+        f"{100 * row[e]['compose']['top1_agreement']:.0f}%)" for e in ("vllm", "kvtool"))
+        for name, row in r["models"].items())
+
+
 def _pct(v) -> str:
     return "n/a" if v is None else f"{100 * v:.0f}%"
 

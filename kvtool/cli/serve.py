@@ -58,6 +58,9 @@ def register(subparsers) -> None:
     p.add_argument("--skill-repair", default=ENGINE.skill_repair, metavar="SPEC",
                    help="repair of spliced blocks: none | recompute_first_k:k=N | recompute_deviation:ratio=R | "
                         "recompute_attended:ratio=R (default: %(default)s)")
+    p.add_argument("--skill-min-tokens", type=int, default=ENGINE.skill_min_tokens, metavar="N",
+                   help="prefill, rather than splice, skill blocks shorter than N tokens (splicing a short block "
+                        "costs more than its prefill)")
     p.add_argument("--skill-preamble", default=ENGINE.skill_preamble, metavar="SPEC",
                    help="what skill blocks are compiled after: deep[:tokens=N] | conversation | none "
                         "(default: %(default)s; see kvtool skill compile --help)")
@@ -102,7 +105,8 @@ def run(args) -> int:
     canonical_preamble(args.skill_preamble)
     engine_config = EngineConfig(cache_bytes=args.cache_bytes, enable_prefix_cache=not args.no_prefix_cache,
                                  cache_file=args.cache_file, skills_dir=args.skills, skill_repair=args.skill_repair,
-                                 skill_preamble=args.skill_preamble).validate()
+                                 skill_preamble=args.skill_preamble,
+                                 skill_min_tokens=args.skill_min_tokens).validate()
     check_writable(args.cache_file, "--cache-file")
     check_listen(cfg.host, cfg.port)  # so does a port in use
     model = load_from_args(args)

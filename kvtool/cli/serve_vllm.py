@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from kvtool.cli.common import ENGINE
@@ -9,11 +10,7 @@ from kvtool.errors import InvalidParameterError
 from kvtool.serving.config import ServerConfig
 
 # kvtool serve options that configure kvtool's own engine: (attribute, flag, its default)
-KVTOOL_ENGINE_ONLY = [("weights", "--weights", ENGINE.weights), ("cache_bytes", "--cache-bytes", ENGINE.cache_bytes),
-                      ("kv_bytes", "--kv-bytes", None), ("cache_file", "--cache-file", ENGINE.cache_file),
-                      ("cache_save_every", "--cache-save-every", None), ("skills", "--skills", ENGINE.skills_dir),
-                      ("skill_repair", "--skill-repair", ENGINE.skill_repair),
-                      ("skill_preamble", "--skill-preamble", ENGINE.skill_preamble)]
+KVTOOL_ENGINE_ONLY = [("weights", "--weights", ENGINE.weights), ("kv_bytes", "--kv-bytes", None)]
 
 
 def check_options(args) -> dict:
@@ -23,6 +20,10 @@ def check_options(args) -> dict:
     if given:
         raise InvalidParameterError(f"{', '.join(given)} configure kvtool's own engine; with --engine vllm pass "
                                     "vLLM's settings as --engine-arg KEY=VALUE (e.g. --engine-arg max_model_len=4096)")
+    if getattr(args, "skills", None) is not None and not os.path.isdir(args.skills):
+        raise InvalidParameterError(f"--skills {args.skills!r} is not a folder of skills (NAME/SKILL.md or *.md)")
+    if getattr(args, "cache_save_every", None) is not None and getattr(args, "cache_file", None) is None:
+        raise InvalidParameterError("--cache-save-every saves the prefix store to --cache-file; give --cache-file PATH")
     if args.device not in ("auto", "cpu", "cuda"):
         raise InvalidParameterError(f"--device {args.device!r}: with --engine vllm the device is vLLM's platform "
                                     "(auto); pick GPUs with CUDA_VISIBLE_DEVICES and --engine-arg "
@@ -41,15 +42,34 @@ def check_options(args) -> dict:
     return engine_args
 
 
+def kv_config(args, engine_args: dict):
+    """The EngineConfig of kvtool's connector (--skills, --skill-*, --cache-file, --cache-bytes), checked before
+    anything loads; its skills_dir and cache_file None when neither is given (no connector)."""
+    from kvtool.cli.common import check_writable
+    from kvtool.config import EngineConfig
+    from kvtool.skill_settings import canonical_preamble
+
+    canonical_preamble(args.skill_preamble)
+    kv = EngineConfig(cache_bytes=args.cache_bytes, cache_file=args.cache_file, skills_dir=args.skills,
+                      skill_repair=args.skill_repair, skill_preamble=args.skill_preamble,
+                      skill_min_tokens=getattr(args, "skill_min_tokens", ENGINE.skill_min_tokens)).validate()
+    check_writable(args.cache_file, "--cache-file")
+    if (kv.skills_dir or kv.cache_file) and "kv_transfer_config" in engine_args:
+        raise InvalidParameterError("--skills and --cache-file install kvtool's KV connector on vLLM; they cannot be "
+                                    "combined with --engine-arg kv_transfer_config")
+    return kv
+
+
 def run_vllm(args, cfg: ServerConfig) -> int:
     from kvtool.engines.vllm.backend import load_backend
     from kvtool.models.resolve import resolve_model_arg
     from kvtool.serving.server import check_listen, serve
 
     engine_args = check_options(args)
+    kv = kv_config(args, engine_args)
     check_listen(cfg.host, cfg.port)
     model_arg = resolve_model_arg(args.model, announce=lambda s: print(s, file=sys.stderr))
-    model, backend = load_backend(model_arg, args.dtype, engine_args, cfg)
+    model, backend = load_backend(model_arg, args.dtype, engine_args, cfg, kv)
     auth = "API key required" if cfg.api_key else "no API key"
 
     def announce(app=None):

@@ -35,10 +35,21 @@ def mount_skills(engine: Engine, served: ServedModel, prefix_cache, catalog=None
 
     if catalog is None:
         catalog = load_catalog(folder, engine.model, preamble=engine.config.skill_preamble)
-    splicer = SkillSplicer(catalog, engine.config.skill_repair, inner=prefix_cache, chunk=engine.config.prefill_chunk)
+    splicer = SkillSplicer(catalog, engine.config.skill_repair, inner=prefix_cache, chunk=engine.config.prefill_chunk,
+                           min_tokens=engine.config.skill_min_tokens)
     engine.prefix_cache, served.skills = splicer, catalog
     log.info("serving %d skills (%s), repair %s", len(catalog), ", ".join(catalog.names()), engine.config.skill_repair)
     return splicer
+
+
+def skills_listing(catalog, repair) -> dict:
+    """GET /v1/skills on either engine: the catalog served (None: no --skills) and the repair applied."""
+    if catalog is None:
+        return {"object": "list", "data": [], "enabled": False}
+    from kvtool.skills.repair import describe
+
+    return {"object": "list", "enabled": True, "render": catalog.render, "repair": describe(repair),
+            "data": [{"object": "skill", **row} for row in catalog.summary()]}
 
 
 def save_cache_file(prefix_cache, path: str | None, model, what: str = "saved") -> bool:
@@ -115,13 +126,7 @@ class KvtoolBackend:
         @skills.get("/v1/skills")
         async def list_skills():
             """The skills this server splices (kvtool serve --skills DIR); request them with the `skills` field."""
-            if splicer is None:
-                return {"object": "list", "data": [], "enabled": False}
-            from kvtool.skills.repair import describe
-
-            return {"object": "list", "enabled": True, "render": served.skills.render,
-                    "repair": describe(splicer.repair),
-                    "data": [{"object": "skill", **row} for row in served.skills.summary()]}
+            return skills_listing(served.skills if splicer is not None else None, splicer and splicer.repair)
 
         async def prefill_in_batch(ids: list[int]) -> None:  # a pin's KV, chunked beside the running streams
             async for _ in worker.submit(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)):

@@ -223,12 +223,9 @@ def skill_messages(served: ServedModel, names: list[str], continue_final_message
     Their rendering is the skill's block verbatim, so the engine splices the block instead of
     prefilling it."""
     catalog = served.skills
-    if served.engine != "kvtool":
-        raise bad(f"this server runs --engine {served.engine}, which does not splice skill KV blocks; the skills "
-                  "field needs kvtool serve --engine kvtool --skills DIR", "skills")
     if catalog is None or not len(catalog):
-        raise bad("this server has no skills; start it with kvtool serve --skills DIR to use the skills field",
-                  "skills")
+        raise bad(f"this server (--engine {served.engine}) has no skills; start it with kvtool serve --skills DIR to "
+                  "use the skills field", "skills")
     if continue_final_message:
         raise bad("skills are loaded as new turns after the conversation; they cannot be combined with "
                   "continue_final_message=true", "skills")

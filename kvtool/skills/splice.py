@@ -54,8 +54,9 @@ class SpliceHandle:
 class SkillSplicer:
     """Wraps an optional inner hook (the prefix cache) and splices catalog blocks after its hit."""
 
-    def __init__(self, catalog: SkillCatalog, repair="none", inner=None, chunk: int = 512):
-        self.catalog = catalog
+    def __init__(self, catalog: SkillCatalog, repair="none", inner=None, chunk: int = 512, min_tokens: int = 0):
+        """min_tokens: blocks shorter than this are left in the prompt for the prefill (splicing costs more)."""
+        self.catalog, self.min_tokens = catalog, min_tokens
         self.repair = make_repair(repair)
         self.inner = inner
         self.chunk = chunk
@@ -68,7 +69,7 @@ class SkillSplicer:
             cache, hit, inner_handle = self.inner.prepare(prompt_ids, runner)
         else:
             cache, hit, inner_handle = runner.new_cache(len(prompt_ids) + 64), 0, None
-        found = [(m, b) for m, b in self.catalog.find(prompt_ids) if m.end > hit]
+        found = [(m, b) for m, b in self.catalog.find(prompt_ids) if m.end > hit and len(b) >= self.min_tokens]
         if found and found[0][0].start < hit:
             hit = found[0][0].start  # the hit ends inside a block: splice the whole block instead
         if found:

@@ -207,10 +207,12 @@ def test_kvtool_only_routes_name_the_engine(http, server):
     if server.engine == "kvtool":
         assert http.get("/v1/cache/tree").status_code == 200
         return
-    for method, path in [("GET", "/v1/cache/tree"), ("POST", "/v1/cache/pin"), ("GET", "/v1/skills"),
+    for method, path in [("GET", "/v1/cache/tree"), ("POST", "/v1/cache/pin"), ("POST", "/v1/cache/edit"),
                          ("POST", "/v1/viz/attention"), ("POST", "/v1/cache/save")]:
         r = http.request(method, path, json={})
         assert r.status_code == 501 and "vllm" in r.json()["error"]["message"], (path, r.text)
+    assert "--cache-file" in http.post("/v1/cache/save").json()["error"]["message"]
+    assert http.get("/v1/skills").json() == {"object": "list", "data": [], "enabled": False}  # no --skills given
     r = http.post("/v1/chat/completions", json={"messages": ASK, "skills": ["x"], "max_tokens": 1})
     assert r.status_code == 400 and "--engine vllm" in r.json()["error"]["message"]
 

@@ -11,12 +11,20 @@ from kvtool.engines.vllm import available
 needs_vllm = pytest.mark.skipif(not available(), reason="vLLM is not installed (pip install -e '.[vllm]')")
 
 
-@pytest.mark.parametrize("flag", [["--skills", "x"], ["--cache-file", "x.kvc"], ["--weights", "int4"],
-                                  ["--kv-bytes", "1000"]])
+@pytest.mark.parametrize("flag", [["--weights", "int4"], ["--kv-bytes", "1000"]])
 def test_kvtool_engine_options_are_refused_with_vllm(flag, capsys):
     assert main(["serve", "--engine", "vllm", *flag]) == 2
     err = capsys.readouterr().err
     assert f"{flag[0]} configure kvtool's own engine" in err and "--engine-arg" in err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--skills", "no/such/folder"], "--skills 'no/such/folder' is not a folder of skills"),
+    (["--cache-save-every", "5"], "--cache-save-every saves the prefix store to --cache-file"),
+])
+def test_connector_options_are_checked_before_anything_loads(flags, message, capsys):
+    assert main(["serve", "--engine", "vllm", *flags]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_engine_arg_needs_the_vllm_engine(capsys):

