@@ -141,12 +141,13 @@ def tally(counts: list, gen, props: dict) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     load_before = os.getloadavg()
-    models = {name: bench_model(name, args) for name in args.models.split(",")}
     record = {"benchmark": "json_mode", "label": args.label, "temperature": 0.0, "repeats": args.repeats,
-              "max_tokens": args.max_tokens, "streams": 8, "models": models,
-              "loadavg": {"before": load_before, "after": os.getloadavg()}, "versions": versions()}
-    if args.out:
-        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+              "max_tokens": args.max_tokens, "streams": 8, "models": {}}
+    for name in args.models.split(","):
+        record["models"][name] = bench_model(name, args)
+        record.update(loadavg={"before": load_before, "after": os.getloadavg()}, versions=versions())
+        if args.out:  # after each model, so a long run keeps what it measured
+            Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record))
     return 0
 
