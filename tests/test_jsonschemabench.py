@@ -52,7 +52,7 @@ def test_every_schema_smollm2_writes_to_the_end_validates(smollm2):
     schemas = [s for s in (json.loads(p.read_text()) for p in SCHEMAS) if compiled(s)]
     prompts, params = [], []
     for schema in schemas:
-        text = json.dumps(schema)[:1500]
+        text = json.dumps(schema)[:400]  # a glimpse: the grammar does the rest
         prompts.append(smollm2.encode(smollm2.render([{"role": "user", "content": "Write one short JSON "
                                                        f"instance of this schema:\n{text}"}])))
         params.append(SamplingParams(temperature=0, max_tokens=48, response_format="json_schema", json_schema=schema))

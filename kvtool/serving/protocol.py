@@ -79,7 +79,8 @@ class StreamOptions(Strict):
 class ResponseFormat(Strict):
     type: str = "text"
     json_schema: dict[str, Any] | None = None  # OpenAI: {"name", "schema", "strict"}
-    schema: dict[str, Any] | None = None  # llama.cpp: {"type": "json_object", "schema": {...}}
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # llama.cpp: {"type": "json_object",
+    # "schema": {...}}
 
 
 class StructuredOutputs(Strict):
@@ -187,8 +188,8 @@ class GenerationRequest(Strict):
             given.append("response_format")
         if len(given) > 1:
             raise ServingError(f"give one way to structure the output, not {' and '.join(given)}", param=given[1])
-        if fmt.type == "json_object" and fmt.schema is not None:  # llama.cpp: {"type": "json_object", "schema"}
-            fmt = ResponseFormat(type="json_schema", json_schema={"schema": fmt.schema})
+        if fmt.type == "json_object" and fmt.schema_ is not None:  # llama.cpp: {"type": "json_object", "schema"}
+            fmt = ResponseFormat(type="json_schema", json_schema={"schema": fmt.schema_})
         if out is not None and out.json_object:
             fmt = ResponseFormat(type="json_object")
         schema = next((s for s in (self.guided_json, self.json_schema, out.json_ if out else None) if s is not None),
