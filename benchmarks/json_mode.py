@@ -2,6 +2,7 @@
 
     python benchmarks/json_mode.py                          # SmolLM2 and Qwen2.5, batch 1 and 8 streams
     python benchmarks/json_mode.py --models smollm2 --repeats 5 --out benchmarks/results/json_mode-cpu.json
+    python benchmarks/json_mode.py --sampler-only             # the sampling step alone, no decode in the figure
 
 Every request asks for a JSON object with named fields; each runs as free text and in JSON schema mode
 (those fields, all required, no others), greedy, the same prompts side by side. Batch 1 runs the requests one
@@ -9,7 +10,9 @@ at a time through Engine.generate, the modes alternating request by request; 8 s
 requests together through one BatchScheduler (Engine.generate_batch), the modes alternating repeat by repeat.
 Reports, per model, path and mode, milliseconds per generated token (decode time over tokens after the first,
 median and spread), the answers that stopped by themselves as one JSON object and those that fit the schema
-(jsonschema), and the constrained/free-text cost ratio. JSON record last.
+(jsonschema), and the constrained/free-text cost ratio. --sampler-only times just the sampling step, free vs
+constrained, for one stream and for 8 (batched where the code allows), on the logits of one teacher-forced
+pass over a schema-valid answer, and sets the difference against one decode forward. JSON record last.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--models", default="smollm2,qwen25", help="comma-separated: smollm2, qwen25, or GGUF paths")
     p.add_argument("--repeats", type=int, default=3, help="runs of the 8 requests per mode and path")
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--sampler-only", action="store_true",
+                   help="time only the sampling step (free vs constrained) on logits from one forward pass")
     p.add_argument("--label", default="", help="a name for this code version in the record (e.g. the commit)")
     p.add_argument("--out", default=None, help="also write the JSON record here")
     return p.parse_args(argv)
@@ -131,6 +136,71 @@ def bench_model(name: str, args) -> dict:
     return {"model": model.name, "device": model.info.get("device"), "dtype": model.info.get("dtype"), **out}
 
 
+def sampler_cost(name: str, args) -> dict:
+    """ms per token of the sampling step alone, free text vs JSON schema mode, on the logits a teacher-forced
+    forward pass gives for a schema-valid answer (no decode time in the figure), and one decode forward's ms."""
+    import torch
+
+    import kvtool
+    from kvtool.engine import Engine
+    from kvtool.engine.sampling import Sampler
+
+    model = kvtool.load(model_path(name))
+    engine = Engine(model)
+    props = REQUESTS[0][1]
+    answer = json.dumps({"name": "Whiskers the very fluffy cat", "age": 7, "colour": "orange and white"})
+    prompt = model.encode(model.render([{"role": "user", "content": REQUESTS[0][0]}]))
+    ids = prompt + model.tokenizer.encode(answer, add_special_tokens=False)
+    cache = engine.runner.new_cache(len(ids) + 8)
+    with torch.inference_mode():
+        rows = [engine.runner.forward(torch.tensor(ids[:len(prompt)]), cache).reshape(-1)]
+        t0 = time.perf_counter()
+        for t in ids[len(prompt):]:
+            rows.append(engine.runner.forward(torch.tensor([t]), cache).reshape(-1))
+        forward_ms = 1000.0 * (time.perf_counter() - t0) / (len(ids) - len(prompt))
+    ms = {m: [] for m in MODES}
+    for rep in range(args.repeats * 3):
+        for mode in MODES if rep % 2 == 0 else MODES[::-1]:
+            params = params_for(mode, props, 256).validate()
+            sampler = Sampler(params, engine.runner.spec.vocab_size, prompt, engine.runner.device)
+            sampler.constraint = engine.constraint(params, engine.stop_ids(params))
+            for row in rows:
+                t0 = time.perf_counter()
+                token = sampler(row).token
+                sampler.observe(token)
+                ms[mode].append(1000.0 * (time.perf_counter() - t0))
+                if token in engine.end_of_turn:
+                    break
+    from kvtool.engine.batch_sampling import batchable, sample_rows
+
+    steps = {m: [] for m in MODES}  # 8 streams: one sampling step for all of them (batched where allowed)
+    for rep in range(args.repeats * 3):
+        for mode in MODES if rep % 2 == 0 else MODES[::-1]:
+            params = params_for(mode, props, 256).validate()
+            samplers = [Sampler(params, engine.runner.spec.vocab_size, prompt, engine.runner.device) for _ in range(8)]
+            for sampler in samplers:
+                sampler.constraint = engine.constraint(params, engine.stop_ids(params))
+            for row in rows[:-1]:
+                stacked = row.reshape(1, -1).expand(8, -1)
+                t0 = time.perf_counter()
+                if all(batchable(x) for x in samplers):
+                    tokens = [x.token for x in sample_rows(samplers, stacked)]
+                else:  # a request that cannot join the batched draw samples alone
+                    tokens = [x(r).token for x, r in zip(samplers, stacked)]
+                for x, t in zip(samplers, tokens):
+                    x.observe(t)
+                steps[mode].append(1000.0 * (time.perf_counter() - t0))
+                if any(t in engine.end_of_turn for t in tokens):
+                    break
+    out = {m: summary(v) for m, v in ms.items()}
+    out["streams8_step"] = {m: summary(v) for m, v in steps.items()}
+    out["forward_ms"] = round(forward_ms, 3)
+    out["overhead_vs_decode"] = round((out["json_schema"]["median"] - out["text"]["median"]) / forward_ms, 4)
+    print(f"{name:<8} sampler text {out['text']['median']:.3f} ms, json_schema {out['json_schema']['median']:.3f} ms, "
+          f"decode forward {forward_ms:.1f} ms: overhead {100 * out['overhead_vs_decode']:+.2f}% of a token")
+    return {"model": model.name, **out}
+
+
 def tally(counts: list, gen, props: dict) -> None:
     p, f = check(gen, schema_of(props))
     counts[0] += 1
@@ -144,7 +214,7 @@ def main(argv=None) -> int:
     record = {"benchmark": "json_mode", "label": args.label, "temperature": 0.0, "repeats": args.repeats,
               "max_tokens": args.max_tokens, "streams": 8, "models": {}}
     for name in args.models.split(","):
-        record["models"][name] = bench_model(name, args)
+        record["models"][name] = sampler_cost(name, args) if args.sampler_only else bench_model(name, args)
         record.update(loadavg={"before": load_before, "after": os.getloadavg()}, versions=versions())
         if args.out:  # after each model, so a long run keeps what it measured
             Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
