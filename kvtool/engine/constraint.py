@@ -6,8 +6,8 @@ Constraint per request from a grammar of kvtool.structured.grammar. Each step th
 Constraint to mask its logits (-inf where the grammar refuses the token) before temperature and truncation,
 on the single and the batched path alike, and tells it the token drawn. When the grammar allows exactly one
 token (a fixed key, a closing brace) the matcher names it, and the mask is that one token without a full
-mask computation. The mask is a bitmask filled by the matcher on the host and expanded on the logits'
-device, so the same code runs on CPU and CUDA tensors.
+mask computation. The matcher fills a bitmask on the host, numpy unpacks it there, and the row of allowed
+tokens goes to the logits' device: the same code serves CPU and CUDA tensors.
 
 The grammar ends with the end of the turn: where it may end, the request's stop tokens are allowed (the
 model's end-of-turn tokens, or stop_token_ids); where it must end, they are all that is allowed.
@@ -15,6 +15,7 @@ model's end-of-turn tokens, or stop_token_ids); where it must end, they are all 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from llguidance import LLMatcher
 
@@ -49,11 +50,8 @@ class Constraint:
                                         "that ends it (ignore_eos without stop_token_ids)")
         self.matcher = LLMatcher(grammars.tokenizer, grammar, log_level=0)
         self._raise_on_error()
-        words = (self.vocab_size + 31) // 32
-        self.bits = torch.empty(words, dtype=torch.int32)  # the matcher writes its mask here
-        self.shifts = torch.arange(32, dtype=torch.int32)
+        self.bits = np.empty((self.vocab_size + 31) // 32, dtype=np.uint32)  # the matcher writes its mask here
         self.eos = [t for t in grammars.eos if t < self.vocab_size]
-        self._stops = self._eos = None  # index tensors on the logits' device, made on first use
 
     def _raise_on_error(self) -> None:
         if self.matcher.is_error():
@@ -69,23 +67,25 @@ class Constraint:
 
     def allowed(self, device: torch.device) -> torch.Tensor:
         """bool [vocab_size] on device: the tokens that may come next."""
-        if self._stops is None or self._stops.device != torch.device(device):
-            self._stops = torch.tensor(self.stops, device=device)
-            self._eos = torch.tensor(self.eos, dtype=torch.long, device=device)
+        return torch.from_numpy(self._allowed()).to(device, non_blocking=True)
+
+    def _allowed(self) -> np.ndarray:
+        # numpy on the host: one pass, no thread-pool ops per step; the device gets the finished row
         if self.matcher.is_stopped():
-            ok = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
-            return ok.index_fill_(0, self._stops, True)
+            ok = np.zeros(self.vocab_size, dtype=bool)
+            ok[self.stops] = True
+            return ok
         forced = self.forced()
         if forced is not None:
-            ok = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
+            ok = np.zeros(self.vocab_size, dtype=bool)
             ok[forced] = True
             return ok
-        self.matcher.unsafe_compute_mask_ptr(self.bits.data_ptr(), self.bits.numel() * 4)
+        self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
         self._raise_on_error()
-        bits = self.bits.to(device, non_blocking=True)
-        ok = ((bits[:, None] >> self.shifts.to(device)) & 1).bool().reshape(-1)[: self.vocab_size]
-        accepting = self.matcher.is_accepting()
-        return ok.index_fill_(0, self._eos, False).index_fill_(0, self._stops, accepting)
+        ok = np.unpackbits(self.bits.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
+        ok[self.eos] = False
+        ok[self.stops] = self.matcher.is_accepting()
+        return ok
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V]: -inf where the grammar refuses the token."""
