@@ -45,7 +45,8 @@ def test_a_value_of_another_length_is_refused_and_the_cache_kept(request, name):
 @pytest.mark.parametrize("name", MODELS)
 def test_the_report_runs_with_and_without_reasoning(request, name, tmp_path):
     model = request.getfixturevalue(name)
-    record = run_edit_eval(model, by_name(SMOKE[:1]), budgets=(0.05, 1.0), answer_tokens=4, reasoning_tokens=6,
+    record = run_edit_eval(model, by_name(SMOKE[:1]), modes=("direct", "reasoning"), budgets=(0.05, 1.0),
+                           answer_tokens=4, reasoning_tokens=6,
                            repeats=0, log=lambda _: None)
     rows = record["rows"]
     assert len(rows) == 2 * 8 and {r["mode"] for r in rows} == {"direct", "reasoning"}

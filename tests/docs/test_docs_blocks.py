@@ -108,8 +108,8 @@ def doc_server(tmp_path_factory):
                          "--skill-repair", "none", "--default-max-tokens", "16", "--log-level", "warning"],
                         tmp_path_factory.mktemp("doc-serve") / "serve.log").start(timeout=300)
     yield srv
-    code, alive = srv.stop()
-    assert code == 0 and alive == [], f"kvtool serve exited {code}, children left {alive}:\n{srv.log[-2000:]}"
+    code, alive = srv.stop()  # SIGINT: drained, then the CLI exits 128 + SIGINT
+    assert code in (0, 130) and alive == [], f"kvtool serve exited {code}, children left {alive}:\n{srv.log[-2000:]}"
 
 
 @pytest.fixture
