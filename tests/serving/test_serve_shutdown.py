@@ -45,6 +45,18 @@ def start_streams(base_url: str, n: int, body: dict) -> list[tuple[threading.Thr
     return [(thread, out) for thread, out, _ in streams]
 
 
+def assert_each_ended_with_abort(streams: list[tuple[threading.Thread, list]]) -> None:
+    """Every stream got chunks, a last one with finish_reason "abort" and one shutting_down error event."""
+    for thread, events in streams:
+        thread.join(10)
+        assert not any(isinstance(e, Exception) for e in events), f"a stream was dropped: {events[-3:]}"
+        chunks = [e for e in events if isinstance(e, dict) and e.get("choices")]
+        assert len(chunks) > 1 and chunks[-1]["choices"][0]["finish_reason"] == "abort"
+        error = [e for e in events if isinstance(e, dict) and "error" in e]
+        assert len(error) == 1 and error[0]["error"]["code"] == "shutting_down", events[-3:]
+        assert "--shutdown-timeout" in error[0]["error"]["message"]
+
+
 def serve(tmp_path, *extra: str):
     from kvtool.testing.models import smollm2_gguf
     from kvtool.testing.server_process import ServerProcess
@@ -77,14 +89,7 @@ def test_sigterm_with_8_streams_ends_each_with_abort_saves_and_exits_in_time(tmp
     assert refused.json()["error"]["code"] == "shutting_down"
     code = srv.proc.wait(60)
     took = time.monotonic() - sent
-    for thread, events in streams:
-        thread.join(10)
-        assert not any(isinstance(e, Exception) for e in events), f"a stream was dropped: {events[-3:]}"
-        chunks = [e for e in events if isinstance(e, dict) and e.get("choices")]
-        assert len(chunks) > 1 and chunks[-1]["choices"][0]["finish_reason"] == "abort"
-        error = [e for e in events if isinstance(e, dict) and "error" in e]
-        assert len(error) == 1 and error[0]["error"]["code"] == "shutting_down", events[-3:]
-        assert "--shutdown-timeout" in error[0]["error"]["message"]
+    assert_each_ended_with_abort(streams)
     log = srv.log
     assert code == -signal.SIGTERM, f"exit code {code}:\n{log[-2000:]}"
     assert "ended 8 requests still running" in log, log[-2000:]

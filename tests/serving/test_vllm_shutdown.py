@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from kvtool.engines.vllm import available
-from test_serve_shutdown import LONG, TIMEOUT_S, start_streams
+from test_serve_shutdown import LONG, TIMEOUT_S, assert_each_ended_with_abort, start_streams
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow,
               pytest.mark.skipif(not available(), reason="vLLM is not installed (pip install -e '.[vllm]')")]
@@ -36,13 +36,7 @@ def test_vllm_sigterm_with_8_streams_ends_each_with_abort_and_exits_in_time(tmp_
     assert refused.status_code == 503 and refused.headers["retry-after"]
     code = srv.proc.wait(90)
     took = time.monotonic() - sent
-    for thread, events in streams:
-        thread.join(10)
-        assert not any(isinstance(e, Exception) for e in events), f"a stream was dropped: {events[-3:]}"
-        chunks = [e for e in events if isinstance(e, dict) and e.get("choices")]
-        assert chunks[-1]["choices"][0]["finish_reason"] == "abort", events[-3:]
-        error = [e for e in events if isinstance(e, dict) and "error" in e]
-        assert len(error) == 1 and error[0]["error"]["code"] == "shutting_down", events[-3:]
+    assert_each_ended_with_abort(streams)
     log = srv.log
     assert code in (0, -signal.SIGTERM), f"exit code {code}:\n{log[-2000:]}"
     assert "ended 8 requests still running" in log, log[-2000:]
