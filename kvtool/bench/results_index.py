@@ -95,7 +95,8 @@ def _skills_vllm(r):
 
 @headline("skill_breakeven")
 def _skill_breakeven(r):
-    return f"composition pays from {r['break_even_tokens'] or 'n/a'} block tokens ({r['repair']}); " + "; ".join(
+    return (f"{r.get('engine', 'kvtool')}: composition pays from {r['break_even_tokens'] or 'n/a'} block tokens "
+            f"({r['repair']}); ") + "; ".join(
         f"{name}: composed vs prefilled " + ", ".join(f"@{row['block_tokens']} {_x(row['speedup']['median'])}"
                                                       for row in m["rows"])
         for name, m in r["models"].items())
