@@ -179,6 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--min-tokens", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--note", help="a line kept in the record, e.g. why the run is smaller than the defaults")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     from kvtool.models.loading import load
@@ -187,6 +188,8 @@ def main(argv=None) -> int:
 
     record = {"benchmark": "skills_vllm", "loadavg_start": os.getloadavg(), "repair": args.repair,
               "requests": args.requests, "versions": versions(), "models": {}}
+    if args.note:
+        record["note"] = args.note
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "skills"
         folder.mkdir()

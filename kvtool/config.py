@@ -43,7 +43,7 @@ class EngineConfig:
     skills_dir: str | None = None  # a skills folder: compile its blocks and splice them into prompts
     skill_repair: str = "recompute_attended:ratio=0.1"  # how spliced blocks are repaired (kvtool.skills.repair)
     skill_preamble: str = "deep:tokens=2048"  # what blocks are compiled after (kvtool.skills.preamble)
-    skill_min_tokens: int = 0  # blocks shorter than this are prefilled, not spliced (splicing them costs more)
+    skill_min_tokens: int = 128  # blocks shorter than this are prefilled, not spliced (docs/skills.md: break-even)
 
     def validate(self) -> "EngineConfig":
         """Raise InvalidParameterError naming the first bad value; return self. Engine() runs it."""

@@ -93,6 +93,15 @@ def _skills_vllm(r):
         for name, row in r["models"].items())
 
 
+@headline("skill_breakeven")
+def _skill_breakeven(r):
+    return (f"{r.get('engine', 'kvtool')}: composition pays from {r['break_even_tokens'] or 'n/a'} block tokens "
+            f"({r['repair']}); ") + "; ".join(
+        f"{name}: composed vs prefilled " + ", ".join(f"@{row['block_tokens']} {_x(row['speedup']['median'])}"
+                                                      for row in m["rows"])
+        for name, m in r["models"].items())
+
+
 def _pct(v) -> str:
     return "n/a" if v is None else f"{100 * v:.0f}%"
 
@@ -219,7 +228,7 @@ def readme_block(folder: Path, readme: Path) -> str:
     return "\n".join(lines)
 
 
-FAMILY_KINDS = ("skills", "edit")  # the README lists these per model: how each family composes and edits
+FAMILY_KINDS = ("skills", "skills_vllm", "skill_breakeven", "edit")  # listed per model in the README
 
 
 def family_rows(folder: Path, readme: Path) -> list[str]:
@@ -231,7 +240,8 @@ def family_rows(folder: Path, readme: Path) -> list[str]:
              "|---|---|---|---|"]
     for path, rec in rows:
         link = str(path.relative_to(readme.parent))
-        lines.append(f"| {kind(rec)} | {rec.get('model', '-')} | {HEADLINES[kind(rec)](rec)} | [{path.name}]({link}) |")
+        model = rec.get("model") or ", ".join(rec.get("models", ())) or "-"
+        lines.append(f"| {kind(rec)} | {model} | {HEADLINES[kind(rec)](rec)} | [{path.name}]({link}) |")
     return lines
 
 

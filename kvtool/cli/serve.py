@@ -60,7 +60,7 @@ def register(subparsers) -> None:
                         "recompute_attended:ratio=R (default: %(default)s)")
     p.add_argument("--skill-min-tokens", type=int, default=ENGINE.skill_min_tokens, metavar="N",
                    help="prefill, rather than splice, skill blocks shorter than N tokens (splicing a short block "
-                        "costs more than its prefill)")
+                        "costs more than its prefill; default: %(default)s)")
     p.add_argument("--skill-preamble", default=ENGINE.skill_preamble, metavar="SPEC",
                    help="what skill blocks are compiled after: deep[:tokens=N] | conversation | none "
                         "(default: %(default)s; see kvtool skill compile --help)")

@@ -39,6 +39,8 @@ class Timings:
     prefill_ms: float = 0.0
     decode_tokens: int = 0
     decode_ms: float = 0.0
+    skill_path: str | None = None  # with skill blocks served: composed | prefilled | cached
+    skill_path_reason: str | None = None
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -58,11 +60,12 @@ class Timings:
         if splice is not None:
             cached = min(splice.prefix_hit_tokens, ready)
             blocks = min(splice.reused_block_tokens, ready - cached)
+            self.skill_path, self.skill_path_reason = splice.path, splice.path_reason
         self.prompt_tokens, self.cached_tokens, self.skill_block_tokens = prompt_tokens, cached, blocks
         self.prefill_tokens = prompt_tokens - cached - blocks
 
     def to_dict(self) -> dict:
-        out = asdict(self)
+        out = {k: v for k, v in asdict(self).items() if v is not None}  # skill_path*: only with skills served
         out["decode_tokens_per_s"] = round(self.decode_tokens_per_s, 2)
         out["prefill_tokens_per_s"] = round(self.prefill_tokens_per_s, 2)
         return out

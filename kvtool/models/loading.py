@@ -127,11 +127,13 @@ def hub_folder(repo_id: str, local_only: bool = False) -> Path:
 
 
 def load(model: str | None = None, device: str = "auto", dtype: str = "auto", progress: bool = True,
-         weights: str = "dense") -> LoadedModel:
+         weights: str = "dense", packed: bool = True) -> LoadedModel:
     """Load a model for kvtool: runner (weights on device), tokenizer, chat template.
 
     weights="int4" packs the projections in 4 bits and copies the head to bf16 for CPU decode
-    (about 2x the decode tokens/s on two cores; see kvtool.kernels.quant)."""
+    (about 2x the decode tokens/s on two cores; see kvtool.kernels.quant). packed=False leaves out the
+    oneDNN-packed copy of the fp32 weights on the CPU (kvtool.kernels.cpu_gemm): half the weight memory, the
+    prefill matmuls through F.linear."""
     from kvtool.config import DEFAULT_MODEL
 
     model = model or DEFAULT_MODEL
@@ -140,7 +142,7 @@ def load(model: str | None = None, device: str = "auto", dtype: str = "auto", pr
     dt = pick_dtype(dtype, dev)
     hf_config, tokenizer = read_config_tokenizer(folder)
     spec = ModelSpec.from_hf_config(hf_config)
-    runner = build_runner(spec, hf_config, folder, dev, dt, progress, weights)
+    runner = build_runner(spec, hf_config, folder, dev, dt, progress, weights, packed)
     return LoadedModel(name=name, folder=folder, runner=runner, tokenizer=tokenizer, hf_config=hf_config,
                        source=str(model), info={"device": str(dev), "dtype": str(dt).replace("torch.", ""),
                                                      "weights": weights})
@@ -187,7 +189,7 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device, dtype: torch.dtype,
-                 progress: bool = True, weights: str = "dense") -> ModelRunner:
+                 progress: bool = True, weights: str = "dense", packed: bool = True) -> ModelRunner:
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -227,7 +229,7 @@ def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device,
             runner.quantize_int4()
         except ValueError as exc:
             raise ModelLoadError(f"cannot pack {folder.name} in int4: {exc}") from None
-    elif device.type == "cpu":
+    elif device.type == "cpu" and packed:
         try:
             runner.pack_cpu_gemm()  # oneDNN's packed GEMM where it runs (fp32); plain F.linear otherwise
         except ValueError as exc:

@@ -70,3 +70,34 @@ class BlockIndex:
             assert all(self._ids[n][0] == first for n in names), f"bucket {first} holds a block starting elsewhere"
             lengths = [len(self._ids[n]) for n in names]
             assert lengths == sorted(lengths, reverse=True), f"bucket {first} is not longest-first"
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    """Which skill blocks of a prompt are spliced, and the path the request takes because of it."""
+
+    kept: list  # Matches spliced: after the prefix hit and at least min_tokens long
+    skipped: list  # Matches after the hit left to the prefill (shorter than min_tokens)
+    path: str  # composed | prefilled | cached (every block found is inside the prefix hit)
+    reason: str
+
+
+def choose_path(matches: Sequence[Match], hit: int, min_tokens: int) -> PathChoice:
+    """Splice the blocks that end after the prefix hit and are long enough to pay for their repair
+    (>= min_tokens); leave the shorter ones to the prefill, which computes them for less."""
+    after = [m for m in matches if m.end > hit]
+    kept = [m for m in after if m.end - m.start >= min_tokens]
+    skipped = [m for m in after if m.end - m.start < min_tokens]
+
+    def named(ms):
+        return ", ".join(f"{m.name} ({m.end - m.start} tokens)" for m in ms)
+
+    short = f"{named(skipped)} shorter than skill_min_tokens={min_tokens}, prefilled" if skipped else ""
+    if kept:
+        reason = f"spliced {named(kept)}" + (f"; {short}" if short else "")
+        return PathChoice(kept, skipped, "composed", reason)
+    if skipped:
+        return PathChoice(kept, skipped, "prefilled", short)
+    if matches:
+        return PathChoice(kept, skipped, "cached", "the prefix cache holds every skill block of the prompt")
+    return PathChoice(kept, skipped, "prefilled", "no skill block in the prompt")

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvtool.skills.catalog import SkillCatalog
 from kvtool.skills.compose import compose_segments
+from kvtool.skills.match import choose_path
 from kvtool.skills.repair import describe, is_query_guided, make_repair
 
 
@@ -32,6 +33,8 @@ class SpliceStats:
     blocks: list[dict] = field(default_factory=list)  # name, start, tokens, recomputed
     repair: str = "none"
     ms: float = 0.0
+    path: str = "prefilled"  # composed | prefilled | cached (kvtool.skills.match.choose_path)
+    path_reason: str = ""
 
     @property
     def reused_block_tokens(self) -> int:
@@ -69,7 +72,10 @@ class SkillSplicer:
             cache, hit, inner_handle = self.inner.prepare(prompt_ids, runner)
         else:
             cache, hit, inner_handle = runner.new_cache(len(prompt_ids) + 64), 0, None
-        found = [(m, b) for m, b in self.catalog.find(prompt_ids) if m.end > hit and len(b) >= self.min_tokens]
+        matches = self.catalog.find(prompt_ids)
+        choice = choose_path([m for m, _ in matches], hit, self.min_tokens)
+        stats.path, stats.path_reason = choice.path, choice.reason
+        found = [(m, b) for m, b in matches if m in choice.kept]
         if found and found[0][0].start < hit:
             hit = found[0][0].start  # the hit ends inside a block: splice the whole block instead
         if found:

@@ -15,3 +15,15 @@ def tiny_bench(tmp_path_factory):
     bm = from_checkpoint(folder, "tiny-qwen3", device="cpu", dtype="float32")
     yield bm
     bm.close()
+
+
+def load_script(name: str):
+    """benchmarks/NAME.py imported as a module, for tests of its pieces."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

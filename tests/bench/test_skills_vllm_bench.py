@@ -3,22 +3,17 @@ skills), requests of 2-4 skills in varying order after one system prompt, and th
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "skills_vllm.py"
+from tests.bench.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("skills_vllm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("skills_vllm")
 
 
 def test_top_kl_is_zero_for_equal_lists_and_positive_otherwise(bench):

@@ -145,3 +145,16 @@ def test_the_real_model_runs_its_projections_and_head_through_onednn(smollm2, sm
     got = runner.prefill(ids, runner.new_cache())[0]
     want = smollm2_hf(torch.tensor([ids])).logits[0, -1].float()
     torch.testing.assert_close(got.log_softmax(-1), want.log_softmax(-1), atol=1e-3, rtol=0)
+
+
+def test_a_real_model_loaded_unpacked_holds_one_copy_and_matches_the_packed_one(smollm2):
+    """load(packed=False), as the vLLM connector loads kvtool's model: dense weights only, the same logits."""
+    from kvtool.models.loading import load
+    from kvtool.testing.models import smollm2_gguf
+
+    plain = load(str(smollm2_gguf()), device="cpu", dtype="float32", progress=False, packed=False).runner
+    assert smollm2.runner.cpu_gemm_packed and not plain.cpu_gemm_packed and not plain._packed_weights()
+    ids = smollm2.encode("The capital of France is")
+    assert "mkldnn::_linear_pointwise" not in ops_of(lambda: plain.prefill(ids, plain.new_cache()))
+    got, want = plain.prefill(ids, plain.new_cache()), smollm2.runner.prefill(ids, smollm2.runner.new_cache())
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -31,7 +31,8 @@ def skilled(smollm2, catalog):
     from kvtool.serving import ServerConfig, create_app
     from kvtool.serving.server import BackgroundServer
 
-    app = create_app(smollm2, EngineConfig(skill_repair="none"), ServerConfig(default_max_tokens=4), skills=catalog)
+    app = create_app(smollm2, EngineConfig(skill_repair="none", skill_min_tokens=0), ServerConfig(default_max_tokens=4),
+                     skills=catalog)
     srv = BackgroundServer(app).start()
     with httpx.Client(base_url=srv.base_url, timeout=120) as client:
         yield client
@@ -154,7 +155,8 @@ def test_query_guided_repair_through_the_server(smollm2, catalog):
     from kvtool.serving.server import BackgroundServer
 
     spec = "recompute_attended:ratio=0.25,window=64"
-    app = create_app(smollm2, EngineConfig(skill_repair=spec), ServerConfig(default_max_tokens=4), skills=catalog)
+    app = create_app(smollm2, EngineConfig(skill_repair=spec, skill_min_tokens=0), ServerConfig(default_max_tokens=4),
+                     skills=catalog)
     with BackgroundServer(app) as srv, httpx.Client(base_url=srv.base_url, timeout=120) as client:
         assert client.get("/v1/skills").json()["repair"] == spec + ",score=attention_v"  # every knob named
         out = chat(client, messages=QUESTION, skills=["haiku"])

@@ -1,6 +1,7 @@
 """One contract for skills and the prefix-cache file on both engines (kvtool serve, real SmolLM2 and Qwen2.5):
 the `skills` field splices the compiled blocks (usage counts them as skill_block_tokens, apart from cached
-tokens), GET /v1/skills lists them, POST /v1/cache/save writes a .kvc file that `kvtool cache info` reads, and
+tokens), a block shorter than --skill-min-tokens is prefilled instead and the timings say which path each
+request took, GET /v1/skills lists them, POST /v1/cache/save writes a .kvc file that `kvtool cache info` reads, and
 a file saved by one engine answers a repeated long prompt after a restart on the other. On vLLM the skill KV
 and the file's KV come through kvtool's KV connector; the first token matches the kvtool engine's composed one.
 In .venv (no vLLM) only the kvtool engine runs."""
@@ -22,7 +23,9 @@ SKILLS = {
               "No title, no rhyme, no punctuation at the end of a line. Prefer concrete images to abstract ones."),
     "limerick": ("Write limericks.", "# Limerick\nFive lines, rhyme scheme AABBA. Lines 1, 2 and 5 have three stressed "
                  "beats; lines 3 and 4 have two. End with a twist. Keep it kind; never mock a real person."),
+    "tip": ("A tip.", "Be brief."),
 }
+MIN_TOKENS = 40  # tip is shorter (prefilled), haiku and limerick longer (composed) on both models
 QUESTION = [{"role": "user", "content": "Write a short poem about autumn."}]
 LONG = " ".join(f"Fact {i}: the river town of Alder keeps ledger {i * 7} in the north archive." for i in range(40))
 
@@ -41,7 +44,7 @@ def start(engine: str, gguf, tmp_path, cache_file, skills=None):
     if engine == "vllm" and not available():
         pytest.skip("vLLM is not installed (pip install -e '.[vllm]')")
     args = ["--engine", engine, "--model", str(gguf), "--cache-file", str(cache_file), "--log-level", "warning",
-            "--skill-repair", "none", "--skill-preamble", "none"]
+            "--skill-repair", "none", "--skill-preamble", "none", "--skill-min-tokens", str(MIN_TOKENS)]
     if skills is not None:
         args += ["--skills", str(skills)]
     if engine == "vllm":
@@ -71,10 +74,16 @@ def skills_and_file(engine, other, gguf, tmp_path):
             listed = client.get("/v1/skills").json()
             assert listed["enabled"] and {row["name"] for row in listed["data"]} == set(SKILLS)
             tokens = {row["name"]: row["tokens"] for row in listed["data"]}
+            assert tokens["tip"] < MIN_TOKENS <= min(tokens["haiku"], tokens["limerick"]), tokens
+            short = first_token(client, messages=QUESTION, skills=["tip"])["timings"]
+            assert short["skill_path"] == "prefilled" and short["skill_block_tokens"] == 0, short
+            assert f"tip ({tokens['tip']} tokens) shorter than skill_min_tokens={MIN_TOKENS}" in short["skill_path_reason"]
             out = first_token(client, messages=QUESTION, skills=["haiku", "limerick"])
             details = out["usage"]["prompt_tokens_details"]
             assert details["skill_block_tokens"] == tokens["haiku"] + tokens["limerick"], details
             assert out["timings"]["skill_block_tokens"] == details["skill_block_tokens"]
+            assert out["timings"]["skill_path"] == "composed", out["timings"]
+            assert "haiku" in out["timings"]["skill_path_reason"] and "limerick" in out["timings"]["skill_path_reason"]
             assert details["cached_tokens"] + details["skill_block_tokens"] <= out["usage"]["prompt_tokens"]
             assert long_prompt(client)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             saved = client.post("/v1/cache/save")
@@ -96,7 +105,7 @@ def skills_and_file(engine, other, gguf, tmp_path):
     return out
 
 
-@pytest.mark.parametrize("model", ["smollm2"])  # Qwen2.5 loads twice (vLLM and the connector's runner): over 24 GB with the suite
+@pytest.mark.parametrize("model", ["smollm2", "qwen25"])
 def test_skills_and_the_cache_file_on_both_engines(model, tmp_path):
     from kvtool.testing.models import qwen25_gguf, smollm2_gguf
 

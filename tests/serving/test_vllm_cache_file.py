@@ -48,13 +48,15 @@ def test_a_file_for_another_model_is_refused_naming_the_difference(smollm2, tmp_
     assert "Traceback" not in done.stderr
 
 
-def test_killing_the_server_during_a_save_leaves_the_last_good_file(tmp_path):
+@pytest.mark.parametrize("model", ["smollm2", "qwen25"])
+def test_killing_the_server_during_a_save_leaves_the_last_good_file(model, tmp_path):
     from kvtool.cache.persist import describe_file
-    from kvtool.testing.models import smollm2_gguf
+    from kvtool.testing.models import qwen25_gguf, smollm2_gguf
     from kvtool.testing.server_process import ServerProcess
 
     path = tmp_path / "prefix.kvc"
-    srv = ServerProcess(["--engine", "vllm", "--model", str(smollm2_gguf()), "--cache-file", str(path),
+    gguf = smollm2_gguf() if model == "smollm2" else qwen25_gguf()
+    srv = ServerProcess(["--engine", "vllm", "--model", str(gguf), "--cache-file", str(path),
                          "--engine-arg", "max_model_len=4096", "--log-level", "warning"], tmp_path / "serve.log").start()
     try:
         with httpx.Client(base_url=srv.base_url, timeout=600) as client:

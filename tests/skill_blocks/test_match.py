@@ -59,3 +59,17 @@ def test_add_replace_remove_keep_integrity():
     index.remove("a")
     index.check_integrity()
     assert index.names() == ["b"] and len(index) == 1 and "a" not in index
+
+
+def test_choose_path_splices_long_blocks_and_prefills_short_ones():
+    from kvtool.skills.match import Match, choose_path
+
+    a, b = Match("a", 3, 43), Match("b", 45, 75)  # 40 and 30 tokens
+    both = choose_path([a, b], 0, 35)
+    assert both.path == "composed" and both.kept == [a] and both.skipped == [b]
+    assert "a (40 tokens)" in both.reason and "b (30 tokens) shorter than skill_min_tokens=35" in both.reason
+    short = choose_path([a, b], 0, 64)
+    assert short.path == "prefilled" and not short.kept and short.skipped == [a, b]
+    assert choose_path([a, b], 80, 0).path == "cached"  # both inside the prefix hit
+    assert choose_path([a, b], 44, 0).kept == [b]
+    assert choose_path([], 0, 0).reason == "no skill block in the prompt"

@@ -160,7 +160,7 @@ def load_side(model: str, dtype: str, kv):
     from kvtool.engines.vllm.side import KvtoolSide
     from kvtool.models.loading import load
 
-    kmodel = load(model, device="cpu", dtype=dtype, progress=False)
+    kmodel = load(model, device="cpu", dtype=dtype, progress=False, packed=False)  # dense weights only: one copy
     catalog = None
     if kv.skills_dir:
         from kvtool.skills.catalog import load_catalog

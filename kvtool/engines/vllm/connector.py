@@ -94,6 +94,8 @@ class KvtoolConnector(KVConnectorBase_V1):
         prompt, plan, account = planned
         if num_external_tokens != plan.supplied:  # vLLM took none (or another count): it computes them itself
             account.path, account.stored, account.blocks = "prefill", 0, ()
+            if account.skill_path == "composed":
+                account.skill_path, account.skill_reason = "prefilled", "vLLM computed the skill blocks itself"
             return
         self._loads.append(Load(request.request_id, prompt, plan, account, list(blocks.get_block_ids()[0])))
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from kvtool.skills.match import choose_path
+
 
 @dataclass
 class Plan:
@@ -21,6 +23,8 @@ class Plan:
     segments: list = field(default_factory=list)  # ("ids", [...]) or ("block", name), covering [cut, ...)
     path: str = "prefill"  # splice | stored | prefill (nothing supplied)
     skipped: list[str] = field(default_factory=list)  # blocks found but too short to pay for splicing
+    skill_path: str = "prefilled"  # what the response's timings report (kvtool.skills.match.choose_path)
+    skill_reason: str = ""
 
     @property
     def supplied(self) -> int:
@@ -38,16 +42,13 @@ def plan_request(prompt: Sequence[int], local: int, stored: int, find: Callable,
     needs the text after the last block, so the plan then runs to the prompt's last token."""
     n = len(prompt)
     hit = max(local, stored)
-    found, skipped = [], []
-    for m in find(prompt):
-        if m.end <= hit:
-            continue
-        (found if m.end - m.start >= min_block_tokens else skipped).append(m)
+    choice = choose_path(find(prompt), hit, min_block_tokens)
+    found, skipped = choice.kept, [m.name for m in choice.skipped]
     limit = n - 1  # vLLM computes at least the last prompt token
     if not found:
         ready = min(hit, limit)
-        return Plan(local, stored, ready, ready, [], "stored" if ready > local else "prefill",
-                    [m.name for m in skipped])
+        return Plan(local, stored, ready, ready, [], "stored" if ready > local else "prefill", skipped,
+                    choice.path, choice.reason)
     cut = min(hit, found[0].start)
     segments, pos = [], cut
     for m in found:
@@ -60,5 +61,6 @@ def plan_request(prompt: Sequence[int], local: int, stored: int, find: Callable,
         pos = limit
     ready = min(pos, limit)
     if ready <= local:  # everything the blocks would supply is in vLLM's cache already
-        return Plan(local, stored, local, local, [], "prefill", [m.name for m in skipped])
-    return Plan(local, stored, cut, ready, segments, "splice", [m.name for m in skipped])
+        return Plan(local, stored, local, local, [], "prefill", skipped, "cached",
+                    "vLLM's prefix cache holds every skill block of the prompt")
+    return Plan(local, stored, cut, ready, segments, "splice", skipped, choice.path, choice.reason)

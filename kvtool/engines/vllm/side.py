@@ -33,6 +33,8 @@ class Account:
     path: str = "prefill"
     blocks: tuple = ()
     compose_ms: float = 0.0
+    skill_path: str = "prefilled"  # composed | prefilled | cached, as kvtool's engine reports it
+    skill_reason: str = ""
 
 
 class KvtoolSide:
@@ -58,7 +60,8 @@ class KvtoolSide:
         return plan_request(prompt, local, stored, find, self.min_block_tokens, is_query_guided(self.repair))
 
     def account(self, request_id: str, plan: Plan) -> Account:
-        acc = Account(local=plan.local, path=plan.path, blocks=tuple(plan.block_names))
+        acc = Account(local=plan.local, path=plan.path, blocks=tuple(plan.block_names), skill_path=plan.skill_path,
+                      skill_reason=plan.skill_reason)
         if plan.path == "stored":
             acc.stored = plan.ready - plan.local
         elif plan.path == "splice":

@@ -235,6 +235,8 @@ class VllmWorker(EventSink):
             return
         gen.timings.account(n, min(acc.local + acc.stored, n))
         gen.timings.skill_block_tokens = acc.block_tokens
+        if self.side.catalog is not None:
+            gen.timings.skill_path, gen.timings.skill_path_reason = acc.skill_path, acc.skill_reason
         gen.timings.prefill_tokens = n - gen.timings.cached_tokens - acc.block_tokens
 
     def _end(self, req: VllmRequest, error: BaseException | None = None) -> None:
