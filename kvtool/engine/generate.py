@@ -170,7 +170,7 @@ def kv_budget_tokens(engine: Engine) -> int:
 
     budget = engine.config.kv_bytes
     budget = budget if budget is not None else default_budget(engine.runner.device)
-    tokens = budget // engine.model.kv_bytes_per_token
+    tokens = budget // engine.runner.spec.kv_bytes_per_token(engine.runner.dtype.itemsize)
     if tokens < engine.model.context_window:
         log.warning("the KV budget (%d bytes) holds %d tokens, less than the %d-token context window: a request "
                     "longer than that runs alone", budget, tokens, engine.model.context_window)
