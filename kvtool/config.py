@@ -31,8 +31,11 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda, then mps, then cpu
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU; or float32/bfloat16/float16
     weights: str = "dense"  # dense | int4: 4-bit projections, bf16 head (CPU decode ~2x; kvtool.kernels.quant)
-    prefill_chunk: int = 2048  # tokens per prefill forward: bounds activation memory; a later chunk attends
-    # through a mask over all earlier keys (more work than one causal pass), so not smaller than needed
+    prefill_chunk: int = 2048  # prompt tokens per scheduler step (each forward): bounds activation memory and how
+    # long one step stalls running streams; a later chunk attends through a mask over all earlier keys
+    max_running: int = 16  # requests the scheduler batches in each step (kvtool serve --max-active sets it)
+    kv_bytes: int | None = None  # KV of the running requests; beyond it the newest is preempted (and recomputed
+    # later). None: a quarter of the memory available at first use, at most 16 GiB (kvtool.cache.manager)
     cache_bytes: int | None = None  # prefix-cache byte budget; None = a fraction of free memory
     prefix_block: int = 16  # tokens per prefix-cache block
     enable_prefix_cache: bool = True
@@ -51,6 +54,7 @@ class EngineConfig:
             raise InvalidParameterError(f"invalid engine setting {name}={getattr(self, name)!r}: {why}")
 
         for name, optional, least in (("prefill_chunk", False, 1), ("prefix_block", False, 1),
+                                      ("max_running", False, 1), ("kv_bytes", True, 1),
                                       ("static_max_tokens", False, 1), ("cache_bytes", True, 0),
                                       ("skill_min_tokens", False, 0),
                                       ("static_kv_bytes", True, 1)):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvtool import SamplingParams
-from kvtool.config import as_sampling_params
+from kvtool.config import EngineConfig, as_sampling_params
 from kvtool.engine import Engine
 from kvtool.engine.batch import BatchScheduler
 from kvtool.errors import InvalidParameterError
@@ -88,9 +88,9 @@ def test_engine_arguments_are_checked(smollm2):
         engine.generate_batch(ids, greedy)  # a flat list: one prompt, not a list of them
     with pytest.raises(InvalidParameterError, match="prompts must be a list of prompts"):
         engine.generate_batch("text", greedy)
-    with pytest.raises(InvalidParameterError, match="max_running must be an integer >= 1, got 0"):
-        engine.generate_batch([ids], greedy, max_running=0)  # it waited forever for room to admit a request
-    for name in ("prefill_budget", "kv_budget_tokens"):
+    with pytest.raises(InvalidParameterError, match="max_running=0: must be an integer >= 1"):
+        Engine(smollm2, EngineConfig(max_running=0))  # it waited forever for room to admit a request
+    for name in ("max_running", "prefill_budget", "kv_budget_tokens"):
         with pytest.raises(InvalidParameterError, match=f"{name} must be an integer >= 1, got 0"):
             BatchScheduler(engine, **{name: 0})
     assert [g.token_ids for g in engine.generate_batch([ids], [{"temperature": 0, "max_tokens": 3}])] == [want]

@@ -110,12 +110,13 @@ def test_engine_fast_path_gives_the_reference_tokens_and_cache(smollm2):
     want = ref.generate(prompt, SamplingParams(**PARAMS)).run()
     got = fast.generate(prompt, SamplingParams(**PARAMS)).run()
     assert got.token_ids == want.token_ids and got.text == want.text
-    assert fast._static is not None and not fast._static.busy
-    # a generation that outgrows the static rows carries on through the reference path
+    rows = fast.scheduler.static
+    assert rows is not None and rows.max_len == 512 and sorted(rows.free) == list(range(rows.slots))  # all handed back
+    # a generation that would outgrow the static rows runs through the reference path from the start
     small = Engine(smollm2, EngineConfig(fast_decode="on", static_max_tokens=len(prompt) + 8))
     moved = small.generate(prompt, SamplingParams(**PARAMS)).run()
     assert moved.token_ids == want.token_ids and len(want.token_ids) > 9
-    assert small._static.length == small._static.max_len and not small._static.busy
+    assert not small.scheduler.static.fits(len(prompt) + PARAMS["max_tokens"])
     # sampling with a seed runs on the same logits: same tokens as well
     sampled = dict(temperature=0.8, top_p=0.9, seed=7, max_tokens=24)
     assert (fast.generate(prompt, SamplingParams(**sampled)).run().token_ids
@@ -132,7 +133,7 @@ def test_interleaved_generations_and_long_requests_fall_back(smollm2):
     prompts = [smollm2.encode(smollm2.render([{"role": "user", "content": q}])) for q in ("Hi!", "What is 2+2?")]
     a, b = (fast.generate(p, SamplingParams(**PARAMS)) for p in prompts)
     ia, ib = iter(a), iter(b)
-    for _ in range(8):  # a holds the static decoder; b takes the reference path meanwhile
+    for _ in range(8):  # both run in the engine's scheduler, each in a static row
         next(ia, None)
         next(ib, None)
     a.run(), b.run()
@@ -142,8 +143,10 @@ def test_interleaved_generations_and_long_requests_fall_back(smollm2):
     again = fast.generate(prompts[0] + a.token_ids[:-1], SamplingParams(temperature=0, max_tokens=2)).run()
     assert again.timings.cached_tokens >= len(prompts[0]) + len(a.token_ids) - 1 - 16
     long = fast.generate(prompts[0], SamplingParams(temperature=0, max_tokens=400))
-    assert fast.static_decoder(len(prompts[0]) + 400) is None  # beyond static_max_tokens: reference path
+    assert not fast.scheduler.static.fits(len(prompts[0]) + 400)  # beyond static_max_tokens: reference path
+    first = [event.token_id for _, event in zip(range(12), long)]
     long.close()
+    assert first == ref.generate(prompts[0], SamplingParams(temperature=0, max_tokens=12)).run().token_ids[:len(first)]
 
 
 def assert_bf16_steps_agree(runner, dec, ref_cache, ref_logits, steps: int) -> None:
@@ -286,7 +289,7 @@ def test_engine_on_gpu_samples_there_and_matches_the_reference(tmp_path):
                    dict(temperature=0, max_tokens=8, logprobs=2)):
         got = fast.generate(prompt, SamplingParams(**params)).run()
         assert got.token_ids == ref.generate(prompt, SamplingParams(**params)).run().token_ids, params
-    assert fast._static is not None and fast._static.use_graphs
+    assert fast.scheduler.static is not None and fast.scheduler.static.use_graphs
     assert fast.generate(prompt, SamplingParams(temperature=0.9, seed=3, max_tokens=24)).run().token_ids == \
         fast.generate(prompt, SamplingParams(temperature=0.9, seed=3, max_tokens=24)).run().token_ids
 

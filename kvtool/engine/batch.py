@@ -356,8 +356,8 @@ class BatchScheduler:
 
 
 def generate_batch(engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                   n: int = 1, max_running: int = 16, skip_special_tokens: bool = True) -> list[Generation]:
-    """Every prompt (token ids) n times through one BatchScheduler, as vLLM's LLM.generate: the finished
+                   n: int = 1, skip_special_tokens: bool = True) -> list[Generation]:
+    """Every prompt (token ids) n times through the engine's scheduler, as vLLM's LLM.generate: the finished
     Generations, choice i of prompt p at p * n + i. A list of params gives each prompt its own; a seed s gives
     choice i the seed s + i (it then equals a single run seeded s + i); a prompt's choices prefill it once."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
@@ -370,8 +370,17 @@ def generate_batch(engine, prompts: list[list[int]], params: SamplingParams | li
                                     "one per prompt")
     if not isinstance(n, int) or n < 1:
         raise InvalidParameterError(f"n must be an integer >= 1, got {n!r}")
-    sched = BatchScheduler(engine, max_running=max_running, prefill_budget=engine.config.prefill_chunk)
-    gens = [sched.submit(ids, p, skip_special_tokens, fork=fork) for ids, p, fork in choices(prompts, per_prompt, n)]
-    sched.run()
+    gens, sched = [], engine.scheduler
+    try:  # all are validated before any is queued
+        checked = [(*engine.new_generation(ids, p), fork) for ids, p, fork in choices(prompts, per_prompt, n)]
+        for gen, max_tokens, fork in checked:
+            sched.add(gen, max_tokens, skip_special_tokens, fork=fork)
+            gens.append(gen)
+        while any(g.finish_reason is None for g in gens):
+            sched.step()
+    finally:  # interrupted: what it queued leaves the scheduler
+        for gen in gens:
+            if gen.finish_reason is None:
+                sched.cancel(gen)
     return gens
 

@@ -1,26 +1,30 @@
-"""Engine.generate(): prefill, then decode token by token, streaming TokenEvents.
+"""Engine: one model, its scheduler, and the one request path every caller takes.
 
-The returned Generation is an iterator; when it is exhausted (or closed early, e.g.
-by a disconnected client) its finish_reason, timings, text and token ids are final.
+Engine.generate() adds a request to the engine's scheduler (kvtool.engine.batch) and steps it until
+the request is done, streaming its TokenEvents; the CLI, the inspector, the in-process agent backend,
+generate_batch() and the server's worker all run requests through that same scheduler. The returned
+Generation is an iterator; when it is exhausted (or closed early, e.g. by a disconnected client) its
+finish_reason, timings, text and token ids are final.
 """
 
 from __future__ import annotations
 
-import time
+import logging
+from collections import deque
 from typing import Iterator
 
-import torch
-
 from kvtool.config import EngineConfig, SamplingParams, as_sampling_params
-from kvtool.engine.output import Generation, OutputState, TokenEvent, scores_prompt
-from kvtool.engine.scoring import score_prompt
-from kvtool.engine.static import BatchedStaticDecoder, StaticDecoder, fast_decode_enabled, prefill_logits
+from kvtool.engine.batch import BatchScheduler, generate_batch
+from kvtool.engine.output import Generation, TokenEvent, scores_prompt
+from kvtool.engine.static import BatchedStaticDecoder, fast_decode_enabled
 from kvtool.errors import ContextWindowError, InvalidParameterError
 from kvtool.ids import as_token_ids
 
+log = logging.getLogger("kvtool.engine")
+
 
 class Engine:
-    """One model, one request at a time; the server's worker owns it."""
+    """One model and the scheduler its requests share; in a server, the worker thread steps it."""
 
     def __init__(self, model, config: EngineConfig | None = None, prefix_cache=None):
         self.model = model
@@ -29,20 +33,9 @@ class Engine:
         self.prefix_cache = prefix_cache  # optional: prepare(prompt, runner) / commit(handle, ids, cache)
         # [/ publish(handle, ids, cache): cache a running request's prompt once prefilled (BatchScheduler)]
         self.end_of_turn = frozenset(model.end_of_turn_ids())
-        self._static = None  # StaticDecoder, built on first use when config.fast_decode allows
+        self._scheduler: BatchScheduler | None = None
         self._batched: dict[int, object] = {}  # slots -> BatchedStaticDecoder, shared by this engine's schedulers
         self._vocab: tuple[list[str], set[int]] | None = None  # every token's text piece, special ids (JSON mode)
-
-    def static_decoder(self, total_tokens: int):
-        """The fast bs=1 decode path for a request of total_tokens, or None (reference path)."""
-        if not fast_decode_enabled(self.config.fast_decode, self.runner.device, self.runner.spec):
-            return None
-        if self._static is None:
-            slots = min(self.config.static_max_tokens, self.model.context_window)
-            self._static = StaticDecoder(self.runner, slots)
-        if self._static.busy or not self._static.fits(total_tokens):
-            return None  # another generation of this engine is mid-decode, or too long: reference path
-        return self._static
 
     def batched_static_decoder(self, slots: int):
         """A BatchedStaticDecoder with `slots` rows for continuous batching, or None (eager forward_batch).
@@ -106,18 +99,27 @@ class Engine:
         max_tokens = self.check_prompt(prompt_ids, params)
         return Generation(prompt_ids=prompt_ids, params=params), max_tokens
 
+    @property
+    def scheduler(self) -> BatchScheduler:
+        """The scheduler every request of this engine runs through (generate(), generate_batch(), the server's
+        worker), built on first use from EngineConfig's max_running, prefill_chunk and kv_bytes."""
+        if self._scheduler is None:
+            c = self.config
+            self._scheduler = BatchScheduler(self, c.max_running, c.prefill_chunk, kv_budget_tokens(self))
+        return self._scheduler
+
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
                  skip_special_tokens: bool = True) -> Generation:
+        """Validate a request and return its Generation; iterating it adds the request to the scheduler and steps
+        until it is done."""
         gen, max_tokens = self.new_generation(prompt_ids, params)
-        gen._events = self._run(gen, max_tokens, skip_special_tokens)
+        gen._events = self._follow(gen, max_tokens, skip_special_tokens)
         return gen
 
-    def generate_batch(self, prompts: list[list[int]], params=None, n: int = 1, max_running: int = 16,
+    def generate_batch(self, prompts: list[list[int]], params=None, n: int = 1,
                        skip_special_tokens: bool = True) -> list[Generation]:
         """Many prompts (and n choices each) batched together; see kvtool.engine.batch.generate_batch."""
-        from kvtool.engine.batch import generate_batch
-
-        return generate_batch(self, prompts, params, n, max_running, skip_special_tokens)
+        return generate_batch(self, prompts, params, n, skip_special_tokens)
 
     def start_cache(self, prompt_ids: list[int]):
         """(cache, tokens already in it, hook handle) for a new request: the prefix hook's hit, or empty."""
@@ -139,44 +141,40 @@ class Engine:
             gen.timings.account(len(gen.prompt_ids), ready, getattr(handle, "stats", None))
         return cache, ready, handle
 
-    def _run(self, gen: Generation, max_tokens: int, skip_special_tokens: bool) -> Iterator[TokenEvent]:
-        runner, tm = self.runner, gen.timings
-        t0 = time.perf_counter()
-        cache, cached, handle = self.open_cache(gen, gen.prompt_ids)
-        static = None
+    def _follow(self, gen: Generation, max_tokens: int, skip_special_tokens: bool) -> Iterator[TokenEvent]:
+        """Add gen to the scheduler and step it until gen is done, yielding gen's events as they come (whatever
+        else the scheduler holds advances in the same steps). Closed early, gen ends with "abort"; a request
+        that failed raises its error here."""
+        events: deque[TokenEvent] = deque()
+        ended: list[BaseException | None] = []
+        sched = self.scheduler
+        sched.add(gen, max_tokens, skip_special_tokens, on_event=events.append,
+                  on_finish=lambda _gen, error: ended.append(error))
         try:
-            state = OutputState(self, gen, max_tokens, skip_special_tokens, t0)
-            # The static rows take the prompt when it fits; a generation that outgrows them moves on to the
-            # reference path (its KV handed back to the cache), so no max_tokens keeps a request off the fast path.
-            static = self.static_decoder(len(gen.prompt_ids) + 1)
-            if scores_prompt(gen):
-                logits, gen.prompt_logprobs = score_prompt(runner, cache, gen.prompt_ids, gen.params.prompt_logprobs,
-                                                           self.config.prefill_chunk)
-                if static is not None:
-                    static.load(cache)
-            else:
-                logits = prefill_logits(runner, cache, gen.prompt_ids[cached:], self.config.prefill_chunk, static)
-            tm.prefill_ms = state.ms()
-            while True:
-                event = state.accept(logits)
-                yield event
-                if gen.finish_reason:
-                    break
-                if static is not None and static.length >= static.max_len:
-                    static.store(cache)
-                    static = None
-                if static is not None:
-                    logits = static.step(event.token_id)
+            while events or not ended:
+                if events:
+                    yield events.popleft()
                 else:
-                    logits = runner.forward(torch.tensor([event.token_id]), cache)
+                    sched.step()
         finally:
-            if static is not None and static.busy:
-                static.store(cache)
-            if gen.finish_reason is None:
-                gen.finish_reason = "abort"
-            if self.prefix_cache is not None:
-                # The last sampled token has no KV yet; the cache holds prompt + all but the last.
-                self.prefix_cache.commit(handle, (gen.prompt_ids + gen.token_ids)[: cache.offset], cache)
+            if not ended:
+                sched.cancel(gen)  # its KV goes to the prefix cache as at any end
+        if ended[0] is not None:
+            raise ended[0]
+
+
+def kv_budget_tokens(engine: Engine) -> int:
+    """The running requests' KV budget (EngineConfig.kv_bytes; None: a quarter of available memory, at most
+    16 GiB) in tokens of this model's KV."""
+    from kvtool.cache.manager import default_budget
+
+    budget = engine.config.kv_bytes
+    budget = budget if budget is not None else default_budget(engine.runner.device)
+    tokens = budget // engine.runner.spec.kv_bytes_per_token(engine.runner.dtype.itemsize)
+    if tokens < engine.model.context_window:
+        log.warning("the KV budget (%d bytes) holds %d tokens, less than the %d-token context window: a request "
+                    "longer than that runs alone", budget, tokens, engine.model.context_window)
+    return tokens
 
 
 def check_request(prompt_ids: list[int], params: SamplingParams, window: int, vocab: int, stop_ids: set[int]) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
@@ -84,6 +85,10 @@ class KvtoolBackend:
     def __init__(self, model, served: ServedModel, engine_config: EngineConfig | None, prefix_cache, skills,
                  cfg: ServerConfig):
         self.model, self.served, self.cfg = model, served, cfg
+        # the server's --max-active and --kv-bytes are the engine's scheduler settings
+        engine_config = engine_config or EngineConfig()
+        engine_config = replace(engine_config, max_running=cfg.max_active,
+                                kv_bytes=engine_config.kv_bytes if cfg.kv_bytes is None else cfg.kv_bytes)
         self.engine = engine = Engine(model, engine_config, prefix_cache)
         if prefix_cache is None:  # one prefix cache for every request, unless EngineConfig turns it off
             from kvtool.cache.manager import attach_prefix_cache
@@ -100,7 +105,7 @@ class KvtoolBackend:
 
     def start_worker(self, metrics) -> Worker:
         cfg = self.cfg
-        self.worker = Worker(self.engine, cfg.max_active, cfg.max_queue, metrics, cfg.prefill_budget, cfg.kv_bytes)
+        self.worker = Worker(self.engine, cfg.max_queue, metrics)
         return self.worker
 
     async def on_start(self) -> None:

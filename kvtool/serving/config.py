@@ -15,7 +15,6 @@ class ServerConfig:
     served_model_name: str | None = None  # default: the loaded model's name
     max_active: int = 16  # requests batched together in each decode step (continuous batching)
     max_queue: int = 64  # requests waiting beyond max_active; one more gets 429
-    prefill_budget: int = 512  # prompt tokens per batched step: bounds how long one step stalls running streams
     kv_bytes: int | None = None  # KV of the running requests; beyond it the newest is preempted (and recomputed
     # later). None: a quarter of the memory available at start, at most 16 GiB (kvtool.cache.manager.default_budget)
     default_max_tokens: int | None = None  # when a request names none; None = up to the context window
@@ -36,7 +35,7 @@ class ServerConfig:
 
         if not is_whole(self.port) or self.port > 65535:
             raise InvalidParameterError(f"--port must be in 0..65535, got {self.port}")
-        for name, least, optional in (("max_active", 1, False), ("max_queue", 0, False), ("prefill_budget", 1, False),
+        for name, least, optional in (("max_active", 1, False), ("max_queue", 0, False),
                                       ("kv_bytes", 1, True), ("max_body_bytes", 1, False),
                                       ("default_max_tokens", 1, True)):
             value = getattr(self, name)

@@ -1,12 +1,12 @@
 """One thread owns the Engine; route handlers only submit and await token events.
 
-Continuous batching: the worker thread drives a BatchScheduler. Every step is one packed
-forward holding one decode token of each running request plus prefill chunks of newly
-admitted ones (at most `prefill_budget` prompt tokens per step), so concurrent streams
-share decode steps and a long prompt does not stall the streams already running. Requests
-are admitted first come, first served, up to `max_active` running at once; more than
-`max_active + max_queue` requests in flight get QueueFull (HTTP 429) at once. Their KV stays
-inside `kv_bytes` (kv_budget_tokens): past it, the scheduler preempts the newest request.
+Continuous batching: the worker thread drives the engine's own scheduler (Engine.scheduler, set by
+EngineConfig as in the Python API). Every step is one packed forward holding one decode token of each
+running request plus prefill chunks of newly admitted ones (at most `prefill_chunk` prompt tokens per
+step), so concurrent streams share decode steps and a long prompt does not stall the streams already
+running. Requests are admitted first come, first served, up to `max_running` at once; more than
+`max_running + max_queue` requests in flight get QueueFull (HTTP 429) at once. Their KV stays inside
+`kv_bytes`: past it, the scheduler preempts the newest request.
 
 The n choices of a request (and the prompts of a batched completion) are submitted together, all or
 none; the choices of one prompt share a Fork, so the prompt is prefilled once for all of them.
@@ -28,7 +28,6 @@ from typing import AsyncIterator
 
 from kvtool.config import SamplingParams
 from kvtool.engine import Engine, Generation, TokenEvent
-from kvtool.engine.batch import BatchScheduler
 from kvtool.engine.forks import Fork, choices
 from kvtool.errors import KvtoolError
 from kvtool.models.host import release_openmp_threads
@@ -96,19 +95,6 @@ class Handles(list):
             handle.cancel()
 
 
-def kv_budget_tokens(engine: Engine, kv_bytes: int | None) -> int:
-    """A KV byte budget for the running requests (None: a quarter of available memory, at most 16 GiB) in tokens
-    of this model's KV."""
-    from kvtool.cache.manager import default_budget
-
-    budget = kv_bytes if kv_bytes is not None else default_budget(engine.runner.device)
-    tokens = budget // engine.model.kv_bytes_per_token
-    if tokens < engine.model.context_window:
-        log.warning("the KV budget (%d bytes) holds %d tokens, less than the %d-token context window: a request "
-                    "longer than that runs alone", budget, tokens, engine.model.context_window)
-    return tokens
-
-
 def check_count(prompts: int, n: int, max_active: int, max_queue: int) -> tuple[int, int]:
     """(sequences a request asks for, sequences the server holds); a 400 when n is bad or the request alone
     is more than the server ever holds."""
@@ -173,12 +159,10 @@ class EventSink:
 
 
 class Worker(EventSink):
-    def __init__(self, engine: Engine, max_active: int = 16, max_queue: int = 64, metrics=None,
-                 prefill_chunk: int | None = None, kv_bytes: int | None = None):
-        self.engine, self.max_active, self.max_queue, self.metrics = engine, max_active, max_queue, metrics
-        self.scheduler = BatchScheduler(engine, max_running=max_active,
-                                        prefill_budget=prefill_chunk or engine.config.prefill_chunk,
-                                        kv_budget_tokens=kv_budget_tokens(engine, kv_bytes))
+    def __init__(self, engine: Engine, max_queue: int = 64, metrics=None):
+        self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
+        self.max_active = engine.config.max_running
+        self.scheduler = engine.scheduler
         self._pending: deque[Handle] = deque()  # submitted, not yet handed to the scheduler
         self._handles: dict[int, Handle] = {}  # id(gen) -> handle, for everything in the scheduler
         self._cv = threading.Condition()

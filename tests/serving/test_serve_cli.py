@@ -127,7 +127,6 @@ def test_a_port_in_use_or_a_bad_host_is_said_before_the_model_loads(monkeypatch,
 @pytest.mark.parametrize("settings,words", [
     (dict(max_active=0), "--max-active must be >= 1, got 0"),
     (dict(max_queue=-1), "--max-queue must be >= 0, got -1"),
-    (dict(prefill_budget=0), "--prefill-budget must be >= 1, got 0"),
     (dict(default_max_tokens=0), "--default-max-tokens must be >= 1, got 0"),  # a request without max_tokens got a 400
     (dict(kv_bytes=True), "--kv-bytes must be >= 1, got True"),
     (dict(port=-1), "--port must be in 0..65535, got -1"),
