@@ -1,0 +1,138 @@
+"""Request fields -> one llguidance grammar: a JSON schema (or any JSON object), a regex, a list of choices, or a
+Lark / GBNF grammar, each followed by an optional suffix (a tool call's closing tag).
+
+llguidance compiles the grammar and its matcher computes, per step, which tokens may come next
+(kvtool.engine.constraint). Here it is text only (no tokenizer, no torch), so config checks a request's
+schema, pattern or grammar with the same compiler before any model runs: a schema or grammar it cannot
+compile is refused with llguidance's own message, which names the keyword (`Unimplemented keys: ["not"]`).
+
+JSON is written compactly with one space after ':' and ',' (no free whitespace, which a small model can spend
+its whole max_tokens on). A `format` the compiler does not know is an annotation, as JSON Schema says of
+unknown formats, and is dropped before compiling; every other keyword it does not implement is an error.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+
+from llguidance import LLMatcher, grammar_from
+
+from kvtool.errors import InvalidParameterError
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_OBJECT = {"type": "object"}
+DATA = ("enum", "const", "default", "examples")  # values, not schemas: never searched for keywords
+UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
+
+
+def json_grammar(schema: dict | bool | None, suffix: str = "") -> str:
+    """The grammar of one JSON value of `schema` (None: any JSON object), then `suffix`."""
+    schema = ANY_OBJECT if schema is None else {} if schema is True else schema
+    if schema is False:
+        raise InvalidParameterError("the JSON schema is false: no value matches it")
+    check_meta(schema)
+    for _ in range(8):  # each pass drops one unknown format
+        grammar = _json_then(schema, suffix)
+        error = LLMatcher.validate_grammar(grammar)
+        unknown = UNKNOWN_FORMAT.search(error)
+        if not unknown:
+            return grammar
+        schema = without_format(schema, unknown.group(1))
+    return grammar
+
+
+def check_meta(schema: dict) -> None:
+    """InvalidParameterError when schema breaks its draft's metaschema (a keyword of the wrong type), with its path."""
+    from jsonschema import Draft202012Validator, SchemaError, validators
+
+    try:
+        validators.validator_for(schema, default=Draft202012Validator).check_schema(schema)
+    except SchemaError as exc:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.path)
+        raise InvalidParameterError(f"the JSON schema cannot be enforced: schema{where} is invalid: "
+                                    f"{exc.message[:300]}") from None
+
+
+def _json_then(schema, suffix: str) -> str:
+    if not suffix:
+        return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+    body = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    return LLMatcher.grammar_from_lark(f"start: value {json.dumps(suffix)}\nvalue: %json {body}\n")
+
+
+def without_format(schema, name: str):
+    """A copy of schema without `"format": name` anywhere a schema can be."""
+    def walk(node):
+        if isinstance(node, dict):
+            return {k: (v if k in DATA else walk(v)) for k, v in node.items() if not (k == "format" and v == name)}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(schema)
+
+
+def regex_grammar(pattern: str) -> str:
+    return LLMatcher.grammar_from_regex(pattern)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    return grammar_from("choice", choices)
+
+
+def text_grammar(text: str) -> str:
+    """A Lark grammar (llguidance's dialect, `start:` first) or a GBNF grammar (llama.cpp's, `root ::=`)."""
+    try:
+        return grammar_from("grammar", text)
+    except ValueError as exc:
+        raise InvalidParameterError(f"the grammar is neither Lark nor GBNF: {exc}") from None
+
+
+def check(grammar: str, what: str) -> str:
+    """grammar, once llguidance compiles it; else InvalidParameterError naming `what` and the compiler's reason."""
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        lines = [ln for ln in error.strip().splitlines() if ln.strip()]
+        raise InvalidParameterError(f"{what} cannot be enforced: {' '.join(lines[:3])[:600]}")
+    return grammar
+
+
+def rebase(schema: dict, base: str) -> dict:
+    """A copy of schema for use at pointer `base` of a larger one: its '#...' references made to start there."""
+    out = copy.deepcopy(schema)
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                node["$ref"] = base + ref[1:]
+            for key, value in node.items():
+                if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
+                    for sub in value.values():  # keyed by names, not keywords: a property may be called "enum"
+                        walk(sub)
+                elif key not in DATA:
+                    walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(out)
+    return out
+
+
+def request_grammar(response_format: str = "text", json_schema=None, json_suffix: str = "", choice=None, regex=None,
+                    grammar=None) -> str | None:
+    """The grammar a request's structured fields ask for (None: free text), checked: InvalidParameterError names
+    the field and what the compiler could not take."""
+    if choice is not None:
+        return check(choice_grammar(choice), "choice")
+    if regex is not None:
+        return check(regex_grammar(regex), f"the regex {regex[:80]!r}")
+    if grammar is not None:
+        return check(text_grammar(grammar), "the grammar")
+    if response_format == "text":
+        return None
+    what = "the JSON schema" if json_schema is not None else "json_object"
+    return check(json_grammar(json_schema, json_suffix), what)
