@@ -104,6 +104,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def structured(self) -> bool:
+        """Whether the output follows a JSON mode, a choice, a regex or a grammar."""
+        return self.response_format != "text" or any(x is not None for x in (self.choice, self.regex, self.grammar))
+
     def validate(self) -> "SamplingParams":
         """Raise InvalidParameterError naming the first bad value; return self."""
         def bad(name: str, why: str) -> None:
@@ -182,7 +187,7 @@ class SamplingParams:
         if modes and (len(modes) > 1 or self.response_format != "text" or self.min_tokens):
             bad(modes[0], "the output follows one structure: give one of response_format, choice, regex and "
                           "grammar, without min_tokens")
-        if self.response_format != "text" or modes:
+        if self.structured:
             try:
                 request_grammar(self.response_format, self.json_schema, self.json_suffix, self.choice, self.regex,
                                 self.grammar)

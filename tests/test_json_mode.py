@@ -105,3 +105,33 @@ def test_a_suffix_follows_the_value_before_the_turn_ends(smollm2):
                                                  json_schema=schema, json_suffix="\n</tool_call>")).run()
     assert gen.finish_reason == "stop" and gen.text.endswith("}\n</tool_call>"), gen.text
     jsonschema.validate(json.loads(gen.text[: -len("\n</tool_call>")]), schema)
+
+
+def test_a_special_token_in_the_suffix_is_that_token_and_plain_text_stays_text():
+    from kvtool.structured.grammar import suffix_lark
+
+    assert suffix_lark("\n</tool_call>", {"</tool_call>": 151658, "<tool_call>": 151657}) == '"\\n" <[151658]>'
+    assert suffix_lark("\n</tool_call>", {"<|im_end|>": 2}) == '"\\n</tool_call>"'
+
+
+@pytest.mark.real_model
+def test_qwen_closes_a_call_with_its_special_token_and_spells_special_text_in_plain_tokens(qwen25):
+    from kvtool.engine import Engine
+
+    engine = Engine(qwen25)
+    close = qwen25.tokenizer.convert_tokens_to_ids("</tool_call>")
+    prompt = qwen25.encode(qwen25.render([{"role": "user", "content": "Call the weather tool for Paris."}]))
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    gen = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=40, response_format="json_schema",
+                                                 json_schema=schema, json_suffix="\n</tool_call>")).run()
+    assert gen.finish_reason == "stop" and gen.token_ids[-2] == close, gen.token_ids  # the tag as Qwen2.5 writes it
+    jsonschema.validate(json.loads(gen.text.removesuffix("\n</tool_call>")), schema)
+    # a JSON string and a regex that spell the tag's text: written in plain tokens, never the refused special one
+    tagged = {"type": "object", "properties": {"tag": {"const": "</tool_call>"}}, "required": ["tag"],
+              "additionalProperties": False}
+    for params in (SamplingParams(temperature=0, max_tokens=40, response_format="json_schema", json_schema=tagged),
+                   SamplingParams(temperature=0, max_tokens=40, regex=r'<tool_call>\n\{"city": "Paris"\}')):
+        gen = engine.generate(prompt, params).run()
+        assert gen.finish_reason == "stop" and close not in gen.token_ids, gen.token_ids
+        assert gen.text in ('{"tag": "</tool_call>"}', '<tool_call>\n{"city": "Paris"}'), gen.text

@@ -34,6 +34,12 @@ class Grammars:
         self.eos = sorted(end_of_turn)
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, vocab_size, eos_token=self.eos[0] if self.eos
                                                       else None)
+        # text -> id of the tokens llguidance keeps apart from text: the added tokens, such as Qwen2.5's
+        # <tool_call>; a grammar names them as tokens (`<tool_call>`, `<[151657]>`), never as text
+        self.specials = {a.content: i for i, a in tokenizer.added_tokens_decoder.items()
+                         if i < vocab_size and self.tokenizer.is_special_token(i)}
+        self.names = {i: name for name, i in self.specials.items()}
+        self.special_ids = np.array(sorted(set(self.names) - set(self.eos)), dtype=np.int64)
 
     def constraint(self, grammar: str, stop_ids) -> "Constraint":
         return Constraint(self, grammar, stop_ids)
@@ -52,6 +58,7 @@ class Constraint:
         self._raise_on_error()
         self.bits = np.empty((self.vocab_size + 31) // 32, dtype=np.uint32)  # the matcher writes its mask here
         self.eos = [t for t in grammars.eos if t < self.vocab_size]
+        self.special_ids, self.names, self.tokenizer = grammars.special_ids, grammars.names, grammars.tokenizer
 
     def _raise_on_error(self) -> None:
         if self.matcher.is_error():
@@ -63,7 +70,9 @@ class Constraint:
         if self.matcher.is_stopped():
             return None
         ff = self.matcher.compute_ff_tokens()
-        return ff[0] if ff else None
+        # the forced text is tokenized as plain text would be, so text spelling a special token (`</tool_call>`
+        # inside a JSON string) comes back as that token, which the grammar refuses: then the full mask decides
+        return ff[0] if ff and self.matcher.validate_tokens(ff[:1]) == 1 else None
 
     def allowed(self, device: torch.device) -> torch.Tensor:
         """bool [vocab_size] on device: the tokens that may come next."""
@@ -84,8 +93,29 @@ class Constraint:
         self._raise_on_error()
         ok = np.unpackbits(self.bits.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
         ok[self.eos] = False
+        self._drop_spelled_specials(ok)
         ok[self.stops] = self.matcher.is_accepting()
         return ok
+
+    def _drop_spelled_specials(self, ok: np.ndarray) -> None:
+        """Where the grammar spells a special token's text (a regex or a JSON string with `<tool_call>` on Qwen2.5),
+        llguidance's mask offers that token, which the matcher then refuses: the text is written in plain tokens
+        instead, the first of them allowed alone. InvalidParameterError when no plain token can start it."""
+        specials = self.special_ids[ok[self.special_ids]]
+        refused = [t for t in specials.tolist() if self.matcher.validate_tokens([t]) != 1]
+        if not refused:
+            return
+        ok[refused] = False
+        if ok.any():
+            return
+        text = self.matcher.compute_ff_bytes().decode("utf-8", errors="ignore")
+        plain = self.tokenizer.greedy_tokenize(text)[:1] if text else []
+        if plain and plain[0] < self.vocab_size and self.matcher.validate_tokens(plain) == 1:
+            ok[plain[0]] = True
+            return
+        raise InvalidParameterError(f"structured output: the grammar spells {self.names[refused[0]]} as text, which "
+                                    "this model writes only as a special token; write it as a token in a Lark "
+                                    f"grammar (`{self.names[refused[0]]}` or `<[{refused[0]}]>`)")
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V]: -inf where the grammar refuses the token."""

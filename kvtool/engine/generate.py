@@ -73,14 +73,14 @@ class Engine:
         llguidance tokenizer is built on the first one."""
         from kvtool.structured.grammar import request_grammar
 
-        grammar = request_grammar(params.response_format, params.json_schema, params.json_suffix, params.choice,
-                                  params.regex, params.grammar)
-        if grammar is None:
+        if not params.structured:
             return None
         if self._grammars is None:
             from kvtool.engine.constraint import Grammars
 
             self._grammars = Grammars(self.model.tokenizer, self.runner.spec.vocab_size, self.end_of_turn)
+        grammar = request_grammar(params.response_format, params.json_schema, params.json_suffix, params.choice,
+                                  params.regex, params.grammar, self._grammars.specials)
         return self._grammars.constraint(grammar, stop_ids)
 
     def stop_ids(self, params: SamplingParams) -> set[int]:

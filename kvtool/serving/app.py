@@ -244,8 +244,7 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
         # rendering and tokenizing run off the event loop (check_fits already bounds how long they take)
         prepared = await run_in_threadpool(prepare_chat, served, body, await request.json(), fmt)
         if prepared.call_schema is not None:  # a forced call: its JSON follows the tool's schema
-            if params.response_format != "text" or any(x is not None for x in (params.choice, params.regex,
-                                                                                   params.grammar)):
+            if params.structured:
                 raise ServingError("response_format (or a choice, regex or grammar) cannot be combined with "
                                    "tool_choice 'required' or a named function: the call's JSON already follows "
                                    "the tool's schema", "response_format")

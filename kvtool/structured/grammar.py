@@ -4,7 +4,8 @@ Lark / GBNF grammar, each followed by an optional suffix (a tool call's closing 
 llguidance compiles the grammar and its matcher computes, per step, which tokens may come next
 (kvtool.engine.constraint). Here it is text only (no tokenizer, no torch), so config checks a request's
 schema, pattern or grammar with the same compiler before any model runs: a schema or grammar it cannot
-compile is refused with llguidance's own message, which names the keyword (`Unimplemented keys: ["not"]`).
+compile is refused with llguidance's message, led for a schema by where the keyword or `$ref` it names is
+(`schema.properties.a uses not`).
 
 JSON is written compactly with one space after ':' and ',' (no free whitespace, which a small model can spend
 its whole max_tokens on). A `format` the compiler does not know is an annotation, as JSON Schema says of
@@ -16,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from collections.abc import Mapping
 
 from llguidance import LLMatcher, grammar_from
 
@@ -24,23 +26,63 @@ from kvtool.errors import InvalidParameterError
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT = {"type": "object"}
 DATA = ("enum", "const", "default", "examples")  # values, not schemas: never searched for keywords
+NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema maps
 UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
+UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")
+MISSING_REF = re.compile(r"(Pointer|Resource) '([^']*)' (does not exist|is not present)")
 
 
-def json_grammar(schema: dict | bool | None, suffix: str = "") -> str:
-    """The grammar of one JSON value of `schema` (None: any JSON object), then `suffix`."""
+def json_grammar(schema: dict | bool | None, suffix: str = "", specials: Mapping[str, int] | None = None) -> str:
+    """The grammar of one JSON value of `schema` (None: any JSON object), then `suffix` (see suffix_lark)."""
     schema = ANY_OBJECT if schema is None else {} if schema is True else schema
     if schema is False:
         raise InvalidParameterError("the JSON schema is false: no value matches it")
     check_meta(schema)
     for _ in range(8):  # each pass drops one unknown format
-        grammar = _json_then(schema, suffix)
+        grammar = _json_then(schema, suffix, specials or {})
         error = LLMatcher.validate_grammar(grammar)
         unknown = UNKNOWN_FORMAT.search(error)
         if not unknown:
-            return grammar
+            break
         schema = without_format(schema, unknown.group(1))
+    if error:
+        raise InvalidParameterError(f"the JSON schema cannot be enforced: {explain(schema, error)}")
     return grammar
+
+
+def subschemas(node, path: str = "schema"):
+    """(path, schema) for node and every schema inside it; property and definition names are names, not keywords,
+    and enum/const/default/examples are values."""
+    if isinstance(node, dict):
+        yield path, node
+        for key, value in node.items():
+            if key in NAMED and isinstance(value, dict):
+                for name, sub in value.items():
+                    yield from subschemas(sub, f"{path}.{key}.{name}")
+            elif key not in DATA:
+                yield from subschemas(value, f"{path}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from subschemas(value, f"{path}[{i}]")
+
+
+def explain(schema, error: str) -> str:
+    """The compiler's error, led by where in schema the keyword or $ref it names is."""
+    reason = " ".join(ln.strip() for ln in error.strip().splitlines()[:3] if ln.strip())[:600]
+    keys = UNIMPLEMENTED.search(error)
+    if keys:
+        for name in json.loads(keys.group(1)):
+            where = next((path for path, node in subschemas(schema) if name in node), None)
+            if where:
+                return f"{where} uses {name}, which structured output does not implement ({reason})"
+    ref = MISSING_REF.search(error)
+    if ref:
+        target = ref.group(2)
+        for path, node in subschemas(schema):
+            value = node.get("$ref")
+            if isinstance(value, str) and value in (target, "#" + target):
+                return f"{path}.$ref {value!r} points to nothing in the schema ({reason})"
+    return reason
 
 
 def check_meta(schema: dict) -> None:
@@ -55,11 +97,24 @@ def check_meta(schema: dict) -> None:
                                     f"{exc.message[:300]}") from None
 
 
-def _json_then(schema, suffix: str) -> str:
+def _json_then(schema, suffix: str, specials: Mapping[str, int]) -> str:
     if not suffix:
         return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
     body = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
-    return LLMatcher.grammar_from_lark(f"start: value {json.dumps(suffix)}\nvalue: %json {body}\n")
+    return LLMatcher.grammar_from_lark(f"start: value {suffix_lark(suffix, specials)}\nvalue: %json {body}\n")
+
+
+def suffix_lark(suffix: str, specials: Mapping[str, int]) -> str:
+    """suffix as a Lark sequence: its text as string literals, and each special token of the model in it
+    (`specials`: text -> id, e.g. Qwen2.5's `</tool_call>`) as that token, `<[id]>`.
+
+    A model writes a special token as its one id, never as the text's bytes, which the grammar would otherwise
+    ask for; where the tag is plain text in a vocabulary (SmolLM2, Gemma 3), it is not in specials."""
+    names = sorted((n for n in specials if n and n in suffix), key=len, reverse=True)
+    if not names:
+        return json.dumps(suffix)
+    parts = re.split("(" + "|".join(map(re.escape, names)) + ")", suffix)
+    return " ".join(f"<[{specials[p]}]>" if p in specials else json.dumps(p) for p in parts if p)
 
 
 def without_format(schema, name: str):
@@ -102,30 +157,18 @@ def check(grammar: str, what: str) -> str:
 def rebase(schema: dict, base: str) -> dict:
     """A copy of schema for use at pointer `base` of a larger one: its '#...' references made to start there."""
     out = copy.deepcopy(schema)
-
-    def walk(node) -> None:
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#"):
-                node["$ref"] = base + ref[1:]
-            for key, value in node.items():
-                if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
-                    for sub in value.values():  # keyed by names, not keywords: a property may be called "enum"
-                        walk(sub)
-                elif key not in DATA:
-                    walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(out)
+    for _, node in subschemas(out):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            node["$ref"] = base + ref[1:]
     return out
 
 
 def request_grammar(response_format: str = "text", json_schema=None, json_suffix: str = "", choice=None, regex=None,
-                    grammar=None) -> str | None:
+                    grammar=None, specials: Mapping[str, int] | None = None) -> str | None:
     """The grammar a request's structured fields ask for (None: free text), checked: InvalidParameterError names
-    the field and what the compiler could not take."""
+    the field and what the compiler could not take. specials (the model's special tokens, text -> id) turn those
+    tokens in json_suffix into token references; without them the suffix is text (a check needs no model)."""
     if choice is not None:
         return check(choice_grammar(choice), "choice")
     if regex is not None:
@@ -134,5 +177,4 @@ def request_grammar(response_format: str = "text", json_schema=None, json_suffix
         return check(text_grammar(grammar), "the grammar")
     if response_format == "text":
         return None
-    what = "the JSON schema" if json_schema is not None else "json_object"
-    return check(json_grammar(json_schema, json_suffix), what)
+    return json_grammar(json_schema, json_suffix, specials)
