@@ -61,7 +61,9 @@ def test_json_schema_by_llama_cpp_fields_and_openai_strict(smol):
                                                                          "schema": SCHEMA}}})
     for form in forms:
         assert set(json.loads(content(smol, **form))) == {"year"}, form
-    assert isinstance(json.loads(content(smol, structured_outputs={"json_object": True}, max_tokens=60)), dict)
+    ask = [{"role": "user", "content": "Give the year the Second World War ended as a JSON object."}]
+    assert isinstance(json.loads(content(smol, messages=ask, structured_outputs={"json_object": True}, max_tokens=60)),
+                      dict)  # asked for JSON: SmolLM2 closes the object well within max_tokens
     r = smol.post("/v1/completions", json={"prompt": "A JSON list of two colours:", "max_tokens": 30,
                                            "temperature": 0, "json_schema": {"type": "array", "items": {
                                                "type": "string"}, "minItems": 2, "maxItems": 2}})
