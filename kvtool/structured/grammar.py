@@ -68,7 +68,7 @@ def subschemas(node, path: str = "schema"):
 
 def explain(schema, error: str) -> str:
     """The compiler's error, led by where in schema the keyword or $ref it names is."""
-    reason = " ".join(ln.strip() for ln in error.strip().splitlines()[:3] if ln.strip())[:600]
+    reason = first_lines(error)
     keys = UNIMPLEMENTED.search(error)
     if keys:
         for name in json.loads(keys.group(1)):
@@ -149,9 +149,13 @@ def check(grammar: str, what: str) -> str:
     """grammar, once llguidance compiles it; else InvalidParameterError naming `what` and the compiler's reason."""
     error = LLMatcher.validate_grammar(grammar)
     if error:
-        lines = [ln for ln in error.strip().splitlines() if ln.strip()]
-        raise InvalidParameterError(f"{what} cannot be enforced: {' '.join(lines[:3])[:600]}")
+        raise InvalidParameterError(f"{what} cannot be enforced: {first_lines(error)}")
     return grammar
+
+
+def first_lines(error: str) -> str:
+    """The compiler's message, its first three lines on one line (it may go on with the whole grammar)."""
+    return " ".join([ln.strip() for ln in error.strip().splitlines() if ln.strip()][:3])[:600]
 
 
 def rebase(schema: dict, base: str) -> dict:
