@@ -11,8 +11,7 @@ from dataclasses import dataclass, field, fields
 
 from kvtool.errors import InvalidParameterError
 from kvtool.skill_settings import parse_preamble, parse_repair
-from kvtool.structured.json_schema import check_schema
-from kvtool.structured.regex_mode import compile_pattern
+from kvtool.structured.grammar import request_grammar
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes; the server's seed fields use it too
@@ -96,17 +95,23 @@ class SamplingParams:
     min_tokens: int = 0  # end of turn, stop_token_ids and stop strings count only after this many tokens
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these tokens may be drawn (vLLM's allowed_token_ids)
-    choice: list[str] | None = None  # the output is exactly one of these strings (kvtool.structured.choice)
-    regex: str | None = None  # the whole output matches this pattern (kvtool.structured.regex_mode)
+    choice: list[str] | None = None  # the output is exactly one of these strings (kvtool.structured.grammar)
+    regex: str | None = None  # the whole output matches this pattern (kvtool.structured.grammar)
+    grammar: str | None = None  # the output follows this Lark or GBNF grammar (kvtool.structured.grammar)
     logprobs: int | None = None  # None: off; k >= 0: chosen token + top k
     prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob + top k (full prefill)
-    response_format: str = "text"  # text | json_object | json_schema: one JSON object (kvtool.structured.json_mode)
-    json_schema: dict | None = None  # for json_schema: the schema it follows (kvtool.structured.json_schema)
+    response_format: str = "text"  # text | json_object | json_schema: one JSON value (kvtool.structured.grammar)
+    json_schema: dict | bool | None = None  # for json_schema: the schema it follows
     json_suffix: str = ""  # JSON modes: text that must follow the object before the turn ends (a closing tag)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def structured(self) -> bool:
+        """Whether the output follows a JSON mode, a choice, a regex or a grammar."""
+        return self.response_format != "text" or any(x is not None for x in (self.choice, self.regex, self.grammar))
 
     def validate(self) -> "SamplingParams":
         """Raise InvalidParameterError naming the first bad value; return self."""
@@ -164,14 +169,12 @@ class SamplingParams:
             bad("response_format", "must be 'text', 'json_object' or 'json_schema'")
         if (self.response_format == "json_schema") != (self.json_schema is not None):
             bad("json_schema", "give a schema exactly when response_format is 'json_schema'")
-        if self.json_schema is not None and not isinstance(self.json_schema, dict):
-            bad("json_schema", "must be a JSON Schema object (a dict)")
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, bool)):
+            bad("json_schema", "must be a JSON Schema (an object, or true / false)")
         if not isinstance(self.json_suffix, str):
             bad("json_suffix", "must be a string")
         if self.json_suffix and self.response_format == "text":
             bad("json_suffix", "follows the JSON object of a JSON mode; response_format is 'text'")
-        if self.json_schema is not None:
-            check_schema(self.json_schema)
         if self.allowed_token_ids is not None and (
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
                 or any(not is_whole(t) for t in self.allowed_token_ids)):
@@ -180,20 +183,21 @@ class SamplingParams:
             if not isinstance(self.choice, list) or not self.choice or any(
                     not isinstance(c, str) or not c for c in self.choice):
                 bad("choice", "must be a non-empty list of non-empty strings")
-            if self.response_format != "text" or self.min_tokens:
-                bad("choice", "the output is one of the choices: it cannot be a JSON mode or take min_tokens")
-        if self.regex is not None:
-            if not isinstance(self.regex, str) or not self.regex:
-                bad("regex", "must be a non-empty pattern string")
-            try:  # compile_pattern is bounded: it refuses huge repeats and recursion
-                compiled = compile_pattern(self.regex)
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            bad("regex", "must be a non-empty pattern string")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            bad("grammar", "must be a Lark or GBNF grammar (a non-empty string)")
+        modes = [name for name in ("choice", "regex", "grammar") if getattr(self, name) is not None]
+        if modes and (len(modes) > 1 or self.response_format != "text" or self.min_tokens):
+            bad(modes[0], "the output follows one structure: give one of response_format, choice, regex and "
+                          "grammar, without min_tokens")
+        if self.structured:
+            try:
+                request_grammar(self.response_format, self.json_schema, self.json_suffix, self.choice, self.regex,
+                                self.grammar)
             except InvalidParameterError as exc:
-                bad("regex", str(exc))
-            if compiled.fullmatch("", partial=True) is None:
-                bad("regex", "matches no text at all")
-            if self.response_format != "text" or self.min_tokens or self.choice is not None:
-                bad("regex", "the output is a match of the pattern: it cannot be a JSON or choice mode or take "
-                             "min_tokens")
+                name = modes[0] if modes else "json_schema" if self.json_schema is not None else "response_format"
+                raise InvalidParameterError(f"invalid sampling parameter {name}: {exc}") from None
         if self.response_format != "text" and self.min_tokens:
             bad("min_tokens", "a JSON mode ends the output when its object closes; min_tokens does not apply")
         if self.response_format != "text" and self.ignore_eos and not self.stop_token_ids:

@@ -48,7 +48,8 @@ def test_token_ids_from_arrays_tensors_and_ranges():
     (dict(stop_token_ids=5), "stop_token_ids=5: must be a list of token ids"),
     (dict(stop_token_ids=[True]), "stop_token_ids=\\[True\\]: must be a list of token ids"),
     (dict(response_format=["text"]), "response_format=\\['text'\\]: must be 'text'"),
-    (dict(response_format="json_schema", json_schema="{}"), "json_schema='{}': must be a JSON Schema object"),
+    (dict(response_format="json_schema", json_schema="{}"),
+     "json_schema='{}': must be a JSON Schema \\(an object, or true / false\\)"),
     (dict(response_format="json_object", json_suffix=3), "json_suffix=3: must be a string"),
 ])
 def test_sampling_values_of_the_wrong_type_are_named(kwargs, words):

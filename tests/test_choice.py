@@ -1,45 +1,10 @@
-"""Choice mode (guided_choice) and allowed_token_ids: the constraint on a toy vocabulary, then SmolLM2."""
+"""Choice mode (guided_choice) and allowed_token_ids: bad values refused by name, then SmolLM2 (the mask itself:
+tests/test_json_mode.py)."""
 
 import pytest
-import torch
 
 from kvtool import SamplingParams
-from kvtool.engine.sampling import Sampler
 from kvtool.errors import InvalidParameterError
-from kvtool.structured.choice import ChoiceConstraint
-
-PIECES = ["", "n", "o", "no", " way", "yes", "y", "<|im_end|>", "es", "w"]
-SPECIAL, STOP = {7}, {7}
-
-
-def test_only_starts_of_a_choice_and_the_end_after_a_whole_one():
-    c = ChoiceConstraint(PIECES, SPECIAL, STOP, ["no", "no way", "yes"])
-    allowed = lambda: {t for t in range(len(PIECES)) if c.next_state(t) is not None}  # noqa: E731
-    assert allowed() == {1, 3, 5, 6} and not c.finished
-    c.accept(3)  # "no": a whole choice, and "no way" goes on from it
-    assert allowed() == {4, 7} and not c.finished
-    c.accept(4)
-    assert c.finished and allowed() == {7}
-    c = ChoiceConstraint(PIECES, SPECIAL, STOP, ["no", "no way", "yes"])
-    c.accept(6)
-    assert allowed() == {8}
-    with pytest.raises(ValueError, match="does not continue any choice"):
-        c.accept(1)
-
-
-def test_sampling_under_it_draws_only_choices():
-    logits = torch.zeros(len(PIECES))
-    logits[9] = 5.0  # the model wants "w", which starts no choice here
-    for seed in range(20):
-        s = Sampler(SamplingParams(temperature=1.0, seed=seed).validate(), len(PIECES), [], torch.device("cpu"))
-        s.constraint = ChoiceConstraint(PIECES, SPECIAL, STOP, ["yes", "no"])
-        out = ""
-        while True:
-            t = s(logits).token
-            if t in STOP:
-                break
-            out += PIECES[t]
-        assert out in ("yes", "no")
 
 
 @pytest.mark.parametrize("kw,name", [(dict(choice=[]), "choice"), (dict(choice=["a", ""]), "choice"),

@@ -105,7 +105,8 @@ def test_prompt_longer_than_window(smollm2):
 
 @pytest.mark.parametrize("value,words", [("no/such/schema.json", "neither a file nor a JSON object"),
                                          ('{"type": "object",', "not valid JSON"),
-                                         ('{"type": "string"}', "root must be an object")])
+                                         ('{"type": "object", "not": {}}', "schema uses not"),
+                                         ('{"properties": {"a": {"$ref": "#/$defs/A"}}}', "'#/$defs/A' points to nothing")])
 def test_bad_json_schema_on_cli(capsys, value, words):
     code, text = run_cli(capsys, "generate", "hi", "--json-schema", value, "--model", "/unused")
     assert code == 2 and words in text and "Traceback" not in text
@@ -125,6 +126,22 @@ def test_cli_answers_in_a_json_schema(capsys, tmp_path):
     path.write_text(json.dumps(schema))
     assert main(["generate", "Describe a spider.", "--chat", "--json-schema", str(path), "--temperature", "0",
                  "--max-tokens", "48", "--model", str(smollm2_gguf())]) == 0
+    out = capsys.readouterr()
+    assert "[stop]" in out.err
+    jsonschema.validate(json.loads(out.out), schema)
+
+
+@pytest.mark.real_model
+def test_cli_answers_in_a_schema_whose_root_is_not_an_object(capsys):
+    import json
+
+    import jsonschema
+
+    from kvtool.testing.models import smollm2_gguf
+
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}
+    assert main(["generate", "The first two prime numbers:", "--chat", "--json-schema", json.dumps(schema),
+                 "--temperature", "0", "--max-tokens", "24", "--model", str(smollm2_gguf())]) == 0
     out = capsys.readouterr()
     assert "[stop]" in out.err
     jsonschema.validate(json.loads(out.out), schema)

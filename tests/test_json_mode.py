@@ -1,119 +1,137 @@
-"""JSON mode: the incremental JSON check against json.loads, the token constraint, and SmolLM2 answering in it."""
+"""JSON mode and JSON schema mode on llguidance: the mask on SmolLM2's vocabulary, SmolLM2 answering alone,
+batched, seeded and with logprobs and stop strings, and which schemas are refused (by the keyword) or taken."""
 
+import dataclasses
 import json
-import random
 
+import jsonschema
 import pytest
+import torch
 
 from kvtool import SamplingParams
-from kvtool.structured.json_mode import MAX_NUMBER, MAX_WS, JsonConstraint, JsonState, advance
+from kvtool.errors import InvalidParameterError
+
+CAT = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+       "required": ["name", "age"], "additionalProperties": False}
 
 
-def random_value(rng: random.Random, depth: int = 0):
-    kind = rng.randrange(7 if depth < 3 else 4)
-    if kind == 0:
-        return rng.choice([True, False, None])
-    if kind == 1:
-        return rng.choice([0, -3, 12345, 0.5, -2.25e-7, 1e21])
-    if kind == 2:
-        return "".join(rng.choice('ab "\\/\n\té€😀\x01') for _ in range(rng.randrange(6)))
-    if kind == 3:
-        return rng.randrange(10)
-    if kind in (4, 5):
-        return {f"k{i}": random_value(rng, depth + 1) for i in range(rng.randrange(4))}
-    return [random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+@pytest.mark.parametrize("schema,keyword", [
+    ({"type": "array", "uniqueItems": True}, "uniqueItems"), ({"dependencies": {"a": ["b"]}}, "dependencies"),
+    ({"not": {"type": "string"}}, "not"), ({"type": "object", "properties": {"a": {"minLength": "x"}}}, "minLength"),
+    ({"oneOf": [{"type": "object"}, {"type": "object", "required": ["a"]}]}, "oneOf")])
+def test_a_schema_the_engine_cannot_enforce_is_refused_naming_the_keyword(schema, keyword):
+    with pytest.raises(InvalidParameterError, match=f"json_schema.*{keyword}"):
+        SamplingParams(response_format="json_schema", json_schema=schema).validate()
 
 
-def test_every_prefix_of_a_json_object_is_accepted_and_only_the_whole_is_done():
-    rng = random.Random(0)
-    for i in range(300):
-        obj = {f"f{j}": random_value(rng) for j in range(rng.randrange(4))}
-        text = json.dumps(obj, indent=[None, 2][i % 2], ensure_ascii=bool(i % 3))
-        state = JsonState()
-        for j, ch in enumerate(text):
-            assert not state.done, text[:j]
-            state = advance(state, ch)
-            assert state is not None, (text, j)
-        assert state.done and advance(state, " ") is None and advance(state, "{") is None
-
-
-def test_whatever_it_calls_done_parses_as_a_json_object():
-    rng = random.Random(1)
-    chars = '{}[]",:0123456789.-+eE truefalsnl\\u/'
-    finished = 0
-    for _ in range(30000):
-        state, text = JsonState(), ""
-        for _ in range(rng.randrange(1, 40)):
-            nxt = advance(state, c := rng.choice(chars))
-            if nxt is not None:
-                state, text = nxt, text + c
-            if state.done:
-                assert isinstance(json.loads(text), dict), text
-                finished += 1
-                break
-    assert finished > 1000
-
-
-@pytest.mark.parametrize("text", ['[1]', '"x"', '{"a" 1}', '{"a": 01}', '{"a": 1.}', '{"a": tru}', '{"a": 1,}',
-                                  '{,}', '{"a": "\x01"}', '{"a": 1.e5}', '{"a": -}', '{"a": "\\x"}', "{'a': 1}",
-                                  '{"a": 1}}', '{' + ' ' * (MAX_WS + 1), '{"a": ' + '9' * (MAX_NUMBER + 1)])
-def test_not_an_object_prefix(text):
-    assert advance(JsonState(), text) is None
-
-
-def test_a_number_may_be_as_long_as_max_number():
-    assert advance(JsonState(), '{"a": ' + '9' * MAX_NUMBER + '}').done
-    assert advance(JsonState(), '{"a": -1.2345678901234567e-308}').done
-
-
-def test_constraint_allows_stops_only_at_the_end_and_never_other_special_tokens():
-    pieces = ['{', '"a', '":', ' 1', '}', '<|im_end|>', '<|im_start|>', '\ufffd', ' "', 'x']
-    c = JsonConstraint(pieces, special_ids={5, 6}, stop_ids={5})
-    assert c.next_state(5) is None and c.next_state(6) is None and c.next_state(7) is None
-    for token in (0, 1):
-        c.accept(token)
-    assert c.next_state(7) is not None  # inside a string: part of a multi-byte character
-    for token in (2, 3):
-        c.accept(token)
-    assert c.next_state(7) is None and c.next_state(6) is None
-    c.accept(4)
-    assert c.state.done and c.next_state(5) is not None and c.next_state(8) is None
-    with pytest.raises(ValueError, match="does not continue"):
-        c.accept(9)
-
-
-def test_a_suffix_is_spelled_after_the_object_before_the_turn_ends():
-    pieces = ['{', '}', '\n', '</tool_call>', '</', 'tool_call>', '<|im_end|>', 'x']
-    c = JsonConstraint(pieces, special_ids={6}, stop_ids={6}, suffix="\n</tool_call>")
-    c.accept(0)
-    c.accept(1)
-    assert c.state.done and not c.finished
-    assert [t for t in range(8) if c.next_state(t) is not None] == [2]  # only the suffix's start
-    c.accept(2)
-    assert [t for t in range(8) if c.next_state(t) is not None] == [3, 4]
-    c.accept(4)
-    c.accept(5)
-    assert c.finished and [t for t in range(8) if c.next_state(t) is not None] == [6]
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "patternProperties": {"^x_": {"type": "integer"}}},  # patternProperties
+    {"type": "array", "items": {"type": "string"}}, {"type": "string", "pattern": "^[a-z]+$"}, True,  # non-object roots
+    {"type": "object", "properties": {"$ref": {"type": "string"}}, "required": ["$ref"]},  # a property named $ref
+    {"$defs": {"n": {"type": "integer", "required": ["a"], "additionalProperties": False}},
+     "type": "object", "properties": {"n": {"$ref": "#/$defs/n"}}},  # object keywords on an integer: ignored
+    {"type": "integer", "multipleOf": 7}, {"type": "object", "properties": {"u": {"format": "uri-reference"}}}])
+def test_schemas_the_old_automata_refused_compile(schema):
+    SamplingParams(response_format="json_schema", json_schema=schema).validate()
 
 
 @pytest.mark.real_model
-def test_smollm2_answers_with_one_json_object(smollm2):
+def test_the_mask_allows_exactly_what_continues_the_grammar(smollm2):
+    from kvtool.engine import Engine
+
+    engine = Engine(smollm2)
+    stops = engine.stop_ids(SamplingParams())
+    c = engine.constraint(SamplingParams(choice=["positive", "negative"]).validate(), stops)
+    tok = smollm2.tokenizer
+    ok = c.allowed(torch.device("cpu"))
+    allowed = ok.nonzero().flatten().tolist()
+    pieces = [tok.decode([t]) for t in allowed]
+    assert allowed and all(("positive".startswith(p) or "negative".startswith(p)) and p for p in pieces), pieces
+    assert not ok[sorted(stops)].any()  # not a whole choice yet: the turn may not end
+    for t in tok.encode("negative", add_special_tokens=False):
+        c.accept(t)
+    ok = c.allowed(torch.device("cpu"))
+    assert set(ok.nonzero().flatten().tolist()) == stops  # a whole choice, and no longer one: only the end
+    c = engine.constraint(SamplingParams(response_format="json_schema", json_schema={
+        "type": "object", "properties": {"colour": {"const": "blue"}}, "required": ["colour"]}).validate(), stops)
+    forced = []
+    while (t := c.forced()) is not None:  # every byte is fixed: the matcher names each token
+        forced.append(t)
+        assert c.allowed(torch.device("cpu")).nonzero().flatten().tolist() == [t]
+        c.accept(t)
+    text = tok.decode(forced)  # up to where a token could still join the next bytes in another way
+    assert '{"colour": "blue"}'.startswith(text) and len(text) >= len('{"colour": "blue'), text
+    with pytest.raises(InvalidParameterError, match="doesn.t satisfy the grammar"):
+        engine.constraint(SamplingParams(choice=["yes"]).validate(), stops).accept(tok.encode("no")[0])
+
+
+@pytest.mark.real_model
+def test_smollm2_answers_in_the_schema_alone_batched_seeded_with_logprobs_and_stop_strings(smollm2):
     from kvtool.engine import Engine
 
     engine = Engine(smollm2)
     prompt = smollm2.encode(smollm2.render(
-        [{"role": "user", "content": "Describe a cat as JSON with fields name, age and colour."}]))
-    free = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=64)).run()
+        [{"role": "user", "content": "Describe a cat as JSON with fields name and age."}]))
+    free = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=48)).run()
     with pytest.raises(json.JSONDecodeError):
         json.loads(free.text)  # left alone, it fences the object in Markdown and talks on
-    greedy = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=64, response_format="json_object")).run()
-    assert greedy.finish_reason == "stop" and set(json.loads(greedy.text)) >= {"name", "age"}
-    params = SamplingParams(temperature=0.9, seed=3, max_tokens=96, response_format="json_object")
-    sampled = engine.generate_batch([prompt], params, n=3)  # drawn alone, each as its own seeded run
-    for i, gen in enumerate(sampled):
-        assert gen.token_ids == engine.generate(prompt, SamplingParams(
-            temperature=0.9, seed=3 + i, max_tokens=96, response_format="json_object")).run().token_ids
-        if gen.finish_reason == "stop":
-            assert isinstance(json.loads(gen.text), dict)
-        else:  # cut at max_tokens: still a prefix of an object
-            assert advance(JsonState(), gen.text.replace("\ufffd", "")) is not None
+    greedy = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=48, response_format="json_object")).run()
+    assert greedy.finish_reason == "stop" and isinstance(json.loads(greedy.text), dict)
+    params = SamplingParams(temperature=0.9, seed=3, max_tokens=40, response_format="json_schema", json_schema=CAT,
+                            logprobs=2)
+    sampled = engine.generate_batch([prompt, prompt], [params, dataclasses.replace(params, seed=None)], n=2)
+    again = engine.generate(prompt, dataclasses.replace(params, seed=4)).run()
+    assert sampled[1].token_ids == again.token_ids  # seeded: drawn alone, as its own seeded run (seed 3 + 1)
+    for gen in sampled:  # the unseeded pair is drawn by the batched sampler, each row under its own mask
+        assert gen.finish_reason == "stop", gen.text
+        jsonschema.validate(json.loads(gen.text), CAT)
+    cut = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=4, response_format="json_schema",
+                                                 json_schema=CAT)).run()
+    assert cut.finish_reason == "length" and cut.text.startswith('{"')
+    stopped = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=48, stop=['"age"'],
+                                                     response_format="json_schema", json_schema=CAT)).run()
+    assert stopped.finish_reason == "stop" and stopped.text.startswith('{"name": ') and '"age"' not in stopped.text
+
+
+@pytest.mark.real_model
+def test_a_suffix_follows_the_value_before_the_turn_ends(smollm2):
+    from kvtool.engine import Engine
+
+    engine = Engine(smollm2)
+    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "Call the weather tool for Paris."}]))
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    gen = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=40, response_format="json_schema",
+                                                 json_schema=schema, json_suffix="\n</tool_call>")).run()
+    assert gen.finish_reason == "stop" and gen.text.endswith("}\n</tool_call>"), gen.text
+    jsonschema.validate(json.loads(gen.text[: -len("\n</tool_call>")]), schema)
+
+
+def test_a_special_token_in_the_suffix_is_that_token_and_plain_text_stays_text():
+    from kvtool.structured.grammar import suffix_lark
+
+    assert suffix_lark("\n</tool_call>", {"</tool_call>": 151658, "<tool_call>": 151657}) == '"\\n" <[151658]>'
+    assert suffix_lark("\n</tool_call>", {"<|im_end|>": 2}) == '"\\n</tool_call>"'
+
+
+@pytest.mark.real_model
+def test_qwen_closes_a_call_with_its_special_token_and_spells_special_text_in_plain_tokens(qwen25):
+    from kvtool.engine import Engine
+
+    engine = Engine(qwen25)
+    close = qwen25.tokenizer.convert_tokens_to_ids("</tool_call>")
+    prompt = qwen25.encode(qwen25.render([{"role": "user", "content": "Call the weather tool for Paris."}]))
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    gen = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=40, response_format="json_schema",
+                                                 json_schema=schema, json_suffix="\n</tool_call>")).run()
+    assert gen.finish_reason == "stop" and gen.token_ids[-2] == close, gen.token_ids  # the tag as Qwen2.5 writes it
+    jsonschema.validate(json.loads(gen.text.removesuffix("\n</tool_call>")), schema)
+    # a JSON string and a regex that spell the tag's text: written in plain tokens, never the refused special one
+    tagged = {"type": "object", "properties": {"tag": {"const": "</tool_call>"}}, "required": ["tag"],
+              "additionalProperties": False}
+    for params in (SamplingParams(temperature=0, max_tokens=40, response_format="json_schema", json_schema=tagged),
+                   SamplingParams(temperature=0, max_tokens=40, regex=r'<tool_call>\n\{"city": "Paris"\}')):
+        gen = engine.generate(prompt, params).run()
+        assert gen.finish_reason == "stop" and close not in gen.token_ids, gen.token_ids
+        assert gen.text in ('{"tag": "</tool_call>"}', '<tool_call>\n{"city": "Paris"}'), gen.text

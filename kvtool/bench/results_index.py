@@ -125,7 +125,12 @@ HEADLINES.update({  # one-line summaries
     "choices": lambda r: f"n={r['n']} in one request: wall {_x(r['speedup_wall'])}, last TTFT "
                          f"{_x(r['speedup_last_ttft'])}",
     "json_mode": lambda r: ", ".join(f"{k}: {v['fit_schema']}/{v['requests']} fit the schema"
-                                     for k, v in r["results"].items()),
+                                     for k, v in r["results"].items()) if "results" in r else "; ".join(
+        f"{name}: " + (", ".join(f"{path} overhead {100 * m[path]['overhead']:+.1f}%" for path in
+                                 ("batch1", "streams8") if path in m) or
+                       f"sampling {m['text']['median']:.2f} -> {m['json_schema']['median']:.2f} ms/token, 8 streams "
+                       f"{m['streams8_step']['text']['median']:.1f} -> {m['streams8_step']['json_schema']['median']:.1f}"
+                       " ms/step") for name, m in r["models"].items()),
     "agent_eval": lambda r: f"tool-call success {r['passed']}/{r['cases']}",
     "viz_8k": lambda r: f"{r['tokens']}-token heatmap peak RSS {r['peak_rss_gb']} GB",
     "engines": lambda r: "kvtool / vLLM: " + ", ".join(f"{k} {_x(v['median'])}"

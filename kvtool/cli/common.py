@@ -71,7 +71,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regex", default=None, metavar="PATTERN", help="answer with text the whole of which matches "
                                                                     "this regular expression")
     p.add_argument("--json-schema", default=None, metavar="SCHEMA",
-                   help="answer with one JSON object that follows this JSON schema (a file, or the schema inline)")
+                   help="answer with one JSON value that follows this JSON schema (a file, or the schema inline)")
 
 
 def json_schema_arg(value: str) -> dict:

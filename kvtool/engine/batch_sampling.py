@@ -3,7 +3,8 @@
 Continuous batching runs many requests per step. Each request's own Sampler costs a handful of kernels
 and one host sync, so 64 sampling streams cost 64 syncs a step. sample_rows() does Sampler's math for
 every row together, with each row's parameters as a column of a tensor:
-- penalties, logit bias and the min_tokens hold, row by row, and only on the rows that ask for them;
+- penalties, logit bias, the min_tokens hold and the structured-output mask, row by row, and only on the
+  rows that ask for them;
 - then temperature, top-k, min-p and top-p, in Sampler's order (vLLM's);
 - then one draw per row.
 The chosen tokens, their logprobs and the top logprobs come back in a single transfer.
@@ -27,7 +28,7 @@ OFF = float("inf")  # a top_p no cumulative sum reaches: that row keeps every to
 
 def batchable(sampler: Sampler) -> bool:
     """Whether sample_rows may draw for this request (it has no generator of its own to replay)."""
-    return sampler.generator is None and sampler.constraint is None
+    return sampler.generator is None
 
 
 def processed_logits(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:

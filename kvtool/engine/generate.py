@@ -35,7 +35,7 @@ class Engine:
         self.end_of_turn = frozenset(model.end_of_turn_ids())
         self._scheduler: BatchScheduler | None = None
         self._batched: dict[int, object] = {}  # slots -> BatchedStaticDecoder, shared by this engine's schedulers
-        self._vocab: tuple[list[str], set[int]] | None = None  # every token's text piece, special ids (JSON mode)
+        self._grammars = None  # kvtool.engine.constraint.Grammars: the llguidance tokenizer, built on first use
 
     def batched_static_decoder(self, slots: int):
         """A BatchedStaticDecoder with `slots` rows for continuous batching, or None (eager forward_batch).
@@ -62,26 +62,19 @@ class Engine:
                                                             fit), bucket)
 
     def constraint(self, params: SamplingParams, stop_ids):
-        """The JsonConstraint, ChoiceConstraint or RegexConstraint a request samples under (None for free text); the
-        vocabulary's pieces are decoded once per engine."""
-        if params.response_format == "text" and params.choice is None and params.regex is None:
+        """The Constraint a request samples under (kvtool.engine.constraint), None for free text; the model's
+        llguidance tokenizer is built on the first one."""
+        from kvtool.structured.grammar import request_grammar
+
+        if not params.structured:
             return None
-        if self._vocab is None:
-            tok = self.model.tokenizer
-            n = min(len(tok), self.runner.spec.vocab_size)
-            special = set(tok.all_special_ids) | {i for i, a in tok.added_tokens_decoder.items() if a.special}
-            self._vocab = tok.batch_decode([[i] for i in range(n)]), special
-        if params.choice is not None:
-            from kvtool.structured.choice import ChoiceConstraint
+        if self._grammars is None:
+            from kvtool.engine.constraint import Grammars
 
-            return ChoiceConstraint(*self._vocab, stop_ids, params.choice)
-        if params.regex is not None:
-            from kvtool.structured.regex_mode import RegexConstraint
-
-            return RegexConstraint(*self._vocab, stop_ids, params.regex)
-        from kvtool.structured.json_mode import JsonConstraint
-
-        return JsonConstraint(*self._vocab, stop_ids, params.json_schema, params.json_suffix)
+            self._grammars = Grammars(self.model.tokenizer, self.runner.spec.vocab_size, self.end_of_turn)
+        grammar = request_grammar(params.response_format, params.json_schema, params.json_suffix, params.choice,
+                                  params.regex, params.grammar, self._grammars.specials)
+        return self._grammars.constraint(grammar, stop_ids)
 
     def stop_ids(self, params: SamplingParams) -> set[int]:
         """The tokens that end a request's output: its stop_token_ids, and the end of turn unless ignore_eos."""

@@ -1,8 +1,8 @@
 """Logits -> next token: penalties, logit bias, allowed tokens, min_tokens, temperature, top-k/top-p/min-p,
 seeded sampling.
 
-Order as in vLLM: penalties, logit_bias, allowed_token_ids, the min_tokens hold on stop tokens,
-temperature, then the truncations, then sampling.
+Order as in vLLM: penalties, logit_bias, allowed_token_ids, the min_tokens hold on stop tokens, the
+structured-output mask (kvtool.engine.constraint), temperature, then the truncations, then sampling.
 Logprobs are reported from the raw model distribution (before any processing).
 """
 
@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from kvtool.config import SamplingParams
-from kvtool.errors import InvalidParameterError
 
 
 @dataclass
@@ -37,7 +36,7 @@ class Sampler:
         # seen (prompt + output, for repetition_penalty) and counts (output, presence/frequency), kept only when used
         self.track = params.repetition_penalty != 1.0 or bool(params.presence_penalty or params.frequency_penalty)
         self.seen_any = False  # known on the host, so the penalty never syncs to ask
-        self.constraint = None  # a JsonConstraint in JSON mode (set by the engine): which tokens may come next
+        self.constraint = None  # a Constraint in a structured mode (set by the engine): which tokens may come next
         self.seen = self.counts = None
         self.produced = 0  # tokens observed so far: min_tokens holds the stop tokens back until it is reached
         self.held: torch.Tensor | None = None  # the stop tokens min_tokens holds back (set by hold())
@@ -67,7 +66,8 @@ class Sampler:
     @property
     def adjusts(self) -> bool:
         """Whether _adjust changes the logits this step (penalties, a logit bias, allowed tokens, held stops)."""
-        return self.track or self.bias is not None or self.allowed is not None or self._holding
+        return (self.track or self.bias is not None or self.allowed is not None or self._holding
+                or self.constraint is not None)
 
     @property
     def _holding(self) -> bool:
@@ -75,6 +75,8 @@ class Sampler:
 
     def observe(self, token: int) -> None:
         self.produced += 1
+        if self.constraint is not None:
+            self.constraint.accept(token)
         if self.track and token < self.vocab_size:
             self.seen[token] = True
             self.counts[token] += 1
@@ -84,9 +86,7 @@ class Sampler:
         """logits [V] (or [1, V]) fp32 -> Sample, computed on the sampler's device."""
         logits = logits.reshape(-1)[: self.vocab_size].float().to(self.device)
         x = self._adjust(logits)
-        if self.constraint is not None:
-            token = torch.tensor(self._constrained(x), device=self.device)
-        elif self.p.greedy:
+        if self.p.greedy:
             token = torch.argmax(x)
         else:
             x = self._truncate(x / self.p.temperature)
@@ -103,46 +103,9 @@ class Sampler:
         top = [(int(i), v) for i, v in zip(out[2 + k :], out[2 : 2 + k])] if k > 0 else None
         return Sample(int(out[0]), out[1], top)
 
-    CANDIDATES = 64  # most likely tokens tried first in JSON mode, before a scan of the whole vocabulary
-
-    def _constrained(self, x: torch.Tensor) -> int:
-        """The token to emit in JSON mode, as this sampler would draw it among the tokens the constraint allows:
-        greedy takes the most likely allowed one; sampling draws, and redraws without a refused token."""
-        c = self.constraint
-        if c.finished:  # the object (and its suffix) is out: the most likely end of the turn
-            stops = sorted(t for t in c.stops if t < self.vocab_size)
-            token = stops[int(torch.argmax(x[torch.tensor(stops, device=self.device)]))]
-        else:
-            token = self._first_allowed(x if self.p.greedy else self._truncate(x / self.p.temperature), x)
-        c.accept(token)
-        return token
-
-    def _first_allowed(self, x: torch.Tensor, untruncated: torch.Tensor) -> int:
-        c = self.constraint
-        if not self.p.greedy:
-            probs = torch.softmax(x, dim=-1)
-            for _ in range(8):
-                token = int(torch.multinomial(probs, 1, generator=self.generator)[0])
-                if c.next_state(token) is not None:
-                    return token
-                probs[token] = 0.0
-                if not bool(probs.sum() > 0):
-                    break
-            x = torch.where(probs > 0, x, float("-inf"))
-        for scores in (x, untruncated):  # what truncation left, most likely first; then anything allowed
-            live = int(torch.isfinite(scores).sum())
-            for token in torch.topk(scores, min(self.CANDIDATES, live)).indices.tolist():
-                if c.next_state(token) is not None:
-                    return token
-            for token in torch.argsort(scores, descending=True)[:live].tolist():  # the rest, only when needed
-                if c.next_state(token) is not None:
-                    return token
-        raise InvalidParameterError("structured output: no token of the vocabulary continues the output here; the "
-                                    "pattern or schema allows nothing a token can write next (a lookahead that "
-                                    "forbids what must follow?)")
-
     def _adjust(self, x: torch.Tensor) -> torch.Tensor:
-        """Penalties, then logit_bias, allowed_token_ids and the min_tokens hold: what every mode draws from."""
+        """Penalties, then logit_bias, allowed_token_ids, the min_tokens hold and the structured-output mask: what
+        every mode draws from."""
         p = self.p
         if p.repetition_penalty != 1.0 and self.seen_any:
             x = torch.where(self.seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
@@ -154,6 +117,8 @@ class Sampler:
             x = torch.full_like(x, float("-inf")).index_copy(0, self.allowed, x.index_select(0, self.allowed))
         if self._holding:
             x = x.index_fill(0, self.held, float("-inf"))
+        if self.constraint is not None:
+            x = self.constraint.mask(x)
         return x
 
     def _truncate(self, x: torch.Tensor) -> torch.Tensor:

@@ -244,10 +244,10 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
         # rendering and tokenizing run off the event loop (check_fits already bounds how long they take)
         prepared = await run_in_threadpool(prepare_chat, served, body, await request.json(), fmt)
         if prepared.call_schema is not None:  # a forced call: its JSON follows the tool's schema
-            if params.response_format != "text" or params.choice is not None or params.regex is not None:
-                raise ServingError("response_format (or a choice or regex) cannot be combined with tool_choice "
-                                   "'required' or a named function: the call's JSON already follows the tool's "
-                                   "schema", "response_format")
+            if params.structured:
+                raise ServingError("response_format (or a choice, regex or grammar) cannot be combined with "
+                                   "tool_choice 'required' or a named function: the call's JSON already follows "
+                                   "the tool's schema", "response_format")
             params = dataclasses.replace(params, response_format="json_schema", json_schema=prepared.call_schema,
                                          json_suffix=prepared.call_suffix).validate()
         handles = worker.submit_choices([prepared.prompt_ids], body.n, params)

@@ -14,8 +14,8 @@ text answers as they come if the cache matters more. `required` and a named
 function prefill the assistant turn with `<tool_call>\\n` and the call is written in JSON
 schema mode: `{"name": one of the allowed tools, "arguments": that tool's parameters}`
 (any object when several tools are allowed), then `\\n</tool_call>`, so it is a valid call.
-Where a tool's parameters use what that mode cannot enforce (anyOf, $ref, ...), the
-prefill goes on to `{"name": "` (or up to `"arguments": ` for a named one) and the model
+Where a tool's parameters use what the grammar compiler cannot enforce (`not`, `oneOf`, ...),
+the prefill goes on to `{"name": "` (or up to `"arguments": ` for a named one) and the model
 completes it; if that is not a valid call, the text comes back as content with
 finish_reason "stop".
 """
@@ -33,8 +33,7 @@ from kvtool.serving.errors import ServingError
 from kvtool.serving.protocol import ChatMessage, NamedToolChoice, ToolDef
 from kvtool.serving.served import ServedModel, check_text
 from kvtool.serving.toolparse import THINK_CLOSE, THINK_OPEN, ToolFormat
-from kvtool.structured.json_schema import check_schema
-from kvtool.structured.schema_refs import rebase
+from kvtool.structured.grammar import check, json_grammar, rebase
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -243,14 +242,14 @@ def skill_messages(served: ServedModel, names: list[str], continue_final_message
 def call_schema(tools: list[dict], name: str | None) -> dict | None:
     """The JSON schema of one call {"name", "arguments"}: of the named tool, or of any declared tool (whose
     arguments follow its parameters when there is only one, else any object). None when the parameters use
-    what JSON schema mode cannot enforce: the prefill alone then starts the call."""
+    what the grammar compiler cannot enforce: the prefill alone then starts the call."""
     chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     args = (chosen[0].get("parameters") or {"type": "object"}) if len(chosen) == 1 else {"type": "object"}
     args = rebase(args, "#/properties/arguments")  # its own '#/$defs/...' references, now inside the call
     schema = {"type": "object", "properties": {"name": {"enum": [f["name"] for f in chosen]}, "arguments": args},
               "required": ["name", "arguments"], "additionalProperties": False}
     try:
-        check_schema(schema)
+        check(json_grammar(schema), "the call")
     except InvalidParameterError:
         return None
     return schema
@@ -273,6 +272,10 @@ def prepare_chat(served: ServedModel, req, raw: dict, fmt: ToolFormat, answers_r
         if not req.add_generation_prompt or req.continue_final_message:
             raise bad(f"tool_choice {mode!r} prefills a new assistant turn; it needs add_generation_prompt=true "
                       "and continue_final_message=false", "tool_choice")
+        if not fmt.open:
+            raise bad(f"tool_choice {mode!r} writes a tool call, which this server does not parse (kvtool serve "
+                      "--tool-parser none); serve with a tool parser (--tool-parser qwen) or send 'auto'",
+                      "tool_choice")
         schema = call_schema(tools, name)  # the call is then written in JSON schema mode
         prefill = f"{fmt.open}\n" if schema is not None else fmt.prefill(name)
     call_names = [t["function"]["name"] for t in tools or []] if mode != "none" else []

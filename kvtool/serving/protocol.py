@@ -105,16 +105,19 @@ class StreamOptions(Strict):
 class ResponseFormat(Strict):
     type: str = "text"
     json_schema: dict[str, Any] | None = None  # OpenAI: {"name", "schema", "strict"}
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # llama.cpp: {"type": "json_object",
+    # "schema": {...}}
 
 
 class StructuredOutputs(Strict):
-    """vLLM's structured_outputs: exactly one of json (a schema), regex or choice."""
+    """vLLM's structured_outputs: exactly one of json (a schema), regex, choice, grammar or json_object."""
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
-    grammar: str | None = None  # named so a request using it gets a clear 400
-    structural_tag: Any = None
+    grammar: str | None = None  # Lark or GBNF
+    json_object: bool | None = None
+    structural_tag: Any = None  # named so a request using it gets a clear 400
 
 
 class GenerationRequest(Strict):
@@ -137,11 +140,11 @@ class GenerationRequest(Strict):
     guided_choice: list[str] | None = None  # vLLM's extension: the output is exactly one of these strings
     guided_regex: str | None = None  # vLLM's extension: the output matches this pattern
     guided_json: dict[str, Any] | str | None = None  # vLLM's extension: the output is JSON of this schema
-    structured_outputs: StructuredOutputs | None = None  # vLLM's newer form of the three above
-    # grammars kvtool can't follow, named so a client sending one gets a 400 instead of unconstrained text:
-    guided_grammar: Any = None  # vLLM (EBNF / Lark)
-    grammar: Any = None  # llama.cpp (GBNF)
-    structural_tag: Any = None  # vLLM
+    guided_grammar: str | None = None  # vLLM's extension: the output follows this Lark or GBNF grammar
+    structured_outputs: StructuredOutputs | None = None  # vLLM's newer form of the guided_* fields
+    grammar: str | None = None  # llama.cpp's extension: a GBNF (or Lark) grammar
+    json_schema: dict[str, Any] | bool | None = None  # llama.cpp's extension: the output is JSON of this schema
+    structural_tag: Any = None  # vLLM's; named so a client sending one gets a 400 instead of unconstrained text
     include_stop_str_in_output: bool = False  # vLLM's extension: the stop string that ended the text stays in it
     min_tokens: int = 0  # vLLM's extension: no end of turn, stop token or stop string before this many tokens
     logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias added to its logit, in [-100, 100]
@@ -149,7 +152,7 @@ class GenerationRequest(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    response_format: ResponseFormat | None = None  # text | json_object | json_schema (kvtool.structured.json_mode)
+    response_format: ResponseFormat | None = None  # text | json_object | json_schema (kvtool.structured.grammar)
 
     def sampling(self, default_max_tokens: int | None, max_tokens: int | None = None,
                  logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
@@ -161,12 +164,12 @@ class GenerationRequest(Strict):
             value = getattr(self, name)
             return getattr(defaults, name) if value is None else value
 
-        fmt, choice, regex = self.structured(self.response_format or ResponseFormat())
+        fmt, choice, regex, grammar = self.structured(self.response_format or ResponseFormat())
         if fmt.type not in ("text", "json_object", "json_schema"):
             raise ServingError(f"response_format type {fmt.type!r} is not supported; use 'text', 'json_object' or "
                                "'json_schema'", param="response_format")
         schema = (fmt.json_schema or {}).get("schema") if fmt.type == "json_schema" else None
-        if fmt.type == "json_schema" and not isinstance(schema, dict):
+        if fmt.type == "json_schema" and not isinstance(schema, (dict, bool)):
             raise ServingError("response_format json_schema needs json_schema.schema, a JSON schema object",
                                param="response_format")
         if max_tokens is None:  # max_completion_tokens wins over max_tokens, then the server default
@@ -187,34 +190,37 @@ class GenerationRequest(Strict):
             frequency_penalty=pick("frequency_penalty"), seed=self.seed, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
             min_tokens=self.min_tokens, logit_bias=bias, include_stop_str_in_output=self.include_stop_str_in_output,
-            allowed_token_ids=self.allowed_token_ids, choice=choice, regex=regex,
+            allowed_token_ids=self.allowed_token_ids, choice=choice, regex=regex, grammar=grammar,
             prompt_logprobs=prompt_logprobs, response_format=fmt.type, json_schema=schema)
         return params.validate()
 
-    def structured(self, fmt: ResponseFormat) -> tuple[ResponseFormat, list[str] | None, str | None]:
-        """(response format, choice, regex) from response_format, guided_* and structured_outputs: one of them."""
+    def structured(self, fmt: ResponseFormat) -> tuple[ResponseFormat, list[str] | None, str | None, str | None]:
+        """(response format, choice, regex, grammar) from response_format, guided_*, structured_outputs and
+        llama.cpp's grammar / json_schema: one of them."""
         out = self.structured_outputs
-        for name in ("guided_grammar", "grammar", "structural_tag"):
-            if getattr(self, name) is not None:
-                raise ServingError(f"{name} is not supported: kvtool constrains output by a JSON schema, a regex or "
-                                   "a list of choices (response_format, guided_json / guided_regex / guided_choice or "
-                                   "structured_outputs)", param=name)
-        given = [f"guided_{k}" for k in ("choice", "regex", "json") if getattr(self, f"guided_{k}") is not None]
+        if self.structural_tag is not None or (out is not None and out.structural_tag is not None):
+            raise ServingError("structural_tag is not supported; use response_format, guided_json / guided_regex / "
+                               "guided_choice / guided_grammar, structured_outputs or grammar", param="structural_tag")
+        given = [f"guided_{k}" for k in ("choice", "regex", "json", "grammar")
+                 if getattr(self, f"guided_{k}") is not None]
+        given += [k for k in ("grammar", "json_schema") if getattr(self, k) is not None]
         if out is not None:
-            named = [k for k in ("json", "regex", "choice", "grammar", "structural_tag")
-                     if getattr(out, "json_" if k == "json" else k) is not None]
+            named = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                     if getattr(out, "json_" if k == "json" else k) not in (None, False)]
             if len(named) != 1:
-                raise ServingError(f"structured_outputs takes exactly one of json, regex and choice; got {named}",
-                                   param="structured_outputs")
-            if named[0] in ("grammar", "structural_tag"):
-                raise ServingError(f"structured_outputs.{named[0]} is not supported; use json (a JSON schema), "
-                                   "regex or choice", param="structured_outputs")
+                raise ServingError(f"structured_outputs takes exactly one of json, regex, choice, grammar and "
+                                   f"json_object; got {named}", param="structured_outputs")
             given.append(f"structured_outputs.{named[0]}")
         if fmt.type != "text":
             given.append("response_format")
         if len(given) > 1:
             raise ServingError(f"give one way to structure the output, not {' and '.join(given)}", param=given[1])
-        schema = self.guided_json if self.guided_json is not None else out.json_ if out is not None else None
+        if fmt.type == "json_object" and fmt.schema_ is not None:  # llama.cpp: {"type": "json_object", "schema"}
+            fmt = ResponseFormat(type="json_schema", json_schema={"schema": fmt.schema_})
+        if out is not None and out.json_object:
+            fmt = ResponseFormat(type="json_object")
+        schema = next((s for s in (self.guided_json, self.json_schema, out.json_ if out else None) if s is not None),
+                      None)
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -223,11 +229,11 @@ class GenerationRequest(Strict):
         if schema is not None:
             fmt = ResponseFormat(type="json_schema", json_schema={"schema": schema})
 
-        def pick(name: str):  # an empty list or string stays, for validate() to refuse by name
-            mine = getattr(self, f"guided_{name}")
-            return mine if mine is not None else getattr(out, name) if out is not None else None
+        def pick(name: str, *mine):  # an empty list or string stays, for validate() to refuse by name
+            return next((v for v in (*mine, getattr(out, name) if out is not None else None) if v is not None), None)
 
-        return fmt, pick("choice"), pick("regex")
+        return fmt, pick("choice", self.guided_choice), pick("regex", self.guided_regex), \
+            pick("grammar", self.guided_grammar, self.grammar)
 
     @property
     def include_usage(self) -> bool:

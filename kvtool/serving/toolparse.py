@@ -100,6 +100,7 @@ def register_tool_format(fmt: ToolFormat, *aliases: str) -> ToolFormat:
 
 
 register_tool_format(ToolFormat("qwen", "<tool_call>", "</tool_call>"), "hermes")
+register_tool_format(ToolFormat("none", "", ""))  # no parsing: calls stay in content, as vLLM without a tool parser
 
 
 def json_end(text: str) -> int:
@@ -141,7 +142,7 @@ class OutputParser:
     def __init__(self, tools: Collection[str] = (), fmt: ToolFormat | None = None, reasoning: bool = True,
                  in_reasoning: bool = False):
         self.tools = set(tools)
-        self.fmt = fmt if self.tools else None  # no declared tools: nothing is a call
+        self.fmt = fmt if self.tools and fmt is not None and fmt.open else None  # no tools or parser: no calls
         self.reasoning = reasoning
         self.state = REASONING if in_reasoning else CONTENT
         self.buf = ""  # text not yet consumed

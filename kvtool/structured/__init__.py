@@ -1,7 +1,6 @@
-"""Structured output: what a constrained output may be, as pure-Python character automata (no torch).
+"""Structured output: a request's JSON schema, regex, choices or Lark/GBNF grammar as one llguidance grammar.
 
-JSON syntax (json_syntax), JSON mode (json_mode), a JSON schema narrowing it (json_schema, with $ref/anyOf in
-schema_refs and value bounds, patterns and formats in schema_values), a regular expression (regex_mode) and a
-fixed list of choices (choice). The engine wraps them around its sampler; config checks a request's schema and
-pattern with the same code, so a bad one is refused before any model runs.
+kvtool.structured.grammar maps the request fields to llguidance and checks that the grammar compiles (text
+only, no torch), so config refuses a schema or grammar the engine could not enforce before any model runs;
+kvtool.engine.constraint holds the per-request matcher and masks the logits with it.
 """

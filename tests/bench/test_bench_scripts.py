@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = {
-    "json_mode.py": ["--seeds", "1", "--max-tokens", "6"],
+    "json_mode.py": ["--models", "smollm2", "--repeats", "1", "--max-tokens", "6"],
     "choices.py": ["--n", "2", "--prompt-words", "20", "--max-tokens", "3", "--repeats", "1"],
     "shared_prefix.py": ["--requests", "2", "--system-words", "30", "--max-tokens", "3", "--repeats", "1"],
     "agent_dispatch.py": ["--runs", "1"],

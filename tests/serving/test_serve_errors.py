@@ -91,7 +91,7 @@ BAD = [
     ("json_schema with not", "/v1/chat/completions",
      chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
          "type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"not": {"type": "null"}}]}}}}}), 400,
-     "schema.properties.a uses not"),
+     "schema.properties.a.anyOf[1] uses not"),
     ("json_schema with a dangling $ref", "/v1/chat/completions",
      chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
          "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}}}), 400, "'#/$defs/A' points to nothing"),

@@ -169,7 +169,7 @@ def test_reasoning_when_the_prompt_opens_the_think_block(qwen_client):
 
 
 def test_parse_fills_a_pydantic_model(smol_client):
-    from tests.test_json_schema_refs import City
+    from tests.test_json_pydantic import City
 
     out = smol_client.chat.completions.parse(
         model=model_id(smol_client), response_format=City, temperature=0, max_tokens=150,
@@ -182,7 +182,7 @@ def test_parse_fills_a_pydantic_model(smol_client):
 def test_a_forced_call_follows_a_pydantic_tool(qwen_client):
     import openai
 
-    from tests.test_json_schema_refs import City
+    from tests.test_json_pydantic import City
 
     tool = openai.pydantic_function_tool(City, name="save_city")
     assert "$defs" in tool["function"]["parameters"]  # the nested models arrive as references

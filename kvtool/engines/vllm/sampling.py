@@ -20,6 +20,8 @@ def to_vllm(params: SamplingParams, max_tokens: int, stops: set[int]):
         structured = StructuredOutputsParams(choice=list(params.choice))
     elif params.regex is not None:
         structured = StructuredOutputsParams(regex=params.regex)
+    elif params.grammar is not None:
+        structured = StructuredOutputsParams(grammar=params.grammar)
     elif params.response_format == "json_schema":
         structured = StructuredOutputsParams(json=params.json_schema or {})
     elif params.response_format == "json_object":

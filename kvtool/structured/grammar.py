@@ -1,0 +1,184 @@
+"""Request fields -> one llguidance grammar: a JSON schema (or any JSON object), a regex, a list of choices, or a
+Lark / GBNF grammar, each followed by an optional suffix (a tool call's closing tag).
+
+llguidance compiles the grammar and its matcher computes, per step, which tokens may come next
+(kvtool.engine.constraint). Here it is text only (no tokenizer, no torch), so config checks a request's
+schema, pattern or grammar with the same compiler before any model runs: a schema or grammar it cannot
+compile is refused with llguidance's message, led for a schema by where the keyword or `$ref` it names is
+(`schema.properties.a uses not`).
+
+JSON is written compactly with one space after ':' and ',' (no free whitespace, which a small model can spend
+its whole max_tokens on). A `format` the compiler does not know is an annotation, as JSON Schema says of
+unknown formats, and is dropped before compiling; every other keyword it does not implement is an error.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Mapping
+
+from llguidance import LLMatcher, grammar_from
+
+from kvtool.errors import InvalidParameterError
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_OBJECT = {"type": "object"}
+DATA = ("enum", "const", "default", "examples")  # values, not schemas: never searched for keywords
+NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema maps
+UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
+UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")
+MISSING_REF = re.compile(r"(Pointer|Resource) '([^']*)' (does not exist|is not present)")
+
+
+def json_grammar(schema: dict | bool | None, suffix: str = "", specials: Mapping[str, int] | None = None) -> str:
+    """The grammar of one JSON value of `schema` (None: any JSON object), then `suffix` (see suffix_lark)."""
+    schema = ANY_OBJECT if schema is None else {} if schema is True else schema
+    if schema is False:
+        raise InvalidParameterError("the JSON schema is false: no value matches it")
+    check_meta(schema)
+    for _ in range(8):  # each pass drops one unknown format
+        grammar = _json_then(schema, suffix, specials or {})
+        error = LLMatcher.validate_grammar(grammar)
+        unknown = UNKNOWN_FORMAT.search(error)
+        if not unknown:
+            break
+        schema = without_format(schema, unknown.group(1))
+    if error:
+        raise InvalidParameterError(f"the JSON schema cannot be enforced: {explain(schema, error)}")
+    return grammar
+
+
+def subschemas(node, path: str = "schema"):
+    """(path, schema) for node and every schema inside it; property and definition names are names, not keywords,
+    and enum/const/default/examples are values."""
+    if isinstance(node, dict):
+        yield path, node
+        for key, value in node.items():
+            if key in NAMED and isinstance(value, dict):
+                for name, sub in value.items():
+                    yield from subschemas(sub, f"{path}.{key}.{name}")
+            elif key not in DATA:
+                yield from subschemas(value, f"{path}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from subschemas(value, f"{path}[{i}]")
+
+
+def explain(schema, error: str) -> str:
+    """The compiler's error, led by where in schema the keyword or $ref it names is."""
+    reason = first_lines(error)
+    keys = UNIMPLEMENTED.search(error)
+    if keys:
+        for name in json.loads(keys.group(1)):
+            where = next((path for path, node in subschemas(schema) if name in node), None)
+            if where:
+                return f"{where} uses {name}, which structured output does not implement ({reason})"
+    ref = MISSING_REF.search(error)
+    if ref:
+        target = ref.group(2)
+        for path, node in subschemas(schema):
+            value = node.get("$ref")
+            if isinstance(value, str) and value in (target, "#" + target):
+                return f"{path}.$ref {value!r} points to nothing in the schema ({reason})"
+    return reason
+
+
+def check_meta(schema: dict) -> None:
+    """InvalidParameterError when schema breaks its draft's metaschema (a keyword of the wrong type), with its path."""
+    from jsonschema import Draft202012Validator, SchemaError, validators
+
+    try:
+        validators.validator_for(schema, default=Draft202012Validator).check_schema(schema)
+    except SchemaError as exc:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.path)
+        raise InvalidParameterError(f"the JSON schema cannot be enforced: schema{where} is invalid: "
+                                    f"{exc.message[:300]}") from None
+
+
+def _json_then(schema, suffix: str, specials: Mapping[str, int]) -> str:
+    if not suffix:
+        return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+    body = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    return LLMatcher.grammar_from_lark(f"start: value {suffix_lark(suffix, specials)}\nvalue: %json {body}\n")
+
+
+def suffix_lark(suffix: str, specials: Mapping[str, int]) -> str:
+    """suffix as a Lark sequence: its text as string literals, and each special token of the model in it
+    (`specials`: text -> id, e.g. Qwen2.5's `</tool_call>`) as that token, `<[id]>`.
+
+    A model writes a special token as its one id, never as the text's bytes, which the grammar would otherwise
+    ask for; where the tag is plain text in a vocabulary (SmolLM2, Gemma 3), it is not in specials."""
+    names = sorted((n for n in specials if n and n in suffix), key=len, reverse=True)
+    if not names:
+        return json.dumps(suffix)
+    parts = re.split("(" + "|".join(map(re.escape, names)) + ")", suffix)
+    return " ".join(f"<[{specials[p]}]>" if p in specials else json.dumps(p) for p in parts if p)
+
+
+def without_format(schema, name: str):
+    """A copy of schema without `"format": name` anywhere a schema can be."""
+    def walk(node):
+        if isinstance(node, dict):
+            return {k: (v if k in DATA else walk(v)) for k, v in node.items() if not (k == "format" and v == name)}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(schema)
+
+
+def regex_grammar(pattern: str) -> str:
+    return LLMatcher.grammar_from_regex(pattern)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    return grammar_from("choice", choices)
+
+
+def text_grammar(text: str) -> str:
+    """A Lark grammar (llguidance's dialect, `start:` first) or a GBNF grammar (llama.cpp's, `root ::=`)."""
+    try:
+        return grammar_from("grammar", text)
+    except ValueError as exc:
+        raise InvalidParameterError(f"the grammar is neither Lark nor GBNF: {exc}") from None
+
+
+def check(grammar: str, what: str) -> str:
+    """grammar, once llguidance compiles it; else InvalidParameterError naming `what` and the compiler's reason."""
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise InvalidParameterError(f"{what} cannot be enforced: {first_lines(error)}")
+    return grammar
+
+
+def first_lines(error: str) -> str:
+    """The compiler's message, its first three lines on one line (it may go on with the whole grammar)."""
+    return " ".join([ln.strip() for ln in error.strip().splitlines() if ln.strip()][:3])[:600]
+
+
+def rebase(schema: dict, base: str) -> dict:
+    """A copy of schema for use at pointer `base` of a larger one: its '#...' references made to start there."""
+    out = copy.deepcopy(schema)
+    for _, node in subschemas(out):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            node["$ref"] = base + ref[1:]
+    return out
+
+
+def request_grammar(response_format: str = "text", json_schema=None, json_suffix: str = "", choice=None, regex=None,
+                    grammar=None, specials: Mapping[str, int] | None = None) -> str | None:
+    """The grammar a request's structured fields ask for (None: free text), checked: InvalidParameterError names
+    the field and what the compiler could not take. specials (the model's special tokens, text -> id) turn those
+    tokens in json_suffix into token references; without them the suffix is text (a check needs no model)."""
+    if choice is not None:
+        return check(choice_grammar(choice), "choice")
+    if regex is not None:
+        return check(regex_grammar(regex), f"the regex {regex[:80]!r}")
+    if grammar is not None:
+        return check(text_grammar(grammar), "the grammar")
+    if response_format == "text":
+        return None
+    return json_grammar(json_schema, json_suffix, specials)
