@@ -56,7 +56,7 @@ def test_every_schema_smollm2_writes_to_the_end_validates(smollm2):
         prompts.append(smollm2.encode(smollm2.render([{"role": "user", "content": "Write one short JSON "
                                                        f"instance of this schema:\n{text}"}])))
         params.append(SamplingParams(temperature=0, max_tokens=48, response_format="json_schema", json_schema=schema))
-    gens = engine.generate_batch(prompts, params, max_running=16)
+    gens = engine.generate_batch(prompts, params)  # EngineConfig.max_running: 16 at once
     finished = Counter(g.finish_reason for g in gens)
     for schema, gen in zip(schemas, gens):
         if gen.finish_reason == "stop":
