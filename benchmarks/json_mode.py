@@ -115,8 +115,7 @@ def bench_model(name: str, args) -> dict:
                         tally(ok[mode], gen, props)
                 else:
                     t0 = time.perf_counter()
-                    gens = engine.generate_batch(prompts, [params_for(mode, p, args.max_tokens) for _, p in REQUESTS],
-                                                 max_running=8)
+                    gens = engine.generate_batch(prompts, [params_for(mode, p, args.max_tokens) for _, p in REQUESTS])
                     wall = time.perf_counter() - t0
                     first = max(g.timings.ttft_ms for g in gens) / 1000.0  # every stream has started by then
                     after = sum(max(len(g.token_ids) - 1, 0) for g in gens)
