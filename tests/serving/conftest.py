@@ -7,6 +7,21 @@ import json
 import httpx
 import pytest
 
+@pytest.fixture(scope="session")
+def skill_catalog(tmp_path_factory):
+    """skill_catalog(model, {file name: SKILL.md text}): those skills' catalog, compiled for model into a fresh
+    cache folder."""
+    from kvtool.skills import load_catalog
+
+    def build(model, skills: dict[str, str]):
+        folder = tmp_path_factory.mktemp("skills")
+        for name, text in skills.items():
+            (folder / name).write_text(text)
+        return load_catalog(folder, model, cache_dir=tmp_path_factory.mktemp("skills-kvb"), log=lambda m: None)
+
+    return build
+
+
 def start_server(model, **config):
     from kvtool.serving import ServerConfig, create_app
     from kvtool.serving.server import BackgroundServer

@@ -6,7 +6,6 @@ import httpx
 import pytest
 
 from kvtool.config import EngineConfig
-from kvtool.skills import load_catalog
 
 pytestmark = pytest.mark.real_model
 
@@ -19,14 +18,11 @@ QUESTION = [{"role": "user", "content": "Rename the config module."}]
 
 
 @pytest.fixture(scope="module")
-def served(smollm2, tmp_path_factory):
+def served(smollm2, skill_catalog):
     from kvtool.serving import ServerConfig, create_app
     from kvtool.serving.server import BackgroundServer
 
-    folder = tmp_path_factory.mktemp("skill-path")
-    (folder / "tip.md").write_text(SHORT)
-    (folder / "style.md").write_text(LONG)
-    catalog = load_catalog(folder, smollm2, cache_dir=tmp_path_factory.mktemp("skill-path-kvb"), log=lambda m: None)
+    catalog = skill_catalog(smollm2, {"tip.md": SHORT, "style.md": LONG})
     assert len(catalog.block("tip")) < MIN_TOKENS <= len(catalog.block("style"))
     app = create_app(smollm2, EngineConfig(skill_repair="none", skill_min_tokens=MIN_TOKENS),
                      ServerConfig(default_max_tokens=1), skills=catalog)

@@ -7,7 +7,6 @@ import httpx
 import pytest
 
 from kvtool.config import EngineConfig
-from kvtool.skills import load_catalog
 
 pytestmark = pytest.mark.real_model
 
@@ -19,11 +18,8 @@ QUESTION = [{"role": "user", "content": "Write a short poem about autumn."}]
 
 
 @pytest.fixture(scope="module")
-def catalog(smollm2, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("serve-skills")
-    (folder / "haiku.md").write_text(HAIKU)
-    (folder / "limerick.md").write_text(LIMERICK)
-    return load_catalog(folder, smollm2, cache_dir=tmp_path_factory.mktemp("serve-kvb"), log=lambda m: None)
+def catalog(smollm2, skill_catalog):
+    return skill_catalog(smollm2, {"haiku.md": HAIKU, "limerick.md": LIMERICK})
 
 
 @pytest.fixture(scope="module")
