@@ -65,6 +65,32 @@ def test_the_mask_allows_exactly_what_continues_the_grammar(smollm2):
         engine.constraint(SamplingParams(choice=["yes"]).validate(), stops).accept(tok.encode("no")[0])
 
 
+
+@pytest.mark.real_model
+def test_masks_filled_together_equal_each_requests_own(smollm2):
+    """allowed_rows (the batched sampler's masks, filled by llguidance's thread pool in one call) gives every row
+    what that request's own Constraint allows, step by step, with rows forced, free, ended and mid-schema."""
+    from kvtool.engine import Engine
+    from kvtool.engine.constraint import allowed_rows
+
+    engine = Engine(smollm2)
+    stops = engine.stop_ids(SamplingParams())
+    cpu = torch.device("cpu")
+    params = [SamplingParams(response_format="json_schema", json_schema=CAT), SamplingParams(response_format=
+              "json_object"), SamplingParams(choice=["positive", "negative"]), SamplingParams(regex=r"[0-9]{2,4}")]
+    pair = [[engine.constraint(p.validate(), stops) for p in params] for _ in range(2)]
+    texts = ['{"name": "Tom", "age": 3}', '{"a": [1, 2]}', "negative", "2024"]
+    walks = [smollm2.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    for step in range(max(map(len, walks)) + 1):
+        together = allowed_rows(pair[0], cpu)
+        for i, c in enumerate(pair[1]):
+            assert torch.equal(together[i], c.allowed(cpu)), (i, step)
+        for batch in pair:
+            for c, walk in zip(batch, walks):
+                if step < len(walk):
+                    c.accept(walk[step])
+    assert all(set(row.nonzero().flatten().tolist()) <= stops for row in allowed_rows(pair[0], cpu)[2:])
+
 @pytest.mark.real_model
 def test_smollm2_answers_in_the_schema_alone_batched_seeded_with_logprobs_and_stop_strings(smollm2):
     from kvtool.engine import Engine

@@ -3,8 +3,8 @@
 Continuous batching runs many requests per step. Each request's own Sampler costs a handful of kernels
 and one host sync, so 64 sampling streams cost 64 syncs a step. sample_rows() does Sampler's math for
 every row together, with each row's parameters as a column of a tensor:
-- penalties, logit bias, the min_tokens hold and the structured-output mask, row by row, and only on the
-  rows that ask for them;
+- penalties, logit bias and the min_tokens hold, row by row, and only on the rows that ask for them;
+- the structured-output masks of every constrained row, computed together (kvtool.engine.constraint.allowed_rows);
 - then temperature, top-k, min-p and top-p, in Sampler's order (vLLM's);
 - then one draw per row.
 The chosen tokens, their logprobs and the top logprobs come back in a single transfer.
@@ -39,7 +39,16 @@ def processed_logits(samplers: list[Sampler], logits: torch.Tensor) -> torch.Ten
     if adjusted:
         x = x.clone()
         for i in adjusted:
-            x[i] = samplers[i]._adjust(x[i])
+            x[i] = samplers[i]._adjust(x[i], constrain=False)
+    constrained = [i for i, s in enumerate(samplers) if s.constraint is not None]
+    if constrained:
+        from kvtool.engine.constraint import allowed_rows
+
+        ok = allowed_rows([samplers[i].constraint for i in constrained], x.device)
+        if len(constrained) < len(samplers):  # the free rows allow everything
+            rows, ok = ok, torch.ones(x.shape, dtype=torch.bool, device=x.device)
+            ok[torch.tensor(constrained, device=x.device)] = rows
+        x = x.masked_fill(~ok, float("-inf"))
     sampled = [not s.p.greedy for s in samplers]
     if not any(sampled):
         return x

@@ -7,7 +7,9 @@ Constraint to mask its logits (-inf where the grammar refuses the token) before 
 on the single and the batched path alike, and tells it the token drawn. When the grammar allows exactly one
 token (a fixed key, a closing brace) the matcher names it, and the mask is that one token without a full
 mask computation. The matcher fills a bitmask on the host, numpy unpacks it there, and the row of allowed
-tokens goes to the logits' device: the same code serves CPU and CUDA tensors.
+tokens goes to the logits' device: the same code serves CPU and CUDA tensors. Many requests at once
+(allowed_rows, for the batched sampler) get their masks filled by llguidance's thread pool in one call, unpacked
+together, and sent to the device as one [rows, V] tensor.
 
 The grammar ends with the end of the turn: where it may end, the request's stop tokens are allowed (the
 model's end-of-turn tokens, or stop_token_ids); where it must end, they are all that is allowed.
@@ -17,11 +19,19 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from llguidance import LLMatcher
+from llguidance import LLExecutor, LLMatcher
 
 from kvtool.errors import InvalidParameterError
 
 NEG = float("-inf")
+_EXECUTOR: LLExecutor | None = None  # llguidance's thread pool for the masks of many requests, made on first use
+
+
+def executor() -> LLExecutor:
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = LLExecutor()
+    return _EXECUTOR
 
 
 class Grammars:
@@ -80,18 +90,29 @@ class Constraint:
 
     def _allowed(self) -> np.ndarray:
         # numpy on the host: one pass, no thread-pool ops per step; the device gets the finished row
+        ok = self._settled()
+        if ok is not None:
+            return ok
+        self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
+        return self._finish(np.unpackbits(self.bits.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool))
+
+    def _settled(self) -> np.ndarray | None:
+        """The allowed row when no mask is needed: after the grammar's end (its stop tokens), or the one token it
+        forces; None when the matcher has to compute the mask."""
         if self.matcher.is_stopped():
             ok = np.zeros(self.vocab_size, dtype=bool)
             ok[self.stops] = True
             return ok
         forced = self.forced()
-        if forced is not None:
-            ok = np.zeros(self.vocab_size, dtype=bool)
-            ok[forced] = True
-            return ok
-        self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
+        if forced is None:
+            return None
+        ok = np.zeros(self.vocab_size, dtype=bool)
+        ok[forced] = True
+        return ok
+
+    def _finish(self, ok: np.ndarray) -> np.ndarray:
+        """The matcher's unpacked mask -> the allowed row: end of turn only where the grammar may end."""
         self._raise_on_error()
-        ok = np.unpackbits(self.bits.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
         ok[self.eos] = False
         self._drop_spelled_specials(ok)
         ok[self.stops] = self.matcher.is_accepting()
@@ -132,3 +153,25 @@ class Constraint:
         if not self.matcher.consume_token(token):
             self._raise_on_error()
             raise InvalidParameterError(f"structured output: token {token} does not continue the output")
+
+
+def allowed_rows(constraints: list[Constraint], device: torch.device) -> torch.Tensor:
+    """bool [len(constraints), V] on device: each request's allowed tokens. The masks the matchers must compute
+    are filled by llguidance's thread pool in one call and unpacked together; one transfer to the device."""
+    vocab = constraints[0].vocab_size
+    ok = np.zeros((len(constraints), vocab), dtype=bool)
+    todo = []
+    for i, c in enumerate(constraints):
+        row = c._settled()
+        if row is None:
+            todo.append(i)
+        else:
+            ok[i] = row
+    if todo:
+        bits = np.empty((len(todo), (vocab + 31) // 32), dtype=np.int32)
+        executor().unsafe_compute_mask_ptr([(constraints[i].matcher, j) for j, i in enumerate(todo)],
+                                           bits.ctypes.data, bits.shape[1] * 4, len(todo))
+        unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+        for j, i in enumerate(todo):
+            ok[i] = constraints[i]._finish(unpacked[j])
+    return torch.from_numpy(ok).to(device, non_blocking=True)

@@ -103,9 +103,9 @@ class Sampler:
         top = [(int(i), v) for i, v in zip(out[2 + k :], out[2 : 2 + k])] if k > 0 else None
         return Sample(int(out[0]), out[1], top)
 
-    def _adjust(self, x: torch.Tensor) -> torch.Tensor:
-        """Penalties, then logit_bias, allowed_token_ids, the min_tokens hold and the structured-output mask: what
-        every mode draws from."""
+    def _adjust(self, x: torch.Tensor, constrain: bool = True) -> torch.Tensor:
+        """Penalties, then logit_bias, allowed_token_ids, the min_tokens hold and the structured-output mask (unless
+        constrain is False: the batched sampler masks many rows at once): what every mode draws from."""
         p = self.p
         if p.repetition_penalty != 1.0 and self.seen_any:
             x = torch.where(self.seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
@@ -117,7 +117,7 @@ class Sampler:
             x = torch.full_like(x, float("-inf")).index_copy(0, self.allowed, x.index_select(0, self.allowed))
         if self._holding:
             x = x.index_fill(0, self.held, float("-inf"))
-        if self.constraint is not None:
+        if constrain and self.constraint is not None:
             x = self.constraint.mask(x)
         return x
 
