@@ -127,6 +127,23 @@ def test_forced_tool_call_follows_the_schema(oai, server):
     assert isinstance(json.loads(call.function.arguments)["city"], str)
 
 
+
+def test_a_forced_call_ends_with_its_closing_tag(http, server, sse_events):
+    """The forced call's JSON is followed by the format's closing tag before the turn ends, as the model writes it
+    unforced: on Qwen2.5 the one token </tool_call> (on vLLM through a structural tag)."""
+    if server.model == "smol":
+        pytest.skip("SmolLM2's chat template has no tools")
+    with http.stream("POST", "/v1/chat/completions/raw", json={
+            "messages": [{"role": "user", "content": "Tell me about Oslo."}], "tools": [WEATHER],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "temperature": 0,
+            "max_tokens": 40}) as r:
+        events = sse_events(r)
+    tokens = [e for e in events[:-2] if "piece" in e]
+    text = "".join(t["piece"] for t in tokens)
+    body = text[: text.rindex("</tool_call>")].replace("<tool_call>", "").strip()
+    assert json.loads(body)["name"] == "get_weather", text
+    assert any(t["piece"] == "</tool_call>" for t in tokens[-3:]), tokens[-4:]
+
 def test_json_schema_output(http):
     schema = {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green"]}},
               "required": ["color"], "additionalProperties": False}

@@ -3,9 +3,16 @@
 vLLM ends a request on the same tokens kvtool's engine would (end of turn unless ignore_eos, plus
 stop_token_ids) and on the stop strings; kvtool's OutputText still makes the text, so stop-string
 trimming, include_stop_str_in_output and min_tokens read the same on both engines.
+
+Structured output goes to vLLM's own backend. A JSON schema with a suffix (a forced tool call's closing
+`\n</tool_call>`) goes as a structural tag, the schema's JSON then the suffix as a constant string, so the call
+ends as the kvtool engine ends it; vLLM compiles structural tags with xgrammar, which takes a tag that is one
+token of the vocabulary (Qwen2.5's `</tool_call>`) as its text.
 """
 
 from __future__ import annotations
+
+import json
 
 from kvtool.config import SamplingParams
 from kvtool.engine.scoring import PromptLogprob
@@ -22,6 +29,8 @@ def to_vllm(params: SamplingParams, max_tokens: int, stops: set[int]):
         structured = StructuredOutputsParams(regex=params.regex)
     elif params.grammar is not None:
         structured = StructuredOutputsParams(grammar=params.grammar)
+    elif params.response_format == "json_schema" and params.json_suffix:
+        structured = StructuredOutputsParams(structural_tag=json_then(params.json_schema, params.json_suffix))
     elif params.response_format == "json_schema":
         structured = StructuredOutputsParams(json=params.json_schema or {})
     elif params.response_format == "json_object":
@@ -35,6 +44,13 @@ def to_vllm(params: SamplingParams, max_tokens: int, stops: set[int]):
         logit_bias=dict(params.logit_bias) or None, allowed_token_ids=params.allowed_token_ids,
         structured_outputs=structured, detokenize=bool(params.stop), skip_special_tokens=False,
         output_kind=RequestOutputKind.DELTA)
+
+
+def json_then(schema: dict | None, suffix: str) -> str:
+    """A structural tag (xgrammar's format, which vLLM passes on): one JSON value of schema, then suffix."""
+    return json.dumps({"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "json_schema", "json_schema": schema or {"type": "object"}},
+        {"type": "const_string", "value": suffix}]}})
 
 
 def top_list(entry: dict | None, k: int | None) -> list[tuple[int, float]]:
