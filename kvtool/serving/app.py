@@ -29,6 +29,7 @@ from kvtool.serving.choices import merged_chunks, merged_response
 from kvtool.serving.config import ServerConfig
 from kvtool.serving.errors import AuthError, ServingError, error_body, error_from_exception
 from kvtool.serving.limits import BodyLimit, too_deep_message
+from kvtool.serving.llama_http import llama_router
 from kvtool.serving.metrics import ServerMetrics
 from kvtool.serving.openapi import install_docs
 from kvtool.serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TemplateRequest,
@@ -337,6 +338,7 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
             raise ServingError(f"model {served.name} has no chat template", code="no_chat_template")
         return {"model": served.name, "chat_template": model.chat_template}
 
+    api.include_router(llama_router(worker, served, cfg.default_max_tokens, until_done))  # llama.cpp's /completion
     app.include_router(api)
     for router in backend.routers(worker, served):
         app.include_router(router, dependencies=[Depends(check_key)])

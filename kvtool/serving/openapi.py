@@ -32,7 +32,10 @@ STATUSES = {400: "invalid request: the message says which field and why",
             413: "request body over --max-body-bytes",
             429: "server busy: more requests in flight than --max-active + --max-queue",
             503: "the server is shutting down, or its worker stopped"}
-GENERATING = ("/v1/chat/completions", "/v1/chat/completions/raw", "/v1/completions")
+# the generating routes and how each stream ends (llama.cpp's /completion: an event with "stop": true)
+GENERATING = {path: "data: {...}\n\ndata: [DONE]\n\n"
+              for path in ("/v1/chat/completions", "/v1/chat/completions/raw", "/v1/completions")}
+GENERATING["/completion"] = 'data: {"content": "...", "stop": false}\n\ndata: {"content": "", "stop": true, ...}\n\n'
 
 
 def schema(app: FastAPI, keyed: bool, open_paths: set[str]) -> dict:
@@ -54,7 +57,7 @@ def schema(app: FastAPI, keyed: bool, open_paths: set[str]) -> dict:
                 wanted += [429, 503]
                 ok = responses.get("200", {}).setdefault("content", {})
                 ok["text/event-stream"] = {"schema": {"type": "string"},  # with "stream": true
-                                           "example": "data: {...}\n\ndata: [DONE]\n\n"}
+                                           "example": GENERATING[path]}
             for status in wanted:
                 responses[str(status)] = {"description": STATUSES[status],
                                           "content": {"application/json": {"schema": ERROR_REF}}}
