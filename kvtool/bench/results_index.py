@@ -131,6 +131,11 @@ HEADLINES.update({  # one-line summaries
                        f"sampling {m['text']['median']:.2f} -> {m['json_schema']['median']:.2f} ms/token, 8 streams "
                        f"{m['streams8_step']['text']['median']:.1f} -> {m['streams8_step']['json_schema']['median']:.1f}"
                        " ms/step") for name, m in r["models"].items()),
+    "grammar_engines": lambda r: "; ".join(
+        f"{name}: compiled llguidance {m['llguidance']['compiled']}/{m['schemas']}, xgrammar "
+        f"{m['xgrammar']['compiled']}/{m['schemas']}; mask median {m['llguidance']['mask_us']['median']:.0f} vs "
+        f"{m['xgrammar']['mask_us']['median']:.0f} µs, compile p90 {m['llguidance']['compile_ms']['p90']:.0f} vs "
+        f"{m['xgrammar']['compile_ms']['p90']:.0f} ms" for name, m in r["models"].items()),
     "agent_eval": lambda r: f"tool-call success {r['passed']}/{r['cases']}",
     "viz_8k": lambda r: f"{r['tokens']}-token heatmap peak RSS {r['peak_rss_gb']} GB",
     "engines": lambda r: "kvtool / vLLM: " + ", ".join(f"{k} {_x(v['median'])}"
