@@ -110,11 +110,16 @@ def suffix_lark(suffix: str, specials: Mapping[str, int]) -> str:
 
     A model writes a special token as its one id, never as the text's bytes, which the grammar would otherwise
     ask for; where the tag is plain text in a vocabulary (SmolLM2, Gemma 3), it is not in specials."""
+    return " ".join(f"<[{p}]>" if isinstance(p, int) else json.dumps(p) for p in suffix_parts(suffix, specials))
+
+
+def suffix_parts(suffix: str, specials: Mapping[str, int]) -> list[str | int]:
+    """suffix split, in order, into its text and the special tokens of the model in it (as their ids)."""
     names = sorted((n for n in specials if n and n in suffix), key=len, reverse=True)
     if not names:
-        return json.dumps(suffix)
+        return [suffix] if suffix else []
     parts = re.split("(" + "|".join(map(re.escape, names)) + ")", suffix)
-    return " ".join(f"<[{specials[p]}]>" if p in specials else json.dumps(p) for p in parts if p)
+    return [specials[p] if p in specials else p for p in parts if p]
 
 
 def without_format(schema, name: str):

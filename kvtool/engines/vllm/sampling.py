@@ -5,20 +5,23 @@ stop_token_ids) and on the stop strings; kvtool's OutputText still makes the tex
 trimming, include_stop_str_in_output and min_tokens read the same on both engines.
 
 Structured output goes to vLLM's own backend. A JSON schema with a suffix (a forced tool call's closing
-`\n</tool_call>`) goes as a structural tag, the schema's JSON then the suffix as a constant string, so the call
-ends as the kvtool engine ends it; vLLM compiles structural tags with xgrammar, which takes a tag that is one
-token of the vocabulary (Qwen2.5's `</tool_call>`) as its text.
+`\n</tool_call>`) goes as a structural tag (xgrammar's, which vLLM compiles): the schema's JSON, then the
+suffix's text, with each special token of the model in it (Qwen2.5's `</tool_call>`) as that one token, so the
+call ends as the kvtool engine ends it.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 from kvtool.config import SamplingParams
 from kvtool.engine.scoring import PromptLogprob
+from kvtool.structured.grammar import suffix_parts
 
 
-def to_vllm(params: SamplingParams, max_tokens: int, stops: set[int]):
+def to_vllm(params: SamplingParams, max_tokens: int, stops: set[int], specials: Mapping[str, int] | None = None):
+    """specials: the model's added tokens, text -> id (a suffix names them as tokens)."""
     from vllm import SamplingParams as VllmParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -30,7 +33,8 @@ def to_vllm(params: SamplingParams, max_tokens: int, stops: set[int]):
     elif params.grammar is not None:
         structured = StructuredOutputsParams(grammar=params.grammar)
     elif params.response_format == "json_schema" and params.json_suffix:
-        structured = StructuredOutputsParams(structural_tag=json_then(params.json_schema, params.json_suffix))
+        structured = StructuredOutputsParams(structural_tag=json_then(params.json_schema, params.json_suffix,
+                                                                       specials or {}))
     elif params.response_format == "json_schema":
         structured = StructuredOutputsParams(json=params.json_schema or {})
     elif params.response_format == "json_object":
@@ -46,11 +50,13 @@ def to_vllm(params: SamplingParams, max_tokens: int, stops: set[int]):
         output_kind=RequestOutputKind.DELTA)
 
 
-def json_then(schema: dict | None, suffix: str) -> str:
-    """A structural tag (xgrammar's format, which vLLM passes on): one JSON value of schema, then suffix."""
+def json_then(schema: dict | None, suffix: str, specials: Mapping[str, int]) -> str:
+    """A structural tag (xgrammar's format, which vLLM passes on): one JSON value of schema, then suffix, its
+    special tokens as tokens."""
+    tail = [{"type": "token", "token": p} if isinstance(p, int) else {"type": "const_string", "value": p}
+            for p in suffix_parts(suffix, specials)]
     return json.dumps({"type": "structural_tag", "format": {"type": "sequence", "elements": [
-        {"type": "json_schema", "json_schema": schema or {"type": "object"}},
-        {"type": "const_string", "value": suffix}]}})
+        {"type": "json_schema", "json_schema": schema or {"type": "object"}}, *tail]}})
 
 
 def top_list(entry: dict | None, k: int | None) -> list[tuple[int, float]]:

@@ -47,6 +47,7 @@ class VllmWorker(EventSink):
         self.engine, self.model, self.metrics, self.side = engine, model, metrics, side
         self.max_active, self.max_queue = max_active, max_queue
         self.end_of_turn = frozenset(model.end_of_turn_ids())
+        self.specials = {a.content: i for i, a in model.tokenizer.added_tokens_decoder.items()}
         self.scheduler = None  # (kvtool's BatchScheduler gauges: none here; vLLM's metrics are exposed instead)
         self._pending: deque[Handle] = deque()
         self._live: dict[str, VllmRequest] = {}  # vLLM request id -> request
@@ -176,8 +177,8 @@ class VllmWorker(EventSink):
                                 handle.skip_special_tokens, handle.submitted)
             rid = f"kvtool-{next(self._ids)}"  # outputs and aborts use this id (vLLM keeps its own inside)
             try:
-                self.engine.add_request(rid, {"prompt_token_ids": gen.prompt_ids},
-                                        to_vllm(gen.params, handle.max_tokens, output.stops))
+                params = to_vllm(gen.params, handle.max_tokens, output.stops, self.specials)
+                self.engine.add_request(rid, {"prompt_token_ids": gen.prompt_ids}, params)
             except Exception as exc:  # vLLM refused the request (e.g. a schema its grammar backend cannot take)
                 log.warning("vLLM refused a request: %s: %s", type(exc).__name__, exc)
                 handle._post(RequestFailed(f"vLLM refused the request: {exc}"))
