@@ -127,7 +127,7 @@ def bench_model(name: str, args) -> dict:
                     gens, steps = full_steps(engine, prompts, params)
                     wall = time.perf_counter() - t0
                     ms[mode] += [1000.0 * t / len(prompts) for t in steps]
-                    per_repeat[mode].append(statistics.median(steps) * 1000.0 / len(prompts))
+                    per_repeat[mode].append(statistics.median(steps) * 1000.0 / len(prompts) if steps else None)
                     first = max(g.timings.ttft_ms for g in gens) / 1000.0  # every stream has started by then
                     after = sum(max(len(g.token_ids) - 1, 0) for g in gens)
                     run_ms[mode].append(1000.0 * (wall - first) / after if after else float("nan"))
@@ -143,8 +143,9 @@ def bench_model(name: str, args) -> dict:
         if path == "streams8":  # the two modes of one repeat ran back to back: their ratio, over the repeats
             rows["overhead_pooled"] = rows["overhead"]
             rows["overhead_per_repeat"] = [round(j / t - 1.0, 3) for j, t in zip(per_repeat["json_schema"],
-                                                                                   per_repeat["text"])]
-            rows["overhead"] = statistics.median(rows["overhead_per_repeat"])
+                                                                                   per_repeat["text"]) if j and t]
+            if rows["overhead_per_repeat"]:
+                rows["overhead"] = statistics.median(rows["overhead_per_repeat"])
         out[path] = rows
         for m in MODES:
             t = rows[m]["ms_per_token"]
