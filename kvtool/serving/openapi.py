@@ -36,6 +36,9 @@ STATUSES = {400: "invalid request: the message says which field and why",
 GENERATING = {path: "data: {...}\n\ndata: [DONE]\n\n"
               for path in ("/v1/chat/completions", "/v1/chat/completions/raw", "/v1/completions")}
 GENERATING["/completion"] = 'data: {"content": "...", "stop": false}\n\ndata: {"content": "", "stop": true, ...}\n\n'
+# one event of such a stream: its data is a JSON chunk (or the OpenAI routes' closing [DONE])
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
 def schema(app: FastAPI, keyed: bool, open_paths: set[str]) -> dict:
@@ -56,8 +59,7 @@ def schema(app: FastAPI, keyed: bool, open_paths: set[str]) -> dict:
             if path in GENERATING:
                 wanted += [429, 503]
                 ok = responses.get("200", {}).setdefault("content", {})
-                ok["text/event-stream"] = {"schema": {"type": "string"},  # with "stream": true
-                                           "example": GENERATING[path]}
+                ok["text/event-stream"] = {"schema": SSE_EVENT, "example": GENERATING[path]}  # "stream": true
             for status in wanted:
                 responses[str(status)] = {"description": STATUSES[status],
                                           "content": {"application/json": {"schema": ERROR_REF}}}

@@ -117,3 +117,21 @@ def test_bad_fields_are_a_400_naming_the_field(smol, body, param, words):
     error = r.json()["error"]
     assert r.status_code == 400 and words in error["message"], r.text
     assert param is None or error["param"].startswith(param), r.text  # (a list item: logit_bias.0)
+
+
+@pytest.mark.parametrize("path,body", [("/completion", {"prompt": PROMPT, "n_predict": 3}),
+                                       ("/v1/completions", {"prompt": PROMPT, "max_tokens": 3}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                                 "max_tokens": 3})])
+def test_every_event_of_a_stream_fits_the_documented_event_schema(smol, path, body):
+    """/openapi.json documents each generating route's text/event-stream as events {data, event, id, retry}."""
+    documented = smol.get("/openapi.json").json()["paths"][path]["post"]["responses"]["200"]["content"]
+    event_schema = documented["text/event-stream"]["schema"]
+    with smol.stream("POST", path, json={**body, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [{"data": line[len("data: "):]} for line in r.iter_lines() if line.startswith("data: ")]
+    assert len(events) >= 2
+    for event in events:
+        jsonschema.validate(event, event_schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate("data: {}", event_schema)  # the whole body as one string is not an event
