@@ -112,10 +112,15 @@ def _share(ops: list[dict], *names: str) -> float:
 
 
 HEADLINES.update({  # one-line summaries
-    "prefill_profile": lambda r: f"{r['tokens']}-token cold prefill {_n(r['wall_ms']['kvtool']['median'], 'ms')} "
+    "prefill_profile": lambda r: (f"prefix hit on {r['prefix_tokens']} + {r['tokens']} new tokens"
+                                  if r.get("prefix_tokens") else f"{r['tokens']}-token cold prefill")
+                                 + f" {_n(r['wall_ms']['kvtool']['median'], 'ms')} "
                                  f"({_x(r['transformers_vs_kvtool'])} transformers); kvtool's op time: GEMMs "
                                  f"{100 * _share(r['kvtool_ops'], 'linear', '::mm'):.0f}%, attention "
                                  f"{100 * _share(r['kvtool_ops'], 'attention'):.0f}%",
+    "server_cost": lambda r: "TPOT in the server / in process, same request: " + ", ".join(
+        f"@{n} tokens {res['server_over_in_process']['median']:.3f} ({res['server_over_in_process']['min']:.2f}-"
+        f"{res['server_over_in_process']['max']:.2f})" for n, res in r["results"].items()),
     "prefill_engines": lambda r: "; ".join(
         f"{pair.replace('_over_', ' / ')}: " + ", ".join(f"cold TTFT @{m[13:]} {_x(row[m]['median'])}"
                                                         for m in row if m.startswith("cold_ttft_ms_"))

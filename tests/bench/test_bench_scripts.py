@@ -21,6 +21,8 @@ SCRIPTS = {
     "viz_experiments.py": ["--models", "smollm2", "--needle-context", "120", "--depths", "0,1", "--trials", "1",
                            "--generate", "3", "--plots", "{tmp}/viz"],
     "agent_eval.py": ["--cases", "1", "--max-tokens", "12"],
+    "server_cost.py": ["--contexts", "16", "--tokens", "4", "--repeats", "1", "--warmup", "0"],
+    "prefill_profile.py": ["--prefix", "64", "--tokens", "8", "--repeats", "1", "--top", "3"],
 }
 
 NO_OUT = {"agent_dispatch.py"}  # prints its record only

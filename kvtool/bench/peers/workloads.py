@@ -40,7 +40,8 @@ class TokenSource:
 
 def complete(ep: Endpoint, prompt: list[int], max_tokens: int) -> dict:
     """One streamed greedy /v1/completions (ignore_eos): time to the first text chunk, chunk times (ms from
-    the request), the tokens generated and the prompt tokens the engine says it served from its cache."""
+    the request), the tokens generated, the prompt tokens the engine says it served from its cache and the
+    engine's own `timings` when it sends them (kvtool serve, llama-server)."""
     body = {"model": ep.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     t0, times, usage, timings = time.perf_counter(), [], {}, {}
@@ -56,7 +57,7 @@ def complete(ep: Endpoint, prompt: list[int], max_tokens: int) -> dict:
         cached = timings.get("cache_n")
     return {"ttft_ms": times[0] if times else end, "times_ms": times, "end_ms": end,
             "tokens": usage.get("completion_tokens") or len(times), "prompt_tokens": usage.get("prompt_tokens"),
-            "cached_tokens": cached}
+            "cached_tokens": cached, "timings": timings}
 
 
 def decode_rate(result: dict) -> float:
