@@ -19,7 +19,6 @@ average before and after; JSON record last.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -29,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvtool.bench.protocol import summary, versions  # noqa: E402
+from kvtool.bench.protocol import emit, summary, versions  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -155,10 +154,7 @@ def main(argv=None) -> int:
         print(f"{record['model']} @{n} tokens: TPOT in process {res['in_process']['median']:.2f} ms, server "
               f"{res['server_client']['median']:.2f} ms; server/in process {ratio['median']:.3f} "
               f"({ratio['min']:.3f}-{ratio['max']:.3f})", file=sys.stderr)
-    line = json.dumps(record)
-    if args.out:
-        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-    print(line)
+    emit(record, args.out)
     return 0
 
 
