@@ -7,7 +7,8 @@ import pytest
 
 from kvtool.bench.peers import PeersConfig
 from kvtool.bench.peers.harness import engine_row
-from kvtool.bench.peers.rounds import LoadMonitor, alternating_order, combine, figure, is_quiet, load_summary
+from kvtool.bench.peers.rounds import (LoadMonitor, alternating_order, combine, figure, is_quiet, load_summary,
+                                       set_phase, settle)
 from kvtool.errors import InvalidParameterError
 
 
@@ -66,6 +67,25 @@ def test_the_load_monitor_samples_on_entry_and_exit():
     with LoadMonitor(every_s=0.01) as load:
         pass
     assert len(load.samples) >= 2 and all(x >= 0 for x in load.samples)
+
+
+def test_each_sample_carries_its_phase_and_the_summary_names_the_highest_in_each():
+    set_phase("start-up")
+    with LoadMonitor(every_s=3600) as load:
+        set_phase("decode")
+    set_phase("idle")
+    assert load.phases == ["start-up", "decode"]
+    summary = load_summary([1.0, 2.5, 0.5, 1.5], cores=2, phases=["start-up", "start-up", "decode", "decode"])
+    assert summary["max_by_phase"] == {"start-up": 2.5, "decode": 1.5} and not summary["quiet"]
+
+
+def test_settle_waits_for_the_load_to_fall_to_half_the_cores_and_no_longer_than_its_limit():
+    loads, slept = iter([3.0, 2.0, 1.2, 0.9, 0.9]), []
+    assert settle(2, _load=lambda: next(loads), _sleep=slept.append) == {"waited_s": 15.0, "load": 0.9}
+    assert len(slept) == 3
+    slept.clear()
+    assert settle(2, max_wait_s=10, _load=lambda: 5.0, _sleep=slept.append) == {"waited_s": 10.0, "load": 5.0}
+    assert settle(4, _load=lambda: 1.9, _sleep=slept.append)["waited_s"] == 0.0
 
 
 def _run(rnd, decode, load_max, status="ok"):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kvtool.bench.peers.config import WORKLOAD_NAMES, PeersConfig
 from kvtool.bench.peers.engines import PEERS, ModelFiles, PeerOptions, gguf_type
-from kvtool.bench.peers.rounds import LoadMonitor, alternating_order, combine, load_summary
+from kvtool.bench.peers.rounds import LoadMonitor, alternating_order, combine, load_summary, set_phase, settle
 from kvtool.bench.peers.servers import PeerError, ServerProcess, free_port
 from kvtool.bench.peers.workloads import WORKLOADS, Endpoint, TokenSource
 
@@ -47,6 +47,7 @@ def _run_workloads(functions: dict, target, cfg: PeersConfig, log, unsupported: 
         if name in errors or name not in functions:
             errors.setdefault(name, "not measured for this engine")
             continue
+        set_phase(name)
         t0 = time.perf_counter()
         try:
             # the same prompts for every engine and round: each workload draws from its own seeded source
@@ -75,6 +76,7 @@ def run_server_peer(name: str, files: ModelFiles, cfg: PeersConfig, out_dir: Pat
         log(f"{name}: {exc}")
         return {**row, "status": "missing" if exc.missing else "failed", "reason": str(exc)}
     row["command"] = " ".join(argv)
+    set_phase("start-up")
     server = ServerProcess(name, argv, port, out_dir / "logs" / f"{label}.log", env, peer.startup_s, log_fn=log)
     try:
         with server as url:
@@ -93,6 +95,7 @@ def run_transformers(files: ModelFiles, cfg: PeersConfig, log) -> dict:
     from kvtool.bench.peers import inprocess
 
     row = {"engine": "transformers (in process)", "weights": "fp32 dense (HF folder from the GGUF)"}
+    set_phase("start-up")
     hf = inprocess.load_hf(files.folder, cfg.threads)
     try:
         row.update(_run_workloads(inprocess.WORKLOADS, hf, cfg, log, inprocess.UNSUPPORTED))
@@ -117,7 +120,8 @@ def engine_row(runs: list[dict]) -> dict:
     loads = [x for r in runs for x in (r["load"]["min"], r["load"]["max"]) if x is not None]
     row["load_avg"] = [min(loads), max(loads)] if loads else []  # the lowest and highest sample over its runs
     row["rounds"] = len(ok)
-    row["runs"] = [{k: r.get(k) for k in ("round", "status", "reason", "startup_s", "seconds", "load", "results")
+    row["runs"] = [{k: r.get(k) for k in ("round", "status", "reason", "startup_s", "seconds", "settle", "load",
+                                          "results")
                     if r.get(k) is not None} for r in runs]
     return row
 
@@ -135,7 +139,7 @@ def run_peers(cfg: PeersConfig | None = None, log=lambda s: print(s, file=sys.st
     slug = "".join(c if c.isalnum() else "-" for c in files.name.lower()).strip("-")
     out_dir = Path(cfg.out_dir or f"benchmarks/results/peers-{slug}{'-quick' if cfg.quick else ''}")
     order = alternating_order(cfg.engines, sized.rounds)
-    engines, seconds, runs, samples = {}, {}, {name: [] for name in cfg.engines}, []
+    engines, seconds, runs, samples, phases = {}, {}, {name: [] for name in cfg.engines}, [], []
     record = {"benchmark": "peers", "model": files.name, "gguf": str(files.gguf) if files.gguf else None,
               "gguf_type": files.gguf_type, "folder": str(files.folder), "device": _cpu_name(),
               "threads": sized.threads, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -146,7 +150,9 @@ def run_peers(cfg: PeersConfig | None = None, log=lambda s: print(s, file=sys.st
         if any(r["status"] == "missing" for r in runs[name]):
             continue  # not installed: once is enough to say so
         log(f"\n[{i}/{len(order)}] {name}, round {rnd}")
+        calm = settle(os.cpu_count() or 1, log=log)  # the engine before's load decays first
         t0 = time.perf_counter()
+        set_phase("start-up")
         with LoadMonitor() as load:
             try:
                 run = run_transformers(files, sized, log) if name == "transformers" else \
@@ -154,12 +160,15 @@ def run_peers(cfg: PeersConfig | None = None, log=lambda s: print(s, file=sys.st
             except Exception as exc:  # recorded; the other engines still run
                 run = {"engine": name, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
                 log(f"{name} failed: {run['reason']}\n{traceback.format_exc(limit=3)}")
-        run.update(round=rnd, seconds=round(time.perf_counter() - t0, 1), load=load_summary(load.samples))
+            set_phase("stop")
+        run.update(round=rnd, seconds=round(time.perf_counter() - t0, 1), settle=calm,
+                   load=load_summary(load.samples, phases=load.phases))
         samples += load.samples
+        phases += load.phases
         runs[name].append(run)
         engines[name] = engine_row(runs[name])
         seconds[name] = round(sum(r["seconds"] for r in runs[name]), 1)
-        record["load"] = load_summary(samples)
+        record["load"] = load_summary(samples, phases=phases)
         record["quiet"] = record["load"]["quiet"]  # no sample of the 1-minute load above the core count
         if i < len(order):  # the engines so far, in case the run is stopped before the last one
             record["unfinished"] = [f"{n} #{r}" for r, n in order[i:]]

@@ -214,8 +214,12 @@ def _load_line(record: dict) -> str:
     if not load:
         return "No load samples."
     verdict = "quiet" if record.get("quiet") else "NOT quiet: other work shared the cores, so the figures are noisy"
+    peaks = [(value, f"{name} round {run.get('round')}, {phase}")
+             for name, e in (record.get("engines") or {}).items() for run in e.get("runs", [])
+             for phase, value in ((run.get("load") or {}).get("max_by_phase") or {}).items()]
+    where = f" The highest sample: {_num(max(peaks)[0])} in {max(peaks)[1]}." if peaks else ""
     return (f"1-minute load average sampled while the engines ran: {_num(load['min'])}-{_num(load['max'])} over "
-            f"{load['samples']} samples on {load['cores']} cores: {verdict}.")
+            f"{load['samples']} samples on {load['cores']} cores: {verdict}.{where}")
 
 
 def markdown(record: dict, plots: dict[str, str]) -> str:

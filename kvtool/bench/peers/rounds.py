@@ -3,7 +3,10 @@
 - every engine runs once per round, the rounds in alternating order (A B C D D C B A A B ...), so a drift of
   the machine hits every engine alike;
 - each figure of the record is the median over the rounds, its spread the min and max of the rounds;
-- a run is quiet when the 1-minute load average stayed at or below the core count the whole time.
+- a run is quiet when the 1-minute load average stayed at or below the core count the whole time;
+- each sample is tagged with what the run was doing (an engine's start-up, a workload, the settle wait), so a
+  record shows where its highest load fell, and each engine starts only once the load left by the one before
+  has settled (settle), so one engine's start-up or client does not count against the next.
 """
 
 from __future__ import annotations
@@ -11,6 +14,28 @@ from __future__ import annotations
 import os
 import statistics
 import threading
+import time
+
+_PHASE = ["idle"]  # what the run is doing now; LoadMonitor tags each sample with it
+
+
+def set_phase(name: str) -> None:
+    """Name what the run does from now on (an engine's "start-up", a workload's name) for the load samples."""
+    _PHASE[0] = name
+
+
+def settle(cores: int, max_wait_s: float = 180.0, every_s: float = 5.0, log=None, _load=None, _sleep=time.sleep) -> dict:
+    """Wait until the 1-minute load average is at most half the core count (what the engine before left behind
+    decays), or max_wait_s passed. Returns {"waited_s", "load"}: how long it waited and the load it started at."""
+    load_now = _load or (lambda: os.getloadavg()[0])
+    target, waited = cores / 2, 0.0
+    while load_now() > target and waited < max_wait_s:
+        _sleep(every_s)
+        waited += every_s
+    level = round(load_now(), 2)
+    if log and waited:
+        log(f"  waited {waited:.0f} s for the load to settle: {level} (target <= {target:g})")
+    return {"waited_s": waited, "load": level}
 
 
 def alternating_order(engines: list[str], rounds: int) -> list[tuple[int, str]]:
@@ -79,15 +104,17 @@ def is_quiet(loads: list[float], cores: int) -> bool:
 
 class LoadMonitor:
     """Samples os.getloadavg()[0] every ``every_s`` seconds in a daemon thread while the block runs:
-    ``with LoadMonitor() as m: ...`` then m.samples (first taken on entry, last on exit)."""
+    ``with LoadMonitor() as m: ...`` then m.samples (first taken on entry, last on exit) and m.phases, the phase
+    (set_phase) each sample was taken in."""
 
     def __init__(self, every_s: float = 5.0):
-        self.every_s, self.samples = every_s, []
+        self.every_s, self.samples, self.phases = every_s, [], []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _sample(self) -> None:
         self.samples.append(round(os.getloadavg()[0], 2))
+        self.phases.append(_PHASE[0])
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -104,12 +131,19 @@ class LoadMonitor:
         self._sample()
 
 
-def load_summary(samples: list[float], cores: int | None = None) -> dict:
-    """The machine's load over a whole run: cores, the first, last, lowest and highest sample, quiet or not."""
+def load_summary(samples: list[float], cores: int | None = None, phases: list[str] | None = None) -> dict:
+    """The machine's load over a whole run: cores, the first, last, lowest and highest sample, quiet or not, and
+    (given each sample's phase) the highest sample in each phase."""
     cores = cores or os.cpu_count() or 1
-    return {"cores": cores, "first": samples[0] if samples else None, "last": samples[-1] if samples else None,
-            "min": min(samples, default=None), "max": max(samples, default=None), "samples": len(samples),
-            "quiet": is_quiet(samples, cores)}
+    out = {"cores": cores, "first": samples[0] if samples else None, "last": samples[-1] if samples else None,
+           "min": min(samples, default=None), "max": max(samples, default=None), "samples": len(samples),
+           "quiet": is_quiet(samples, cores)}
+    if phases:
+        by_phase: dict[str, float] = {}
+        for value, phase in zip(samples, phases):
+            by_phase[phase] = max(value, by_phase.get(phase, value))
+        out["max_by_phase"] = by_phase
+    return out
 
 
 def figure(row: dict, path: str) -> tuple[float, float, float] | None:
