@@ -76,7 +76,6 @@ def run_server_peer(name: str, files: ModelFiles, cfg: PeersConfig, out_dir: Pat
         log(f"{name}: {exc}")
         return {**row, "status": "missing" if exc.missing else "failed", "reason": str(exc)}
     row["command"] = " ".join(argv)
-    set_phase("start-up")
     server = ServerProcess(name, argv, port, out_dir / "logs" / f"{label}.log", env, peer.startup_s, log_fn=log)
     try:
         with server as url:
@@ -95,7 +94,6 @@ def run_transformers(files: ModelFiles, cfg: PeersConfig, log) -> dict:
     from kvtool.bench.peers import inprocess
 
     row = {"engine": "transformers (in process)", "weights": "fp32 dense (HF folder from the GGUF)"}
-    set_phase("start-up")
     hf = inprocess.load_hf(files.folder, cfg.threads)
     try:
         row.update(_run_workloads(inprocess.WORKLOADS, hf, cfg, log, inprocess.UNSUPPORTED))

@@ -4,7 +4,7 @@
   the machine hits every engine alike;
 - each figure of the record is the median over the rounds, its spread the min and max of the rounds;
 - a run is quiet when the 1-minute load average stayed at or below the core count the whole time;
-- each sample is tagged with what the run was doing (an engine's start-up, a workload, the settle wait), so a
+- each sample is tagged with what the run was doing (an engine's start-up, a workload, its stop), so a
   record shows where its highest load fell, and each engine starts only once the load left by the one before
   has settled (settle), so one engine's start-up or client does not count against the next.
 """
