@@ -94,15 +94,24 @@ def test_the_serving_worker_releases_the_loading_threads_openmp_team(monkeypatch
     import threading
 
     from kvtool.engine import Engine
-    from kvtool.serving import worker as worker_mod
+    from kvtool.serving import core as core_mod
+    from kvtool.serving.worker import Worker
 
     calls = []
-    monkeypatch.setattr(worker_mod, "release_openmp_threads", lambda: calls.append(threading.current_thread()))
-    w = worker_mod.Worker(Engine(smollm2))
+    monkeypatch.setattr(core_mod, "release_openmp_threads", lambda: calls.append(threading.current_thread()))
+    w = Worker(core_mod.KvtoolCore(Engine(smollm2)))
     try:
         assert calls == [threading.current_thread()]  # on the thread that built it, before the worker ran
+        # whatever runs "exclusively" (an inspector pass, a cache edit) runs on the worker's thread, between steps
+        assert w.run_exclusive(lambda: threading.current_thread().name) == "kvtool-worker"
+        with pytest.raises(ZeroDivisionError):
+            w.run_exclusive(lambda: 1 / 0)
     finally:
         w.stop()
+    from kvtool.serving.errors import Unavailable
+
+    with pytest.raises(Unavailable, match="not running"):
+        w.run_exclusive(lambda: None)
 
 
 def test_the_in_process_agent_backend_runs_the_model_on_one_thread_of_its_own(monkeypatch, smollm2):

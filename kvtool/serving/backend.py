@@ -1,8 +1,8 @@
 """What computes behind kvtool serve's routes. KvtoolBackend: kvtool's own engine, with its prefix cache,
 skill blocks, cache routes and the attention inspector. (kvtool.engines.vllm.backend: the vLLM one.)
 
-A backend gives create_app: `name`, `start_worker(metrics)` (a Worker-like object: submit,
-submit_choices, running, waiting, alive, scheduler, stop), `metrics_lines` (more Prometheus lines, or
+A backend gives create_app: `name`, `start_worker(metrics)` (kvtool.serving.worker.Worker over
+the backend's engine core), `metrics_lines` (more Prometheus lines, or
 None), `routers(worker, served)` (its own routes) and the `on_start` / `on_stop` coroutines of the
 server's lifespan.
 """
@@ -20,6 +20,7 @@ from kvtool.config import EngineConfig, SamplingParams
 from kvtool.engine import Engine
 from kvtool.errors import InvalidParameterError
 from kvtool.serving.config import ServerConfig
+from kvtool.serving.core import KvtoolCore
 from kvtool.serving.served import ServedModel
 from kvtool.serving.worker import Worker
 
@@ -105,7 +106,7 @@ class KvtoolBackend:
 
     def start_worker(self, metrics) -> Worker:
         cfg = self.cfg
-        self.worker = Worker(self.engine, cfg.max_queue, metrics)
+        self.worker = Worker(KvtoolCore(self.engine), cfg.max_queue, metrics)
         return self.worker
 
     async def on_start(self) -> None:

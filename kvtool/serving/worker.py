@@ -1,6 +1,7 @@
-"""One thread owns the Engine; route handlers only submit and await token events.
+"""One thread owns the engine core (kvtool.serving.core: kvtool's scheduler or vLLM's engine); route handlers
+only submit and await token events.
 
-Continuous batching: the worker thread drives the engine's own scheduler (Engine.scheduler, set by
+Continuous batching (kvtool's core): the worker thread drives the engine's own scheduler (Engine.scheduler, set by
 EngineConfig as in the Python API). Every step is one packed forward holding one decode token of each
 running request plus prefill chunks of newly admitted ones (at most `prefill_chunk` prompt tokens per
 step), so concurrent streams share decode steps and a long prompt does not stall the streams already
@@ -24,13 +25,15 @@ import threading
 import time
 import weakref
 from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import AsyncIterator
 
 from kvtool.config import SamplingParams
-from kvtool.engine import Engine, Generation, TokenEvent
+from kvtool.engine import Generation, TokenEvent
 from kvtool.engine.forks import Fork, choices
 from kvtool.errors import KvtoolError
-from kvtool.models.host import release_openmp_threads
+from kvtool.serving.core import EngineCore, Output
 from kvtool.serving.errors import QueueFull, ServingError, Unavailable
 
 log = logging.getLogger("kvtool.serving")
@@ -107,30 +110,177 @@ def check_count(prompts: int, n: int, max_active: int, max_queue: int) -> tuple[
     return total, capacity
 
 
-class EventSink:
-    """What every engine's worker does with a handle's events: metrics (TTFT, inter-token latency, finished
-    generations) and posting to the handle's queue; and ending every open handle at once (abort_all, the
-    server's shutdown past --shutdown-timeout). Needs `self.metrics` (a ServerMetrics or None)."""
+class Worker:
+    """The serving side of an engine core (kvtool.serving.core): submit and submit_choices queue requests and hand
+    back Handles of TokenEvents; one thread adds them to the core, aborts the cancelled ones and steps it, and posts
+    each output to its handle (with the server's metrics: TTFT, inter-token latency, finished generations)."""
 
-    metrics = None
-    _open: "weakref.WeakSet[Handle] | None" = None
+    def __init__(self, core: EngineCore, max_queue: int = 64, metrics=None):
+        self.core, self.max_queue, self.metrics = core, max_queue, metrics
+        self.max_active = core.max_running
+        self.scheduler = core.scheduler  # kvtool's scheduler gauges for /metrics (None on vLLM)
+        self._pending: deque[Handle] = deque()  # submitted, not yet handed to the core
+        self._handles: dict[int, Handle] = {}  # id(gen) -> handle, for everything in the core
+        self._open: weakref.WeakSet[Handle] = weakref.WeakSet()  # every unfinished handle (abort_all)
+        self._calls: list = []  # run_exclusive() calls for the worker thread
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name=f"{core.name}-worker", daemon=True)
+        self._thread.start()
 
-    def _track(self, handle: Handle) -> None:
-        with _OPEN_LOCK:
-            if self._open is None:
-                self._open = weakref.WeakSet()  # a handle refused at submit (queue full) goes with its request
-            self._open.add(handle)
+    @property
+    def running(self) -> int:
+        """Requests admitted and not yet finished (finishing includes handing their KV to the prefix cache)."""
+        return max(0, len(self._handles) - self.core.queued)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._pending) + self.core.queued
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, skip_special_tokens: bool = True) -> Handle:
+        """Queue a request. Raises KvtoolError (400) for a bad prompt, QueueFull (429), Unavailable (503)."""
+        return self.submit_choices([prompt_ids], 1, params, skip_special_tokens)[0]
+
+    def submit_choices(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                       skip_special_tokens: bool = True) -> Handles:
+        """Queue n choices of each prompt, all or none: handle p * n + i is choice i of prompt p. A seed s
+        becomes s + i for choice i; on kvtool's core the choices of one prompt prefill it once (a shared Fork),
+        on vLLM's each is its own request (its prefix cache shares the prompt's blocks)."""
+        if not self.alive:
+            raise Unavailable(f"the {self.core.name} engine worker is not running; restart kvtool serve",
+                              code="worker_stopped")
+        total, capacity = check_count(len(prompts), n, self.max_active, self.max_queue)
+        loop, handles = asyncio.get_running_loop(), Handles()
+        for ids, choice, fork in choices(prompts, [params] * len(prompts), n):
+            gen, max_tokens = self.core.new_generation(ids, choice)  # validates; computes nothing yet
+            handles.append(Handle(self, gen, max_tokens, skip_special_tokens, loop,
+                                  fork if self.core.shares_forks else None))
+        with self._cv:
+            if len(self._pending) + len(self._handles) + total > capacity:
+                if self.metrics:
+                    self.metrics.rejected()
+                raise QueueFull(f"server busy: {len(self._pending) + len(self._handles)} sequences in flight "
+                                f"({self.running} running, {self.waiting} waiting) and this request adds {total}; "
+                                f"it holds at most {capacity} (--max-active {self.max_active} + --max-queue "
+                                f"{self.max_queue}); retry shortly", code="queue_full")
+            self._pending.extend(handles)
+            self._cv.notify()
+        return handles
+
+    def run_exclusive(self, fn, timeout: float | None = None):
+        """fn() on the worker thread between two steps, so nothing else runs the engine meanwhile (an attention
+        pass of the inspector, a cache edit, a prefix-cache reset); its result. Unavailable (503) when the worker
+        is not running, or did not finish fn within `timeout` seconds."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        done: Future = Future()
+        with self._cv:
+            if not self.alive:
+                raise Unavailable(f"the {self.core.name} engine worker is not running", code="worker_stopped")
+            self._calls.append((fn, done))
+            self._cv.notify()
+        try:
+            return done.result(timeout)
+        except FutureTimeout:
+            raise Unavailable("the engine did not take the call in time", code="engine_busy") from None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout)
 
     def abort_all(self, error: BaseException) -> int:
         """End every unfinished handle now: its reader gets ``error`` next (ahead of anything the engine posts
-        later) and its generation is cancelled, which frees its KV. Engine-agnostic: only Handle is used.
-        Returns how many were ended."""
+        later) and its generation is cancelled, which frees its KV. Returns how many were ended."""
         with _OPEN_LOCK:
-            handles = [h for h in list(self._open or ()) if not h.done and not h.cancelled.is_set()]
+            handles = [h for h in list(self._open) if not h.done and not h.cancelled.is_set()]
         for handle in handles:
             handle._post(error)
             handle.cancel()
         return len(handles)
+
+    def _track(self, handle: Handle) -> None:
+        with _OPEN_LOCK:
+            self._open.add(handle)  # a handle refused at submit (queue full) goes with its request
+
+    def _wake(self, handle: Handle) -> None:
+        with self._cv:
+            if handle in self._pending:  # never started: drop it now, freeing its queue slot
+                self._pending.remove(handle)
+                handle.gen.close()
+                self._finish(handle)
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        core = self.core
+        while True:
+            with self._cv:
+                while not self._stop and not self._pending and not self._calls and core.idle:
+                    self._cv.wait()
+                if self._stop:
+                    break
+                new, self._pending = list(self._pending), deque()
+                calls, self._calls = self._calls, []
+                for handle in new:
+                    self._handles[id(handle.gen)] = handle
+            for fn, done in calls:
+                try:
+                    done.set_result(fn())
+                except BaseException as exc:  # handed to the caller, which raises it
+                    done.set_exception(exc)
+            now = time.perf_counter()
+            for handle in new:
+                handle.gen.timings.queue_ms = (now - handle.submitted) * 1000.0
+                try:
+                    core.add(handle)
+                except Exception as exc:  # setting it up failed (or the engine refused it): this request alone ends
+                    log.warning("request setup failed: %s: %s", type(exc).__name__, exc)
+                    self._deliver([Output(handle.gen, finished=True, error=exc)])
+            try:
+                self._deliver(core.abort([h.gen for h in self._handles.values() if h.cancelled.is_set()]))
+                self._deliver(core.step())
+            except Exception as exc:  # the step failed: end what runs, keep serving
+                log.exception("engine step failed")
+                self._deliver(core.fail(exc))
+        self._deliver(core.abort([h.gen for h in self._handles.values()]))
+        for handle in list(self._pending):
+            handle.gen.close()
+            self._finish(handle, Unavailable("the server is shutting down", code="shutting_down"))
+        self._pending = deque()
+        for _, done in self._calls:
+            done.set_exception(Unavailable("the server is shutting down", code="shutting_down"))
+
+    def _deliver(self, outputs: list[Output]) -> None:
+        for out in outputs:
+            handle = self._handles.get(id(out.gen))
+            if handle is None:
+                continue
+            if out.event is not None:
+                self._emit(handle, out.event)
+            if out.finished:
+                del self._handles[id(out.gen)]
+                self._finish(handle, self._error(handle, out.error))
+
+    def _error(self, handle: Handle, error: BaseException | None) -> BaseException | None:
+        """What the reader of a finished handle is told: a ServingError as it is, a KvtoolError (the request asked
+        for what cannot be done, e.g. a dead-end pattern) as a 400, anything else as a 500; a request ended by
+        shutting down (not by its client) as a 503."""
+        if isinstance(error, ServingError):
+            return error
+        if isinstance(error, KvtoolError):
+            log.warning("request failed: %s", error)
+            return RequestFailed(str(error), getattr(error, "param", None))
+        if error is not None:
+            log.error("generation failed: %s: %s", type(error).__name__, error)
+            return WorkerCrash(f"generation failed: {type(error).__name__}: {error}")
+        if self._stop and handle.gen.finish_reason == "abort" and not handle.cancelled.is_set():
+            return Unavailable("the server is shutting down", code="shutting_down")
+        return None
 
     def _emit(self, handle: Handle, event: TokenEvent) -> None:
         now = time.perf_counter()
@@ -149,146 +299,9 @@ class EventSink:
             return
         handle.done = True
         with _OPEN_LOCK:
-            if self._open is not None:
-                self._open.discard(handle)
+            self._open.discard(handle)
         if error is not None:
             handle._post(error)
         if self.metrics:
             self.metrics.finished(handle.gen)
         handle._post(_DONE)
-
-
-class Worker(EventSink):
-    def __init__(self, engine: Engine, max_queue: int = 64, metrics=None):
-        self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
-        self.max_active = engine.config.max_running
-        self.scheduler = engine.scheduler
-        self._pending: deque[Handle] = deque()  # submitted, not yet handed to the scheduler
-        self._handles: dict[int, Handle] = {}  # id(gen) -> handle, for everything in the scheduler
-        self._cv = threading.Condition()
-        self._model_lock = threading.Lock()  # held for each batched step; run_exclusive() takes it too
-        self._stop = False
-        release_openmp_threads()  # the model was loaded on this thread; from here on the worker runs it
-        self._thread = threading.Thread(target=self._loop, name="kvtool-worker", daemon=True)
-        self._thread.start()
-
-    @property
-    def running(self) -> int:
-        """Requests admitted and not yet finished (finishing includes handing their KV to the prefix cache)."""
-        return max(0, len(self._handles) - len(self.scheduler.waiting))
-
-    @property
-    def waiting(self) -> int:
-        return len(self._pending) + len(self.scheduler.waiting)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop
-
-    def submit(self, prompt_ids: list[int], params: SamplingParams, skip_special_tokens: bool = True) -> Handle:
-        """Queue a request. Raises KvtoolError (400) for a bad prompt, QueueFull (429), Unavailable (503)."""
-        return self.submit_choices([prompt_ids], 1, params, skip_special_tokens)[0]
-
-    def submit_choices(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                       skip_special_tokens: bool = True) -> Handles:
-        """Queue n choices of each prompt, all or none: handle p * n + i is choice i of prompt p. A seed s
-        becomes s + i for choice i; the choices of one prompt prefill it once (a shared Fork)."""
-        if not self.alive:
-            raise Unavailable("the model worker is not running; restart kvtool serve", code="worker_stopped")
-        total, capacity = check_count(len(prompts), n, self.max_active, self.max_queue)
-        loop, handles = asyncio.get_running_loop(), Handles()
-        for ids, choice, fork in choices(prompts, [params] * len(prompts), n):
-            gen, max_tokens = self.engine.new_generation(ids, choice)  # validates; computes nothing yet
-            handles.append(Handle(self, gen, max_tokens, skip_special_tokens, loop, fork))
-        with self._cv:
-            if len(self._pending) + len(self._handles) + total > capacity:
-                if self.metrics:
-                    self.metrics.rejected()
-                raise QueueFull(f"server busy: {len(self._pending) + len(self._handles)} sequences in flight "
-                                f"({self.running} running, {self.waiting} waiting) and this request adds {total}; "
-                                f"it holds at most {capacity} (--max-active {self.max_active} + --max-queue "
-                                f"{self.max_queue}); retry shortly", code="queue_full")
-            self._pending.extend(handles)
-            self._cv.notify()
-        return handles
-
-    def run_exclusive(self, fn):
-        """Run fn() between two batched steps (e.g. an attention pass of the inspector)."""
-        with self._model_lock:
-            return fn()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        self._thread.join(timeout)
-
-    def _wake(self, handle: Handle) -> None:
-        with self._cv:
-            if handle in self._pending:  # never started: drop it now, freeing its queue slot
-                self._pending.remove(handle)
-                handle.gen.close()
-                self._finish(handle)
-            self._cv.notify()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._stop and not self._pending and self.scheduler.idle:
-                    self._cv.wait()
-                if self._stop:
-                    break
-                new, self._pending = list(self._pending), deque()
-                for handle in new:
-                    self._handles[id(handle.gen)] = handle
-            with self._model_lock:
-                now = time.perf_counter()
-                for handle in new:
-                    handle.gen.timings.queue_ms = (now - handle.submitted) * 1000.0
-                    try:
-                        self.scheduler.add(handle.gen, handle.max_tokens, handle.skip_special_tokens,
-                                           on_event=lambda event, h=handle: self._emit(h, event),
-                                           on_finish=self._on_finish, fork=handle.fork)
-                    except Exception as exc:  # setting up its sampling failed: this request alone ends
-                        log.exception("request setup failed")
-                        self._on_finish(handle.gen, exc)
-                for req in self.scheduler.requests:
-                    if self._handles[id(req.gen)].cancelled.is_set():
-                        self.scheduler.cancel(req.gen)
-                try:
-                    self.scheduler.step()
-                except Exception as exc:  # the batched forward failed: end this batch, keep serving
-                    log.exception("batched step failed")
-                    self._end_running(exc)
-        for req in self.scheduler.requests:
-            self.scheduler.cancel(req.gen)
-        for handle in list(self._pending):
-            handle.gen.close()
-            self._finish(handle, Unavailable("the server is shutting down", code="shutting_down"))
-        self._pending = deque()
-
-    def _end_running(self, exc: BaseException) -> None:
-        """End every running request with exc; one that fails to end is dropped, so the loop keeps serving."""
-        for req in list(self.scheduler.running):
-            try:
-                self.scheduler.cancel(req.gen, "error", exc)
-            except Exception:
-                log.exception("ending a failed request failed")
-                if req in self.scheduler.running:
-                    self.scheduler.running.remove(req)
-                handle = self._handles.pop(id(req.gen), None)
-                if handle is not None:
-                    handle._post(WorkerCrash(f"generation failed: {type(exc).__name__}: {exc}"))
-                    self._finish(handle)
-
-    def _on_finish(self, gen: Generation, error: BaseException | None) -> None:
-        handle = self._handles.pop(id(gen))
-        if isinstance(error, KvtoolError):  # the request asked for what cannot be done (e.g. a dead-end pattern)
-            log.warning("request failed: %s", error)
-            handle._post(RequestFailed(str(error), getattr(error, "param", None)))
-        elif error is not None:
-            log.error("generation failed: %s: %s", type(error).__name__, error)
-            handle._post(WorkerCrash(f"generation failed: {type(error).__name__}: {error}"))
-        elif self._stop and gen.finish_reason == "abort" and not handle.cancelled.is_set():
-            handle._post(Unavailable("the server is shutting down", code="shutting_down"))
-        self._finish(handle)

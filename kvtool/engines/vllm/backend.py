@@ -70,9 +70,11 @@ class VllmBackend:
         return self.side.store if self.side is not None else None
 
     def start_worker(self, metrics):
-        from kvtool.engines.vllm.worker import VllmWorker
+        from kvtool.engines.vllm.worker import VllmCore
+        from kvtool.serving.worker import Worker
 
-        self.worker = VllmWorker(self.engine, self.model, self.cfg.max_active, self.cfg.max_queue, metrics, self.side)
+        self.worker = Worker(VllmCore(self.engine, self.model, self.cfg.max_active, self.side), self.cfg.max_queue,
+                             metrics)
         return self.worker
 
     def metrics_lines(self) -> list[str]:
@@ -127,7 +129,7 @@ class VllmBackend:
         async def reset():
             """Empty vLLM's prefix cache (as kvtool's route empties kvtool's), e.g. between benchmark scenarios,
             and the kvtool store behind it."""
-            done = await run_in_threadpool(worker.run_exclusive, lambda engine: engine.reset_prefix_cache())
+            done = await run_in_threadpool(worker.run_exclusive, self.engine.reset_prefix_cache, 60.0)
             if not done:
                 raise Unavailable("vLLM did not reset its prefix cache (requests still hold cached blocks); retry "
                                   "when they finish", code="cache_busy")
