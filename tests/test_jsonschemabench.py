@@ -1,5 +1,6 @@
 """Real-world schemas (a JSONSchemaBench sample, tests/data/jsonschemabench): how many the engine compiles, against
-llguidance's own strict compiler, and that every one SmolLM2 writes to the end validates (jsonschema)."""
+llguidance's own strict compiler, and that every one SmolLM2 writes to the end validates (jsonschema): every third
+schema of the sample (every subset keeps a third of its schemas), so the suite stays short."""
 
 import json
 from collections import Counter
@@ -49,7 +50,7 @@ def test_every_schema_smollm2_writes_to_the_end_validates(smollm2):
     from kvtool.engine import Engine
 
     engine = Engine(smollm2)
-    schemas = [s for s in (json.loads(p.read_text()) for p in SCHEMAS) if compiled(s)]
+    schemas = [s for s in (json.loads(p.read_text()) for p in SCHEMAS[::3]) if compiled(s)]
     prompts, params = [], []
     for schema in schemas:
         text = json.dumps(schema)[:400]  # a glimpse: the grammar does the rest

@@ -4,7 +4,8 @@ tokens), a block shorter than --skill-min-tokens is prefilled instead and the ti
 request took, GET /v1/skills lists them, POST /v1/cache/save writes a .kvc file that `kvtool cache info` reads, a
 file saved by one engine answers a repeated long prompt after a restart on the other, and killing a server while it
 saves leaves the last good file. On vLLM the skill KV and the file's KV come through kvtool's KV connector; the first
-token matches the kvtool engine's composed one. In .venv (no vLLM) only the kvtool engine runs, on SmolLM2.
+token matches the kvtool engine's composed one. It runs where vLLM is installed (.venv-vllm): kvtool's own save,
+load and kill during a save are also held by test_serve_cache_kill.py and tests/cache.
 
 One chain of three servers per model: kvtool (skills, save) -> vLLM (loads kvtool's file; skills, save, killed
 during a second save) -> kvtool (loads what vLLM saved last)."""
@@ -119,14 +120,13 @@ def killed_during_a_save(srv, client: httpx.Client) -> None:
     saver.join(timeout=60)
 
 
-@pytest.mark.parametrize("model", ["smollm2", pytest.param("qwen25", marks=pytest.mark.skipif(
-    not available(), reason="Qwen2.5 runs in .venv-vllm, across both engines"))])
+@pytest.mark.skipif(not available(), reason="the chain crosses both engines: it runs in .venv-vllm")
+@pytest.mark.parametrize("model", ["smollm2", "qwen25"])
 def test_skills_and_the_cache_file_on_both_engines(model, tmp_path):
     from kvtool.cache.persist import describe_file
     from kvtool.testing.models import qwen25_gguf, smollm2_gguf
 
     gguf = smollm2_gguf() if model == "smollm2" else qwen25_gguf()
-    other = "vllm" if available() else "kvtool"
     skills, cache_file = skills_dir(tmp_path), tmp_path / "prefix.kvc"
 
     srv = start("kvtool", gguf, tmp_path, cache_file, skills, "-first")
@@ -143,16 +143,15 @@ def test_skills_and_the_cache_file_on_both_engines(model, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert info.returncode == 0, info.stderr
 
-    srv = start(other, gguf, tmp_path, cache_file, skills)
+    srv = start("vllm", gguf, tmp_path, cache_file, skills)
     try:
         with httpx.Client(base_url=srv.base_url, timeout=600) as client:
             from_the_file(client, LONG)  # saved by kvtool's engine
-            if other == "vllm":
-                on_vllm = skills_contract(client)
-                top = lambda out: out["choices"][0]["logprobs"]["content"][0]["token"]  # noqa: E731
-                assert top(on_vllm) == top(on_kvtool), (on_vllm["choices"][0], on_kvtool["choices"][0])
-                assert (on_vllm["usage"]["prompt_tokens_details"]["skill_block_tokens"]
-                        == on_kvtool["usage"]["prompt_tokens_details"]["skill_block_tokens"])
+            on_vllm = skills_contract(client)
+            top = lambda out: out["choices"][0]["logprobs"]["content"][0]["token"]  # noqa: E731
+            assert top(on_vllm) == top(on_kvtool), (on_vllm["choices"][0], on_kvtool["choices"][0])
+            assert (on_vllm["usage"]["prompt_tokens_details"]["skill_block_tokens"]
+                    == on_kvtool["usage"]["prompt_tokens_details"]["skill_block_tokens"])
             assert completion(client, LATER)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             saved = save(client)
             killed_during_a_save(srv, client)
@@ -164,6 +163,6 @@ def test_skills_and_the_cache_file_on_both_engines(model, tmp_path):
     srv = start("kvtool", gguf, tmp_path, cache_file, tag="-last")
     try:
         with httpx.Client(base_url=srv.base_url, timeout=600) as client:
-            from_the_file(client, LATER)  # saved by the other engine before it was killed
+            from_the_file(client, LATER)  # saved by vLLM before it was killed
     finally:
         srv.stop()
