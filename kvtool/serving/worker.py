@@ -118,7 +118,6 @@ class Worker:
     def __init__(self, core: EngineCore, max_queue: int = 64, metrics=None):
         self.core, self.max_queue, self.metrics = core, max_queue, metrics
         self.max_active = core.max_running
-        self.scheduler = core.scheduler  # kvtool's scheduler gauges for /metrics (None on vLLM)
         self._pending: deque[Handle] = deque()  # submitted, not yet handed to the core
         self._handles: dict[int, Handle] = {}  # id(gen) -> handle, for everything in the core
         self._open: weakref.WeakSet[Handle] = weakref.WeakSet()  # every unfinished handle (abort_all)
@@ -127,6 +126,11 @@ class Worker:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name=f"{core.name}-worker", daemon=True)
         self._thread.start()
+
+    @property
+    def scheduler(self):
+        """kvtool's BatchScheduler, for the /metrics gauges (None on vLLM)."""
+        return self.core.scheduler
 
     @property
     def running(self) -> int:
