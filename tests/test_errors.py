@@ -65,6 +65,18 @@ def test_truncated_gguf(tmp_path, capsys):
     assert "Traceback" not in text
 
 
+@pytest.mark.real_model
+def test_a_converted_gguf_loads_without_reading_its_metadata_again(monkeypatch):
+    """Parsing the whole file costs seconds per start (the vocabulary is one field per token): a file whose
+    converted folder exists is only checked for its magic, and its key (size and both ends) finds the folder."""
+    from kvtool.models import gguf
+    from kvtool.testing.models import smollm2_gguf
+
+    folder = gguf.converted_folder(smollm2_gguf())  # converts once if this cache has never seen it
+    monkeypatch.setattr(gguf, "validate", lambda path: pytest.fail(f"{path} was parsed again"))
+    assert gguf.converted_folder(smollm2_gguf()) == folder
+
+
 def test_corrupt_gguf_header(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\xff" * 64)

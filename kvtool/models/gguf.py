@@ -29,12 +29,16 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
-def validate(path: Path) -> dict:
-    """Check magic and that every tensor lies inside the file; return a little metadata."""
+def _check_magic(path: Path) -> None:
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist")
     if not is_gguf(path):
         raise ModelLoadError(f"{path} is not a GGUF file (its first bytes are not the GGUF magic)")
+
+
+def validate(path: Path) -> dict:
+    """Check magic and that every tensor lies inside the file; return a little metadata."""
+    _check_magic(path)
     from gguf import GGUFReader
 
     try:
@@ -69,11 +73,17 @@ def content_key(path: Path) -> str:
 
 
 def converted_folder(path: Path) -> Path:
-    """The HF folder for this GGUF, converting it on first use."""
-    meta = validate(path)
+    """The HF folder for this GGUF, converting it on first use.
+
+    The whole file is validated only before a conversion: parsing every metadata field (the vocabulary is
+    one field per token) takes 6 s for SmolLM2 and 21 s for Qwen2.5 on 2 cores, and a damaged copy changes
+    the size or an end of the file, which the key covers, so it never reaches a folder converted from a
+    good one."""
+    _check_magic(path)
     target = cache_root() / "gguf" / f"{content_key(path)}-v{CONVERTED_FORMAT}"
     if (target / "kvtool_source.json").is_file():
         return target
+    meta = validate(path)
     print(f"kvtool: converting {path.name} ({meta['architecture']}, {meta['tensors']} tensors) "
           f"to safetensors once; later loads reuse {target}", file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
