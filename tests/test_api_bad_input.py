@@ -91,6 +91,14 @@ def test_engine_arguments_are_checked(smollm2):
         engine.generate_batch("text", greedy)
     with pytest.raises(InvalidParameterError, match="max_running=0: must be an integer >= 1"):
         Engine(smollm2, EngineConfig(max_running=0))  # it waited forever for room to admit a request
+    class OnlyPrepares:  # a hook from before publish() was part of the protocol
+        def prepare(self, prompt_ids, runner): ...
+        def commit(self, handle, token_ids, cache): ...
+    with pytest.raises(TypeError, match=r"a OnlyPrepares lacks publish; a prefix-cache hook has prepare\("):
+        Engine(smollm2, prefix_cache=OnlyPrepares())
+    with pytest.raises(TypeError, match="lacks prepare, publish, commit"):
+        engine.prefix_cache = object()
+    assert engine.prefix_cache is None  # the refused hook was not set
     for name in ("max_running", "prefill_budget", "kv_budget_tokens"):
         with pytest.raises(InvalidParameterError, match=f"{name} must be an integer >= 1, got 0"):
             BatchScheduler(engine, **{name: 0})

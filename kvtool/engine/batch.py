@@ -188,9 +188,8 @@ class BatchScheduler:
     def _prefilled(self, req: BatchRequest, logits: torch.Tensor) -> None:
         """req's prompt is in its cache (logits: of its last token): share it with the prefix cache and, for a
         fork's leader, keep a copy for the siblings."""
-        publish = getattr(self.engine.prefix_cache, "publish", None)  # an optional part of the hook
-        if publish is not None:
-            publish(req.handle, req.gen.prompt_ids[: req.cache.offset], req.cache)
+        if self.engine.prefix_cache is not None:
+            self.engine.prefix_cache.publish(req.handle, req.gen.prompt_ids[: req.cache.offset], req.cache)
         if req.fork is not None:
             fork, req.fork = req.fork, None
             if any(r.fork is fork for r in self.waiting):

@@ -13,6 +13,7 @@ import logging
 from collections import deque
 from typing import Iterator
 
+from kvtool.cache.hook import PrefixHook, checked_hook
 from kvtool.config import EngineConfig, SamplingParams, as_sampling_params
 from kvtool.engine.batch import BatchScheduler, generate_batch
 from kvtool.engine.output import Generation, TokenEvent, scores_prompt
@@ -30,12 +31,20 @@ class Engine:
         self.model = model
         self.runner = model.runner
         self.config = (config or EngineConfig()).validate()
-        self.prefix_cache = prefix_cache  # optional: prepare(prompt, runner) / commit(handle, ids, cache)
-        # [/ publish(handle, ids, cache): cache a running request's prompt once prefilled (BatchScheduler)]
+        self.prefix_cache = prefix_cache  # optional: a PrefixHook (kvtool.cache.hook), checked by the setter
         self.end_of_turn = frozenset(model.end_of_turn_ids())
         self._scheduler: BatchScheduler | None = None
         self._batched: dict[int, object] = {}  # slots -> BatchedStaticDecoder, shared by this engine's schedulers
         self._grammars = None  # kvtool.engine.constraint.Grammars: the llguidance tokenizer, built on first use
+
+    @property
+    def prefix_cache(self) -> PrefixHook | None:
+        """What gives each request its starting KV (prepare), and takes it back (publish, commit)."""
+        return self._prefix_cache
+
+    @prefix_cache.setter
+    def prefix_cache(self, hook: PrefixHook | None) -> None:
+        self._prefix_cache = checked_hook(hook)
 
     def batched_static_decoder(self, slots: int):
         """A BatchedStaticDecoder with `slots` rows for continuous batching, or None (eager forward_batch).

@@ -29,6 +29,9 @@ class FakePrefixCache:
         runner.prefill(prompt_ids[: self.hit], cache)
         return cache, self.hit, ("inner-handle", self.hit)
 
+    def publish(self, handle, token_ids, cache):
+        pass  # a fixed hit: nothing to share
+
     def commit(self, handle, token_ids, cache):
         self.commits.append((handle, list(token_ids), cache.offset))
 
