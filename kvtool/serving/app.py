@@ -25,7 +25,7 @@ from kvtool.config import EngineConfig
 from kvtool.errors import InvalidParameterError, KvtoolError
 from kvtool.models.fim import fim_format, plain_ids
 from kvtool.serving.chat import prepare_chat
-from kvtool.serving.choices import merged_chunks, merged_response
+from kvtool.serving.choices import merged_chunks, merged_response, sse
 from kvtool.serving.config import ServerConfig
 from kvtool.serving.errors import AuthError, ServingError, error_body, error_from_exception
 from kvtool.serving.limits import BodyLimit, too_deep_message
@@ -42,25 +42,6 @@ from kvtool.serving.toolparse import TOOL_FORMATS
 
 log = logging.getLogger("kvtool.serving")
 UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|list\[.*|dict\[.*|literal\[.*|function-.*|[A-Z]\w*)$")
-
-
-def sse_line(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-async def sse(chunks, handle, include_usage: bool):
-    """SSE framing; the usage chunk only when asked; closing early (client gone) cancels generation."""
-    try:
-        async for chunk in chunks:
-            if "choices" in chunk:  # an OpenAI chunk (the raw token stream sends plain events)
-                if not chunk["choices"] and "usage" in chunk and not include_usage:
-                    continue
-                if include_usage:
-                    chunk.setdefault("usage", None)
-            yield sse_line(chunk)
-        yield "data: [DONE]\n\n"
-    finally:
-        handle.cancel()
 
 
 async def until_done(request: Request, handle, awaitable):

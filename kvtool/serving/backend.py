@@ -142,5 +142,4 @@ class KvtoolBackend:
                 cache_router(lambda: prefix_cache, lambda: model, served.check_name, engine.config.cache_file,
                              prefill_in_batch),
                 edit_router(lambda: prefix_cache, lambda: model, served.check_name, worker.run_exclusive),
-                inspect_router(lambda: model, run_exclusive=worker.run_exclusive, get_engine=lambda: engine,
-                               chat_stream=True)]
+                inspect_router(lambda: model, worker, chat_stream=True)]

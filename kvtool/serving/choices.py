@@ -3,12 +3,14 @@
 Each choice is its own session (ChatSession / CompletionSession) with its index. Streaming merges
 their chunks in the order they are made, holds back each choice's usage chunk and ends with one
 usage chunk for the whole request; the non-streaming response lists every choice. Usage counts
-each prompt once and the completion tokens of every choice, as vLLM does.
+each prompt once and the completion tokens of every choice, as vLLM does. `sse` frames any stream of events
+(these chunks, the raw token stream, the inspector's) for the wire.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import AsyncIterator
 
 
@@ -83,3 +85,22 @@ async def merged_response(sessions: list, n: int) -> dict:
     out.pop("raw_tokens", None)
     out["usage"] = merge_usage([r["usage"] for r in results], n)
     return out
+
+
+def sse_line(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def sse(chunks, handle, include_usage: bool):
+    """SSE framing; the usage chunk only when asked; closing early (client gone) cancels generation."""
+    try:
+        async for chunk in chunks:
+            if "choices" in chunk:  # an OpenAI chunk (the raw token stream sends plain events)
+                if not chunk["choices"] and "usage" in chunk and not include_usage:
+                    continue
+                if include_usage:
+                    chunk.setdefault("usage", None)
+            yield sse_line(chunk)
+        yield "data: [DONE]\n\n"
+    finally:
+        handle.cancel()

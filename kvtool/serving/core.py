@@ -92,13 +92,17 @@ class KvtoolCore:
         return self._take()
 
     def fail(self, error: BaseException) -> list[Output]:
-        for req in list(self.scheduler.running):
+        """End the requests the failed step ran; when none ran (it failed admitting them), the waiting ones,
+        which would otherwise fail the same way at every step while the worker spins."""
+        sched = self.scheduler
+        for req in list(sched.running) or list(sched.waiting):
             try:
-                self.scheduler.cancel(req.gen, "error", error)
+                sched.cancel(req.gen, "error", error)
             except Exception:  # ending it failed too: drop it, so the worker keeps serving
                 log.exception("ending a failed request failed")
-                if req in self.scheduler.running:
-                    self.scheduler.running.remove(req)
+                for queue in (sched.running, sched.waiting):
+                    if req in queue:
+                        queue.remove(req)
                 self._out.append(Output(req.gen, finished=True, error=error))
         return self._take()
 

@@ -1,20 +1,18 @@
 """The web inspector: GET /inspect (static page) and the JSON endpoints it needs.
 
-    app.include_router(inspect_router(get_model, run_exclusive=worker.run_exclusive))
+    app.include_router(inspect_router(get_model, worker))
 
 Endpoints: GET /v1/viz/config, POST /v1/viz/render, /v1/viz/tokens, /v1/viz/attention, and
 POST /v1/viz/generate (SSE; used while the chat endpoint has no raw-token opt-in).
-Everything that runs the model goes through `run_exclusive(fn) -> fn()`, which must hold the
-model exclusively (the server's worker lock/queue); without one the router makes its own lock,
-which is only safe when nothing else runs the model.
+What runs the model goes through the server's worker: a generation is one more request of its batch (as
+chat is), an attention pass runs on its thread between two steps (`Worker.run_exclusive`). Without a worker
+the router makes its own Engine and Worker.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import queue
 import threading
 from pathlib import Path
 from typing import Any, Callable, Literal, Union
@@ -24,6 +22,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Streamin
 from pydantic import BaseModel, Field
 
 from kvtool.errors import KvtoolError
+from kvtool.serving.choices import sse
 from kvtool.serving.errors import error_body, error_from_exception
 from kvtool.serving.protocol import SEED_RANGE
 from kvtool.serving.served import check_fits, check_prompt_text, check_strings
@@ -86,29 +85,26 @@ def conversation_ids(model, req: Conversation) -> tuple[list[int], str]:
     return ids, req.prompt or ""
 
 
-def inspect_router(get_model: Callable[[], Any], run_exclusive: Callable[[Callable[[], Any]], Any] | None = None,
-                   lock: threading.Lock | None = None, get_engine: Callable[[], Any] | None = None,
-                   chat_stream: bool = False, chat_raw_field: str = "raw_tokens") -> APIRouter:
-    """get_model() -> LoadedModel; run_exclusive(fn) runs fn holding the model (or pass `lock`);
-    get_engine() -> the server's Engine (its prefix cache makes cached_tokens real; default: own Engine);
+def inspect_router(get_model: Callable[[], Any], worker=None, chat_stream: bool = False,
+                   chat_raw_field: str = "raw_tokens") -> APIRouter:
+    """get_model() -> LoadedModel; worker: the server's Worker (kvtool.serving.worker), which runs
+    /v1/viz/generate as one more request of its batch (its engine's prefix cache makes cached_tokens real) and an
+    attention pass between two steps; without one the router makes its own Engine and Worker on first use.
     chat_stream=True makes the page stream from /v1/chat/completions with `chat_raw_field: true`."""
-    if run_exclusive is None:
-        guard = lock or threading.Lock()
+    own: list = []
+    own_lock = threading.Lock()
 
-        def run_exclusive(fn):
-            with guard:
-                return fn()
+    def the_worker():
+        if worker is not None:
+            return worker
+        with own_lock:
+            if not own:
+                from kvtool.engine import Engine
+                from kvtool.serving.core import KvtoolCore
+                from kvtool.serving.worker import Worker
 
-    engines: dict[str, Any] = {}
-
-    def engine():
-        if get_engine is not None:
-            return get_engine()
-        if "own" not in engines:
-            from kvtool.engine import Engine
-
-            engines["own"] = Engine(get_model())
-        return engines["own"]
+                own.append(Worker(KvtoolCore(Engine(get_model()))))
+            return own[0]
 
     router = APIRouter()
 
@@ -164,7 +160,7 @@ def inspect_router(get_model: Callable[[], Any], run_exclusive: Callable[[Callab
 
         try:
             model = get_model()
-            row = run_exclusive(lambda: attention_row(model, req.ids, req.query, req.layer, req.head))
+            row = the_worker().run_exclusive(lambda: attention_row(model, req.ids, req.query, req.layer, req.head))
         except KvtoolError as exc:
             return error_response(exc)
         top = sorted(range(len(row)), key=row.__getitem__, reverse=True)[:10]
@@ -186,48 +182,29 @@ def inspect_router(get_model: Callable[[], Any], run_exclusive: Callable[[Callab
                 ids, text = await asyncio.to_thread(conversation_ids, model, req)
             params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                                     seed=req.seed).validate()
-            engine().check_prompt(ids, params)
+            handle = the_worker().submit(ids, params, False)  # validates; a 400 / 429 / 503 before the stream
         except KvtoolError as exc:
             return error_response(exc)
-        events: queue.Queue = queue.Queue()
-        cancel = threading.Event()
-
-        def produce():
-            tracker = ChannelTracker(text)
-            gen = None
-            try:
-                gen = engine().generate(ids, params, skip_special_tokens=False)
-                events.put({"type": "start", "n_prompt": len(ids)})
-                for ev in gen:
-                    events.put({"type": "token", "index": ev.index, "id": ev.token_id, "piece": ev.piece,
-                                "channel": tracker.feed(ev.piece), "t_ms": round(ev.t_ms, 2)})
-                    if cancel.is_set():
-                        gen.close()
-                        break
-                events.put({"type": "done", "finish_reason": gen.finish_reason, "timings": gen.timings.to_dict()})
-            except KvtoolError as exc:
-                events.put({"type": "error", "message": str(exc)})
-
-        def run():  # whatever fails, the stream gets an error event and ends (never a silent [DONE])
-            try:
-                run_exclusive(produce)
-            except Exception as exc:
-                log.exception("viz generate failed")
-                events.put({"type": "error", "message": f"internal server error: {type(exc).__name__}: {exc}"})
-            finally:
-                events.put(None)
-
-        threading.Thread(target=run, daemon=True, name="viz-generate").start()
-
-        async def stream():
-            try:
-                while (item := await asyncio.to_thread(events.get)) is not None:
-                    yield f"data: {json.dumps(item)}\n\n"
-                yield "data: [DONE]\n\n"
-            finally:
-                cancel.set()
-
-        return StreamingResponse(stream(), media_type="text/event-stream",
+        return StreamingResponse(sse(_events(handle, ChannelTracker(text), len(ids)), handle, False),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     return router
+
+
+async def _events(handle, tracker, n_prompt: int):
+    """The inspector's events for a request the worker runs in its batch: start, each token with its channel,
+    done with the timings (or an error). kvtool.serving.choices.sse frames them and cancels the request of a client
+    that leaves."""
+    try:
+        yield {"type": "start", "n_prompt": n_prompt}
+        async for ev in handle:
+            yield {"type": "token", "index": ev.index, "id": ev.token_id, "piece": ev.piece,
+                   "channel": tracker.feed(ev.piece), "t_ms": round(ev.t_ms, 2)}
+        yield {"type": "done", "finish_reason": handle.gen.finish_reason, "timings": handle.gen.timings.to_dict()}
+    except KvtoolError as exc:  # the worker's 400 / 500 / 503 for this request
+        yield {"type": "error", "message": str(exc)}
+    except Exception as exc:  # whatever fails, the stream gets an error event and ends (never a silent [DONE])
+        log.exception("viz generate failed")
+        yield {"type": "error", "message": f"internal server error: {type(exc).__name__}: {exc}"}
+

@@ -191,13 +191,28 @@ def test_viz_generate_accepts_the_edges_of_the_seed_range(smol, sse_events):
         assert types[0] == "start" and types[-1] == "done" and events[-1] == "[DONE]", events
 
 
+def test_viz_generate_is_one_request_of_the_batch(smol):
+    """The inspector's stream goes through the worker as chat does: a chat request sent while it streams starts
+    at the next step, instead of waiting for the whole stream to end (as when it ran alone on the worker)."""
+    body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 160, "temperature": 0}
+    with smol.stream("POST", "/v1/viz/generate", json=body) as r:
+        events = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
+        assert next(events)["type"] == "start" and next(events)["type"] == "token"
+        chat_r = smol.post("/v1/chat/completions", json=chat(max_tokens=4))
+        rest = list(events)
+    assert chat_r.status_code == 200, chat_r.text
+    waited, done = chat_r.json()["timings"]["queue_ms"], rest[-1]
+    assert done["type"] == "done" and done["timings"]["decode_tokens"] > 100, done  # still streaming long after
+    assert waited < done["timings"]["decode_ms"] / 4, (waited, done["timings"])
+
+
 def test_viz_generate_stream_reports_a_failure_as_an_error_event(smol, sse_events, monkeypatch):
-    from kvtool.engine import Engine
+    from kvtool.serving.core import KvtoolCore
 
     def boom(self, *args, **kwargs):
         raise RuntimeError("generator exploded")
 
-    monkeypatch.setattr(Engine, "generate", boom)
+    monkeypatch.setattr(KvtoolCore, "step", boom)
     with smol.stream("POST", "/v1/viz/generate", json={"prompt": "Hi", "max_tokens": 2}) as r:
         assert r.status_code == 200
         events = sse_events(r)

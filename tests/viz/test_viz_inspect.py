@@ -40,16 +40,21 @@ def serve(app):
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    """A bare app: the router owns an Engine and streams from /v1/viz/generate, guarded by `lock`."""
+    """A bare app over an engine and its worker, as the server mounts it: /v1/viz/generate streams a request of
+    the worker's batch, an attention pass runs on the worker's thread."""
     from fastapi import FastAPI
 
+    from kvtool.engine import Engine
+    from kvtool.serving.core import KvtoolCore
     from kvtool.serving.inspect_http import inspect_router
+    from kvtool.serving.worker import Worker
 
-    lock = threading.Lock()
+    worker = Worker(KvtoolCore(Engine(smollm2)))
     app = FastAPI()
-    app.include_router(inspect_router(lambda: smollm2, lock=lock))
+    app.include_router(inspect_router(lambda: smollm2, worker))
     for base in serve(app):
-        yield base, lock
+        yield base, worker
+    worker.stop()
 
 
 @pytest.fixture(scope="module")
@@ -124,15 +129,16 @@ def test_render_and_generate_bad_input(server):
     assert resp.status_code == 400 and "context window" in resp.json()["error"]["message"]
 
 
-def test_generate_streams_tokens_and_timings_and_respects_the_lock(server, smollm2):
-    base, lock = server
-    got = []
-    lock.acquire()  # the server's worker is busy: the stream must wait
+def test_generate_streams_tokens_and_timings_through_the_worker(server, smollm2):
+    base, worker = server
+    got, gate = [], threading.Event()
+    busy = threading.Thread(target=worker.run_exclusive, args=(gate.wait,))
+    busy.start()  # the worker's thread is taken: the stream must wait for it
     t = threading.Thread(target=lambda: got.extend(sse(base, {"messages": CONV, "max_tokens": 12})))
     t.start()
     time.sleep(1.5)
     assert not got and t.is_alive()
-    lock.release()
+    gate.set()
     t.join(timeout=300)
     tokens = [e for e in got if e["type"] == "token"]
     done = got[-1]
@@ -141,6 +147,21 @@ def test_generate_streams_tokens_and_timings_and_respects_the_lock(server, smoll
     assert "Paris" in "".join(e["piece"] for e in tokens)
     assert done["timings"]["ttft_ms"] > 0 and done["timings"]["cached_tokens"] == 0
     assert [e["t_ms"] for e in tokens] == sorted(e["t_ms"] for e in tokens)
+
+
+def test_a_router_without_a_worker_makes_its_own(smollm2):
+    from fastapi import FastAPI
+
+    from kvtool.serving.inspect_http import inspect_router
+
+    app = FastAPI()
+    app.include_router(inspect_router(lambda: smollm2))
+    for base in serve(app):
+        events = sse(base, {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0})
+        ids = httpx.post(f"{base}/v1/viz/render", json={"prompt": "Paris is"}).json()["ids"]
+        att = httpx.post(f"{base}/v1/viz/attention", json={"ids": ids, "query": len(ids) - 1}, timeout=120).json()
+    assert [e["type"] for e in events] == ["start", "token", "token", "token", "done"], events
+    assert len(att["row"]) == len(ids) and abs(sum(att["row"]) - 1) < 1e-4
 
 
 def browser():
