@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 PROBE = r"""
 import json, resource, torch
@@ -60,6 +61,31 @@ def test_build_runner_tunes_on_cpu(tmp_path, monkeypatch):
     tiny_checkpoint("llama", tmp_path)
     tiny_runner("llama", tmp_path)
     assert host._tuned is not None  # attempted once for a CPU runner
+
+
+def rss_file_mib() -> int:
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssFile")) // 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_PAGEOUT and /proc are Linux's")
+def test_paging_out_a_weights_file_drops_its_pages_and_keeps_every_value(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from kvtool.models.host import page_out_files
+
+    path = tmp_path / "model.safetensors"
+    save_file({f"w{i}": torch.randn(1024, 1024) for i in range(64)}, str(path))  # 256 MiB
+    with safe_open(str(path), framework="pt") as fh:
+        weights = [fh.get_tensor(k) for k in fh.keys()]
+    sums = [float(w.sum()) for w in weights]  # every page read: resident
+    before = rss_file_mib()
+    advised = page_out_files([path], keep=weights[:32])  # the first half stays
+    assert 128 << 20 <= advised < 130 << 20
+    assert before - 140 < rss_file_mib() < before - 100, (before, rss_file_mib())
+    assert [float(w.sum()) for w in weights] == sums  # the second half read again from the file, unchanged
+    assert page_out_files([path]) >= 256 << 20 and rss_file_mib() < before - 200
+    assert page_out_files([tmp_path / "not-mapped.safetensors"]) == 0
 
 
 OMP_PROBE = r"""

@@ -13,7 +13,7 @@ import torch
 
 from kvtool.errors import ModelLoadError
 from kvtool.models import gguf, ollama
-from kvtool.models.host import tune_host_allocator
+from kvtool.models.host import page_out_files, tune_host_allocator
 from kvtool.models.runner import ModelRunner
 from kvtool.models.spec import ModelSpec
 from kvtool.models.text import ModelText, TextModel
@@ -239,4 +239,5 @@ def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device,
             runner.use_cpu_decode()  # decode steps with C++ glue where the ops build; the reference forward otherwise
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None
+        page_out_files(files, keep=runner.state_dict().values())  # the pages of weights it dropped (unfused)
     return runner
