@@ -20,6 +20,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the Qwen2.5-Coder-0.5B GGUF test model")
     p.add_argument("--cases", type=int, default=None, help="run only the first N evaluation prompts")
+    p.add_argument("--turns", type=int, default=None, help="run only the first N turns of the status-bar session")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -27,7 +28,7 @@ def main() -> None:
     import kvtool
     from kvtool.agent.config import AgentConfig
     from kvtool.agent.demos.eval_cases import EVAL_CASES
-    from kvtool.agent.demos.evaluate import run_status_bar_cache_eval, run_tool_eval
+    from kvtool.agent.demos.evaluate import STATUS_BAR_TURNS, run_status_bar_cache_eval, run_tool_eval
     from kvtool.serving import ServerConfig, create_app
     from kvtool.serving.server import BackgroundServer
     from kvtool.testing.models import qwen25_gguf
@@ -47,7 +48,7 @@ def main() -> None:
             print(f"  {mark} {case.expected:<40} made {[c['name'] for c in case.calls]}", file=sys.stderr)
         print(f"tool-call success: {sum(c.passed for c in report.cases)}/{len(report.cases)} "
               f"({report.success_rate:.0%}) in {eval_s:.0f} s", file=sys.stderr)
-        rates = run_status_bar_cache_eval(url, config=AgentConfig(
+        rates = run_status_bar_cache_eval(url, turns=STATUS_BAR_TURNS[: args.turns], config=AgentConfig(
             max_iterations=4, wait_for_background=False, tool_timeout_s=10, sampling=sampling))
         for placement, row in rates.items():
             print(f"status bar {placement:<8} hit rate {row['hit_rate']:.1%} over {row['model_calls']} model calls",
@@ -59,7 +60,7 @@ def main() -> None:
           "passed": sum(c.passed for c in report.cases),
           "per_case": [{"expected": c.expected, "passed": c.passed, "calls": c.calls, "error": c.error}
                        for c in report.cases],
-          "status_bar_cache": rates, "eval_seconds": round(eval_s, 1), "versions": versions()}, args.out)
+          "status_bar_cache": rates, "status_bar_turns": len(STATUS_BAR_TURNS[: args.turns]), "eval_seconds": round(eval_s, 1), "versions": versions()}, args.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ SCRIPTS = {
     "viz_8k.py": ["--tokens", "96", "--layer", "2", "--plot", "{tmp}/viz_8k.png"],
     "viz_experiments.py": ["--models", "smollm2", "--needle-context", "120", "--depths", "0,1", "--trials", "1",
                            "--generate", "3", "--plots", "{tmp}/viz"],
-    "agent_eval.py": ["--cases", "1", "--max-tokens", "12"],
+    "agent_eval.py": ["--cases", "1", "--turns", "2", "--max-tokens", "12"],
     "server_cost.py": ["--contexts", "16", "--tokens", "4", "--repeats", "1", "--warmup", "0"],
     "prefill_profile.py": ["--prefix", "64", "--tokens", "8", "--repeats", "1", "--top", "3"],
 }
