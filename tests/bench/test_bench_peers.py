@@ -29,8 +29,11 @@ def test_bad_settings_are_named():
         PeersConfig(decode_tokens=1).validate()
     with pytest.raises(InvalidParameterError, match="--vllm-dtype"):
         PeersConfig(vllm_dtype="int8").validate()
+    with pytest.raises(InvalidParameterError, match="settle_max_s >= 0.*'settle_max_s': -1"):
+        PeersConfig(settle_max_s=-1).validate()
     quick = PeersConfig(quick=True).sized()
     assert quick.streams == [4] and quick.repeats == 1 and PeersConfig().sized().streams == [8, 64]
+    assert quick.settle_max_s == 0 and PeersConfig().sized().settle_max_s == 180  # a smoke run does not wait
 
 
 def test_cpu_key_is_the_one_the_build_script_files_its_binary_under():
@@ -153,6 +156,7 @@ def test_quick_run_against_llama_server_and_kvtool_serve(tmp_path, capsys):
         assert e["status"] == "ok", (name, e.get("reason"))
         assert e["unsupported"] == {}, (name, e["unsupported"])
         assert e["rounds"] == 2 and [r["round"] for r in e["runs"]] == [1, 2]
+        assert [r["settle"]["waited_s"] for r in e["runs"]] == [0, 0]  # quick: no wait for the load to decay
         assert e["results"]["memory"]["rss_mib"] > 0 and e["budgets"]["kv"]
         r = e["results"]
         assert r["decode_tok_s"]["median"] > 0 and r["ttft_ms_128"]["median"] > 0

@@ -1,4 +1,4 @@
-"""kill -9 at random moments while a process saves its prefix cache over and over (20 seeded cycles): every
+"""kill -9 at random moments while a process saves its prefix cache over and over (12 seeded cycles): every
 restart loads the file, no file is ever refused, and every block a completed save named is there after the
 restart. The KV has SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64), so a block is 737 KB and a
 save appends tens of MB: kills land inside appends, syncs and manifest renames alike."""
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-CYCLES = 20
+CYCLES = 12
 SETUP = {"model": "kill-test", "config_hash": "0", "tokenizer_hash": "0", "dtype": "float32", "rope": "{}"}
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -48,6 +48,7 @@ class PeersConfig:
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)  # every engine gets all the cores
     vllm_python: str | None = None  # None: $KVTOOL_VLLM_PYTHON, else this python
     vllm_dtype: str = "float32"  # as kvtool on CPU (the converted folders are fp32)
+    settle_max_s: float = 180.0  # before each engine, wait up to this long for the load to decay (0: no wait)
     seed: int = 0
     quick: bool = False
     out_dir: str | None = None  # None: benchmarks/results/peers-<model>[-quick]
@@ -59,7 +60,8 @@ class PeersConfig:
         return replace(self, decode_tokens=16, ttft_lengths=[128], prefix_tokens=256, suffix_tokens=16, streams=[4],
                        stream_tokens=8, stream_prompt_tokens=16, scenarios=["shared-prefix", "timestamp"],
                        scenario_requests=2, policy_paragraphs=0, tools=1, repeats=1, warmup=1, client_prompts=4,
-                       client_prefix_tokens=64, client_input_tokens=32, client_output_tokens=8, client_concurrency=2)
+                       client_prefix_tokens=64, client_input_tokens=32, client_output_tokens=8, client_concurrency=2,
+                       settle_max_s=0.0)  # a smoke test times nothing worth waiting for
 
     def validate(self) -> "PeersConfig":
         for name, allowed in (("engines", ENGINE_NAMES), ("workloads", WORKLOAD_NAMES),
@@ -77,6 +79,7 @@ class PeersConfig:
         bad = {k: v for k, v in sizes.items() if v < 1}
         bad.update({"ttft_lengths": self.ttft_lengths} if not self.ttft_lengths or min(self.ttft_lengths) < 1 else {})
         bad.update({"streams": self.streams} if not self.streams or min(self.streams) < 1 else {})
+        bad.update({"settle_max_s": self.settle_max_s} if not self.settle_max_s >= 0 else {})
         if self.decode_tokens < 2:
             bad["decode_tokens"] = self.decode_tokens  # a rate needs two streamed tokens
         if self.rounds < 2:
@@ -84,8 +87,8 @@ class PeersConfig:
         if self.client_prefix_tokens < 0:
             bad["client_prefix_tokens"] = self.client_prefix_tokens
         if bad or self.warmup < 0:
-            raise InvalidParameterError(f"these must be >= 1 (--decode-tokens and --rounds >= 2, --warmup and "
-                                        f"--client-prefix-tokens >= 0): {bad or 'warmup'}")
+            raise InvalidParameterError(f"these must be >= 1 (--decode-tokens and --rounds >= 2, --warmup, "
+                                        f"--client-prefix-tokens and settle_max_s >= 0): {bad or 'warmup'}")
         if self.vllm_dtype not in ("float32", "bfloat16", "float16"):
             raise InvalidParameterError(f"--vllm-dtype {self.vllm_dtype!r}: choose float32, bfloat16 or float16")
         return self

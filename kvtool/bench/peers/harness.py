@@ -148,7 +148,7 @@ def run_peers(cfg: PeersConfig | None = None, log=lambda s: print(s, file=sys.st
         if any(r["status"] == "missing" for r in runs[name]):
             continue  # not installed: once is enough to say so
         log(f"\n[{i}/{len(order)}] {name}, round {rnd}")
-        calm = settle(os.cpu_count() or 1, log=log)  # the engine before's load decays first
+        calm = settle(os.cpu_count() or 1, max_wait_s=sized.settle_max_s, log=log)  # the engine before's load decays first
         t0 = time.perf_counter()
         set_phase("start-up")
         with LoadMonitor() as load:
