@@ -39,6 +39,8 @@ class EngineConfig:
     prefix_block: int = 16  # tokens per prefix-cache block
     enable_prefix_cache: bool = True
     cache_file: str | None = None  # a .kvc file: the prefix cache is loaded from it (if it exists) and saved to it
+    forward: str = "auto"  # the path of each step: auto (the C++ CPU ops where they build on the CPU) | reference |
+    # cpu-ops (refused where the ops cannot run); the model is loaded with it (kvtool.load(forward=...))
     fast_decode: str = "auto"  # static-shape decode (CUDA graphs on CUDA): auto (CUDA only) | on | off
     static_max_tokens: int = 8192  # the fast path's KV slots; longer requests take the reference path
     static_kv_bytes: int | None = None  # batched fast path's K/V buffers; None: 25% of free device memory
@@ -60,7 +62,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not (optional and value is None) and not is_whole(value, least):
                 bad(name, f"must be an integer >= {least}" + (" or None" if optional else ""))
-        choices = {"fast_decode": ("auto", "on", "off"), "weights": ("dense", "int4")}
+        choices = {"fast_decode": ("auto", "on", "off"), "weights": ("dense", "int4"),
+                   "forward": ("auto", "reference", "cpu-ops")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 bad(name, f"must be one of {', '.join(allowed)}")

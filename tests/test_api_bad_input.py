@@ -135,6 +135,7 @@ def test_model_text_helpers_are_checked(smollm2):
     (dict(static_kv_bytes=0), "static_kv_bytes=0: must be an integer >= 1 or None"),
     (dict(fast_decode="cuda"), "fast_decode='cuda': must be one of auto, on, off"),
     (dict(weights="int8"), "weights='int8': must be one of dense, int4"),
+    (dict(forward="ops"), "forward='ops': must be one of auto, reference, cpu-ops"),
     (dict(enable_prefix_cache="no"), "enable_prefix_cache='no': must be true or false"),
     (dict(skill_repair="magic"), "unknown repair strategy 'magic'"),
     (dict(skill_preamble="long"), "unknown skill preamble 'long'"),

@@ -115,6 +115,10 @@ def test_bad_weights_choices_are_clear_errors():
     with pytest.raises(ModelLoadError, match="CPU only; got device cuda"):
         check_weights("int4", torch.device("cuda"))
     check_weights("int4", torch.device("cpu"))
+    with pytest.raises(ModelLoadError, match=r"forward 'fast' on device cpu: use one of auto, reference, cpu-ops \("):
+        check_weights("dense", torch.device("cpu"), "fast")
+    with pytest.raises(ModelLoadError, match=r"forward 'cpu-ops' on device cuda: .*\(cpu-ops: the CPU only\)"):
+        check_weights("dense", torch.device("cuda"), "cpu-ops")
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +191,8 @@ def test_cli_info_and_generate_take_weights_int4(capsys):
     assert info["weights"] == "int4" and 100e6 < info["decode_weight_bytes"] < 150e6  # dense: 538 MB
     kernel = "C++ gemv_q4" if cpu_decode.unavailable() is None else "torch's int4 kernel"
     assert info["matmuls"] == f"int4 ({kernel}) up to 8 rows, oneDNN packed above"
+    assert main(["info", "--model", str(smollm2_gguf()), "--weights", "int4", "--forward", "reference", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["decode_steps"] == "reference forward"
     assert main(["generate", "Rivers of Europe:", "--model", str(smollm2_gguf()), "--weights", "int4",
                  "--max-tokens", "8", "--temperature", "0"]) == 0
     assert "decode 8 tok" in capsys.readouterr().err

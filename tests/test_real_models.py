@@ -90,3 +90,23 @@ def test_closing_a_stream_early_aborts(smollm2):
     next(it), next(it)
     gen.close()
     assert gen.finish_reason == "abort" and len(gen.token_ids) == 2
+
+
+def test_the_forward_is_a_load_setting_and_both_paths_give_the_same_tokens(smollm2):
+    """kvtool.load(forward="reference") makes every step take the reference forward; the default takes the C++
+    CPU ops. Greedy decoding through either gives the same tokens, and an engine set to one path refuses a model
+    loaded with the other."""
+    import kvtool
+    from kvtool.config import EngineConfig
+    from kvtool.errors import InvalidParameterError
+    from kvtool.testing.models import smollm2_gguf
+
+    ref = kvtool.load(str(smollm2_gguf()), device="cpu", dtype="float32", progress=False, forward="reference")
+    assert (smollm2.runner.forward_path, ref.runner.forward_path) == ("cpu-ops", "reference")
+    assert ref.info["forward"] == "reference" and not (ref.runner.cpu_decode or ref.runner.cpu_prefill)
+    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "Write a long story about a lighthouse."}]))
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    ops = Engine(smollm2, EngineConfig(forward="cpu-ops")).generate(prompt, greedy).run()
+    assert Engine(ref, EngineConfig(forward="reference")).generate(prompt, greedy).run().token_ids == ops.token_ids
+    with pytest.raises(InvalidParameterError, match="forward='reference', but this model's steps take the cpu-ops"):
+        Engine(smollm2, EngineConfig(forward="reference"))

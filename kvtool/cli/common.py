@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from kvtool.config import EngineConfig, SamplingParams
-from kvtool.models.loading import WEIGHTS
+from kvtool.models.loading import FORWARDS, WEIGHTS
 
 ENGINE = EngineConfig()
 SAMPLING = SamplingParams()
@@ -48,6 +48,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default=ENGINE.weights, choices=WEIGHTS,
                    help="int4: 4-bit projections and a bf16 output head for about 2x CPU decode "
                         "(CPU only; prefill unchanged)")
+    p.add_argument("--forward", default=ENGINE.forward, choices=FORWARDS,
+                   help="the path of each step: auto (the C++ CPU ops where they build), reference (the reference "
+                        "PyTorch forward only, as the parity tests hold the ops to), cpu-ops (an error where they "
+                        "cannot run)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -123,4 +127,4 @@ def load_from_args(args):
     from kvtool.models.resolve import resolve_model_arg
 
     model = resolve_model_arg(args.model, announce=lambda s: print(s, file=sys.stderr))
-    return load(model, device=args.device, dtype=args.dtype, weights=args.weights)
+    return load(model, device=args.device, dtype=args.dtype, weights=args.weights, forward=args.forward)

@@ -106,7 +106,7 @@ def run(args) -> int:
     engine_config = EngineConfig(cache_bytes=args.cache_bytes, enable_prefix_cache=not args.no_prefix_cache,
                                  cache_file=args.cache_file, skills_dir=args.skills, skill_repair=args.skill_repair,
                                  skill_preamble=args.skill_preamble,
-                                 skill_min_tokens=args.skill_min_tokens).validate()
+                                 skill_min_tokens=args.skill_min_tokens, forward=args.forward).validate()
     check_writable(args.cache_file, "--cache-file")
     check_listen(cfg.host, cfg.port)  # so does a port in use
     model = load_from_args(args)
@@ -116,7 +116,8 @@ def run(args) -> int:
     def announce(app=None):  # once the engine (prefix cache, skills) is built from valid options
         print(f"kvtool: serving {cfg.served_model_name or model.name} on http://{cfg.host}:{cfg.port}/v1 "
               f"({model.info.get('device')}, {model.info.get('dtype')}"
-              f"{'' if weights == 'dense' else f', {weights} weights'}, {auth})", file=sys.stderr)
+              f"{'' if weights == 'dense' else f', {weights} weights'}"
+              f"{', reference forward' if model.info.get('forward') == 'reference' else ''}, {auth})", file=sys.stderr)
         if args.cache_file is not None:
             cache = getattr(app.state, "prefix_cache", None) if app is not None else None
             print(f"kvtool: prefix cache file {args.cache_file}: {describe_load(cache and cache.loaded)}",

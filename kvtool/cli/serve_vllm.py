@@ -10,7 +10,8 @@ from kvtool.errors import InvalidParameterError
 from kvtool.serving.config import ServerConfig
 
 # kvtool serve options that configure kvtool's own engine: (attribute, flag, its default)
-KVTOOL_ENGINE_ONLY = [("weights", "--weights", ENGINE.weights), ("kv_bytes", "--kv-bytes", None)]
+KVTOOL_ENGINE_ONLY = [("weights", "--weights", ENGINE.weights), ("forward", "--forward", ENGINE.forward),
+                      ("kv_bytes", "--kv-bytes", None)]
 
 
 def check_options(args) -> dict:

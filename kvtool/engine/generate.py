@@ -31,6 +31,10 @@ class Engine:
         self.model = model
         self.runner = model.runner
         self.config = (config or EngineConfig()).validate()
+        if self.config.forward not in ("auto", self.runner.forward_path):  # the path is the model's: it is loaded so
+            raise InvalidParameterError(
+                f"forward={self.config.forward!r}, but this model's steps take the {self.runner.forward_path} path; "
+                f"load it with kvtool.load(..., forward={self.config.forward!r})")
         self.prefix_cache = prefix_cache  # optional: a PrefixHook (kvtool.cache.hook), checked by the setter
         self.end_of_turn = frozenset(model.end_of_turn_ids())
         self._scheduler: BatchScheduler | None = None

@@ -67,10 +67,9 @@ MADV_PAGEOUT, PAGE = 21, 4096  # Linux 5.4+: reclaim these pages now (clean file
 
 def page_out_files(paths, keep=()) -> int:
     """Hand back the pages of this process's mappings of `paths` (MADV_PAGEOUT) that no tensor in `keep` lies
-    on; the bytes advised. Loading reads every page of the mapped weights once, and the pages of tensors that
-    were copied and dropped (q, k and v before fuse() joins them) stayed resident while the file stays mapped
-    for the rest: 0.9 GB of Qwen2.5's 5.1 GB. They are clean: the kernel drops them, no tensor changes, and
-    the kept tensors' pages stay. 0 where Linux or madvise does not (or KVTOOL_HEAP_TUNING=0)."""
+    on; the bytes advised. Pages of tensors that loading copied and dropped (q, k, v before fuse()) stayed
+    resident (0.9 GB of Qwen2.5's 5.1 GB); they are clean, so the kernel drops them and no tensor changes. 0
+    where Linux or madvise does not (or KVTOOL_HEAP_TUNING=0)."""
     if os.environ.get("KVTOOL_HEAP_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
         return 0
     import torch

@@ -19,6 +19,7 @@ from kvtool.models.spec import ModelSpec
 from kvtool.models.text import ModelText, TextModel
 
 WEIGHTS = ("dense", "int4")  # int4: 4-bit projections and a bf16 head for CPU decode (kvtool.kernels.quant)
+FORWARDS = ("auto", "reference", "cpu-ops")  # which forward the runner's steps take (EngineConfig.forward)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model"]
@@ -34,11 +35,7 @@ def pick_device(device: str = "auto") -> torch.device:
             return torch.device(device)
         except RuntimeError:
             raise ModelLoadError(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or mps") from None
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    return torch.device("cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu")
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -127,8 +124,9 @@ def hub_folder(repo_id: str, local_only: bool = False) -> Path:
 
 
 def load(model: str | None = None, device: str = "auto", dtype: str = "auto", progress: bool = True,
-         weights: str = "dense", packed: bool = True) -> LoadedModel:
-    """Load a model for kvtool: runner (weights on device), tokenizer, chat template.
+         weights: str = "dense", packed: bool = True, forward: str = "auto") -> LoadedModel:
+    """Load a model for kvtool: runner (weights on device), tokenizer, chat template; `forward`: which path its
+    steps take (auto | reference | cpu-ops, as kvtool.config.EngineConfig.forward says).
 
     weights="int4" packs the projections in 4 bits and copies the head to bf16 for CPU decode
     (about 2x the decode tokens/s on two cores; see kvtool.kernels.quant). packed=False leaves out the
@@ -142,10 +140,10 @@ def load(model: str | None = None, device: str = "auto", dtype: str = "auto", pr
     dt = pick_dtype(dtype, dev)
     hf_config, tokenizer = read_config_tokenizer(folder)
     spec = ModelSpec.from_hf_config(hf_config)
-    runner = build_runner(spec, hf_config, folder, dev, dt, progress, weights, packed)
+    runner = build_runner(spec, hf_config, folder, dev, dt, progress, weights, packed, forward)
     return LoadedModel(name=name, folder=folder, runner=runner, tokenizer=tokenizer, hf_config=hf_config,
                        source=str(model), info={"device": str(dev), "dtype": str(dt).replace("torch.", ""),
-                                                     "weights": weights})
+                                                     "weights": weights, "forward": runner.forward_path})
 
 
 def load_text(model: str | None = None) -> TextModel:
@@ -169,7 +167,10 @@ def read_config_tokenizer(folder: Path):
         raise ModelLoadError(f"could not read config/tokenizer in {folder}: {exc}") from None
 
 
-def check_weights(weights: str, device: torch.device) -> None:
+def check_weights(weights: str, device: torch.device, forward: str = "auto") -> None:
+    if forward not in FORWARDS or (forward == "cpu-ops" and device.type != "cpu"):
+        raise ModelLoadError(f"forward {forward!r} on device {device.type}: use one of {', '.join(FORWARDS)} (cpu-ops: "
+                             "the CPU only)")
     if weights not in WEIGHTS:
         raise ModelLoadError(f"unknown weights {weights!r}; use one of {', '.join(WEIGHTS)}")
     if weights == "int4" and device.type != "cpu":
@@ -188,12 +189,12 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device, dtype: torch.dtype,
-                 progress: bool = True, weights: str = "dense", packed: bool = True) -> ModelRunner:
+def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device, dtype: torch.dtype, progress=True,
+                 weights: str = "dense", packed: bool = True, forward: str = "auto") -> ModelRunner:
     from safetensors import safe_open
     from tqdm import tqdm
 
-    check_weights(weights, device)  # before any weight is read
+    check_weights(weights, device, forward)  # before any weight is read
     if device.type == "cpu":
         tune_host_allocator()
 
@@ -235,9 +236,12 @@ def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device,
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None
     if device.type == "cpu":
-        try:
-            runner.use_cpu_decode()  # decode steps with C++ glue where the ops build; the reference forward otherwise
+        try:  # auto: decode steps and prefill with C++ glue where the ops build; the reference forward otherwise
+            reason = runner.use_cpu_decode(forward != "reference")
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None
+        if forward == "cpu-ops" and reason is not None:
+            raise ModelLoadError(f"forward cpu-ops: the C++ CPU ops cannot run this model: {reason} (--forward auto "
+                                 "falls back to the reference forward)")
         page_out_files(files, keep=runner.state_dict().values())  # the pages of weights it dropped (unfused)
     return runner

@@ -97,8 +97,7 @@ class ModelRunner(nn.Module):
         total = 0
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = [attn._wqkv] if attn._wqkv is not None else [attn.q_proj.weight, attn.k_proj.weight,
-                                                                attn.v_proj.weight]
+            qkv = [attn._wqkv] if attn._wqkv is not None else [m.weight for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
             gate_up = [mlp._wgu] if mlp._wgu is not None else [mlp.gate_proj.weight, mlp.up_proj.weight]
             outs = [getattr(m, "packed", m.weight) for m in (attn.o_proj, mlp.down_proj)]  # Int4Linear.packed
             total += sum(w.nbytes for w in (*qkv, *gate_up, *outs))
@@ -162,8 +161,7 @@ class ModelRunner(nn.Module):
         pairs = [(layer.self_attn, layer.mlp) for layer in self.model.layers]
         if any(attn._wqkv is None or mlp._wgu is None for attn, mlp in pairs):
             return "the projections are not fused (call fuse() first)"
-        reason = cpu_gemm.unsupported(self.output_weight)
-        if reason:
+        if reason := cpu_gemm.unsupported(self.output_weight):
             return reason
         for attn, mlp in pairs:
             attn._wqkv, mlp._wgu = cpu_gemm.pack(attn._wqkv), cpu_gemm.pack(mlp._wgu)
@@ -195,6 +193,10 @@ class ModelRunner(nn.Module):
     @property
     def cpu_prefill(self) -> bool:
         return self._cpu_prefill is not None
+
+    @property
+    def forward_path(self) -> str:  # "cpu-ops" where the C++ ops run this runner's steps (use_cpu_decode)
+        return "cpu-ops" if self.cpu_decode or self.cpu_prefill else "reference"
 
     def _packed_weights(self) -> list[cpu_gemm.PackedWeight]:
         found = [self._head_packed] if self._head_packed is not None else []

@@ -46,7 +46,7 @@ def tiny_checkpoint(family: str, folder: Path, seed: int = 0):
     return hf
 
 
-def tiny_runner(family: str, folder: Path, weights: str = "dense"):
+def tiny_runner(family: str, folder: Path, weights: str = "dense", forward: str = "auto"):
     from transformers import AutoConfig
 
     from kvtool.models.loading import build_runner
@@ -54,7 +54,7 @@ def tiny_runner(family: str, folder: Path, weights: str = "dense"):
 
     cfg = AutoConfig.from_pretrained(str(folder))
     return build_runner(ModelSpec.from_hf_config(cfg), cfg, folder, torch.device("cpu"), torch.float32,
-                        progress=False, weights=weights)
+                        progress=False, weights=weights, forward=forward)
 
 
 def qwen3_0_6b_config():

@@ -276,6 +276,10 @@ def test_a_failed_build_or_the_env_switch_keeps_the_reference_forward(tmp_path, 
     monkeypatch.delenv("CXX")
     monkeypatch.setenv(cpu_decode.ENV, "0")
     assert runner.use_cpu_decode() == "KVTOOL_CPU_DECODE=0" and not runner.cpu_decode
+    assert tiny_runner("llama", tmp_path / "ckpt").forward_path == "reference"  # auto falls back
+    with pytest.raises(ModelLoadError, match="forward cpu-ops: the C[+][+] CPU ops cannot run this model: "
+                                             "KVTOOL_CPU_DECODE=0 [(]--forward auto falls back"):
+        tiny_runner("llama", tmp_path / "ckpt", forward="cpu-ops")  # asked for: refused, not a silent fallback
     monkeypatch.setenv(cpu_decode.ENV, "fast")
     with pytest.raises(ValueError, match="KVTOOL_CPU_DECODE must be 0 or 1; got 'fast'"):
         runner.use_cpu_decode()

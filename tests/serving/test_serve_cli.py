@@ -108,6 +108,23 @@ def test_weights_flag_reaches_the_loader_and_the_banner(monkeypatch, capsys):
     assert seen["weights"] == "int4" and "(cpu, float32, int4 weights, no API key)" in capsys.readouterr().err
 
 
+def test_forward_flag_reaches_the_loader_the_engine_and_the_banner(monkeypatch, capsys):
+    import kvtool.cli.serve as cli
+    import kvtool.serving.server as server
+
+    class FakeModel:
+        name, info = "fake", {"device": "cpu", "dtype": "float32", "weights": "dense", "forward": "reference"}
+
+    seen = {}
+    monkeypatch.setattr(cli, "load_from_args", lambda args: seen.update(loaded=args.forward) or FakeModel())
+    monkeypatch.setattr(server, "check_listen", lambda host, port: None)
+    monkeypatch.setattr(server, "serve", lambda model, cfg, engine_config, log_level, on_ready:
+                        seen.update(engine=engine_config.forward) or on_ready())
+    assert main(["serve", "--forward", "reference"]) == 0
+    assert seen == {"loaded": "reference", "engine": "reference"}
+    assert "(cpu, float32, reference forward, no API key)" in capsys.readouterr().err
+
+
 def test_a_port_in_use_or_a_bad_host_is_said_before_the_model_loads(monkeypatch, capsys):
     import socket
 

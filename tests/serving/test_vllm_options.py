@@ -11,7 +11,7 @@ from kvtool.engines.vllm import available
 needs_vllm = pytest.mark.skipif(not available(), reason="vLLM is not installed (pip install -e '.[vllm]')")
 
 
-@pytest.mark.parametrize("flag", [["--weights", "int4"], ["--kv-bytes", "1000"]])
+@pytest.mark.parametrize("flag", [["--weights", "int4"], ["--forward", "reference"], ["--kv-bytes", "1000"]])
 def test_kvtool_engine_options_are_refused_with_vllm(flag, capsys):
     assert main(["serve", "--engine", "vllm", *flag]) == 2
     err = capsys.readouterr().err
