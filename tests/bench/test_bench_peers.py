@@ -151,6 +151,7 @@ def test_quick_run_against_llama_server_and_kvtool_serve(tmp_path, capsys):
     assert record["gguf_type"] == "Q4_1"
     assert record["order"] == ["kvtool #1", "llama.cpp #1", "llama.cpp #2", "kvtool #2"]
     assert isinstance(record["quiet"], bool) and record["load"]["samples"] >= 4
+    assert record["load"]["others_cpu_max"] >= 0  # the CPU that processes outside the run took, beside the load
     c = record["config"]
     for name, e in record["engines"].items():
         assert e["status"] == "ok", (name, e.get("reason"))

@@ -3,6 +3,11 @@ counts as quiet (pure Python)."""
 
 from __future__ import annotations
 
+import statistics
+import subprocess
+import sys
+import time
+
 import pytest
 
 from kvtool.bench.peers import PeersConfig
@@ -77,6 +82,24 @@ def test_each_sample_carries_its_phase_and_the_summary_names_the_highest_in_each
     assert load.phases == ["start-up", "decode"]
     summary = load_summary([1.0, 2.5, 0.5, 1.5], cores=2, phases=["start-up", "start-up", "decode", "decode"])
     assert summary["max_by_phase"] == {"start-up": 2.5, "decode": 1.5} and not summary["quiet"]
+    assert load_summary([1.0, 1.2], cores=2, others=[0.05, 0.31])["others_cpu_max"] == 0.31
+
+
+BUSY = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 3: pass"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU times come from /proc")
+def test_cpu_of_processes_outside_the_run_is_told_apart_from_the_runs_own():
+    """A busy child of this process is the run's own work (a server, a client); a busy process that is not
+    this one's descendant (started detached: its shell exits, it is reparented) is other work."""
+    with LoadMonitor(every_s=0.5) as own:
+        subprocess.run([sys.executable, "-c", BUSY], check=True)
+    with LoadMonitor(every_s=0.5) as other:
+        subprocess.run(["sh", "-c", '"$0" -c "$1" &', sys.executable, BUSY], check=True)
+        time.sleep(3)
+    assert len(own.others) >= 4 and len(other.others) >= 4
+    assert statistics.median(other.others) >= 0.5, other.others  # one core busy, outside the run
+    assert statistics.median(own.others) < statistics.median(other.others) - 0.3, (own.others, other.others)
 
 
 def test_settle_waits_for_the_load_to_fall_to_half_the_cores_and_no_longer_than_its_limit():

@@ -137,7 +137,7 @@ def run_peers(cfg: PeersConfig | None = None, log=lambda s: print(s, file=sys.st
     slug = "".join(c if c.isalnum() else "-" for c in files.name.lower()).strip("-")
     out_dir = Path(cfg.out_dir or f"benchmarks/results/peers-{slug}{'-quick' if cfg.quick else ''}")
     order = alternating_order(cfg.engines, sized.rounds)
-    engines, seconds, runs, samples, phases = {}, {}, {name: [] for name in cfg.engines}, [], []
+    engines, seconds, runs, samples, phases, others = {}, {}, {name: [] for name in cfg.engines}, [], [], []
     record = {"benchmark": "peers", "model": files.name, "gguf": str(files.gguf) if files.gguf else None,
               "gguf_type": files.gguf_type, "folder": str(files.folder), "device": _cpu_name(),
               "threads": sized.threads, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -148,7 +148,7 @@ def run_peers(cfg: PeersConfig | None = None, log=lambda s: print(s, file=sys.st
         if any(r["status"] == "missing" for r in runs[name]):
             continue  # not installed: once is enough to say so
         log(f"\n[{i}/{len(order)}] {name}, round {rnd}")
-        calm = settle(os.cpu_count() or 1, max_wait_s=sized.settle_max_s, log=log)  # the engine before's load decays first
+        calm = settle(os.cpu_count() or 1, max_wait_s=sized.settle_max_s, log=log)  # the load left behind decays first
         t0 = time.perf_counter()
         set_phase("start-up")
         with LoadMonitor() as load:
@@ -160,13 +160,14 @@ def run_peers(cfg: PeersConfig | None = None, log=lambda s: print(s, file=sys.st
                 log(f"{name} failed: {run['reason']}\n{traceback.format_exc(limit=3)}")
             set_phase("stop")
         run.update(round=rnd, seconds=round(time.perf_counter() - t0, 1), settle=calm,
-                   load=load_summary(load.samples, phases=load.phases))
+                   load=load_summary(load.samples, phases=load.phases, others=load.others))
         samples += load.samples
         phases += load.phases
+        others += load.others
         runs[name].append(run)
         engines[name] = engine_row(runs[name])
         seconds[name] = round(sum(r["seconds"] for r in runs[name]), 1)
-        record["load"] = load_summary(samples, phases=phases)
+        record["load"] = load_summary(samples, phases=phases, others=others)
         record["quiet"] = record["load"]["quiet"]  # no sample of the 1-minute load above the core count
         if i < len(order):  # the engines so far, in case the run is stopped before the last one
             record["unfinished"] = [f"{n} #{r}" for r, n in order[i:]]

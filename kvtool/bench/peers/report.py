@@ -213,13 +213,15 @@ def _load_line(record: dict) -> str:
     load = record.get("load") or {}
     if not load:
         return "No load samples."
-    verdict = "quiet" if record.get("quiet") else "NOT quiet: other work shared the cores, so the figures are noisy"
+    verdict = "quiet" if record.get("quiet") else "NOT quiet: the load passed the core count; the figures may be noisy"
     peaks = [(value, f"{name} round {run.get('round')}, {phase}")
              for name, e in (record.get("engines") or {}).items() for run in e.get("runs", [])
              for phase, value in ((run.get("load") or {}).get("max_by_phase") or {}).items()]
     where = f" The highest sample: {_num(max(peaks)[0])} in {max(peaks)[1]}." if peaks else ""
+    others = "" if load.get("others_cpu_max") is None else (
+        f" Processes outside the run kept at most {_num(load['others_cpu_max'])} cores busy between two samples.")
     return (f"1-minute load average sampled while the engines ran: {_num(load['min'])}-{_num(load['max'])} over "
-            f"{load['samples']} samples on {load['cores']} cores: {verdict}.{where}")
+            f"{load['samples']} samples on {load['cores']} cores: {verdict}.{where}{others}")
 
 
 def markdown(record: dict, plots: dict[str, str]) -> str:

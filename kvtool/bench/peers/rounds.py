@@ -3,7 +3,9 @@
 - every engine runs once per round, the rounds in alternating order (A B C D D C B A A B ...), so a drift of
   the machine hits every engine alike;
 - each figure of the record is the median over the rounds, its spread the min and max of the rounds;
-- a run is quiet when the 1-minute load average stayed at or below the core count the whole time;
+- a run is quiet when the 1-minute load average stayed at or below the core count the whole time; beside it the
+  record gives the CPU time that processes outside the run took (others_cpu_max), since a server's own bursts
+  of runnable threads also lift the load average;
 - each sample is tagged with what the run was doing (an engine's start-up, a workload, its stop), so a
   record shows where its highest load fell, and each engine starts only once the load left by the one before
   has settled (settle), so one engine's start-up or client does not count against the next.
@@ -102,19 +104,54 @@ def is_quiet(loads: list[float], cores: int) -> bool:
     return bool(loads) and max(loads) <= cores
 
 
+def cpu_split() -> tuple[float, float, float] | None:
+    """(now, CPU seconds the whole machine was busy, CPU seconds of this process and its descendants, the exited
+    ones it waited for included) from /proc; None where there is none (not Linux)."""
+    try:
+        with open("/proc/stat") as fh:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fh.readline().split()[1:9])
+        own, children, pid = 0, {}, os.getpid()
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    with open(f"/proc/{entry.name}/stat") as fh:
+                        fields = fh.read().rsplit(")", 1)[1].split()  # the fields after "pid (comm)"
+                except OSError:
+                    continue  # it exited meanwhile
+                children.setdefault(int(fields[1]), []).append((int(entry.name), sum(map(int, fields[11:15]))))
+                if int(entry.name) == pid:
+                    own += sum(map(int, fields[11:15]))  # utime, stime, cutime, cstime
+    except (OSError, ValueError, IndexError):
+        return None
+    todo = [pid]
+    while todo:  # the descendants: their own times, and those of the children they waited for
+        for child, ticks in children.get(todo.pop(), []):
+            own += ticks
+            todo.append(child)
+    tick = os.sysconf("SC_CLK_TCK")
+    return time.monotonic(), (user + nice + system + irq + softirq + steal) / tick, own / tick
+
+
 class LoadMonitor:
     """Samples os.getloadavg()[0] every ``every_s`` seconds in a daemon thread while the block runs:
-    ``with LoadMonitor() as m: ...`` then m.samples (first taken on entry, last on exit) and m.phases, the phase
-    (set_phase) each sample was taken in."""
+    ``with LoadMonitor() as m: ...`` then m.samples (first taken on entry, last on exit), m.phases, the phase
+    (set_phase) each sample was taken in, and m.others: from the second sample on, the cores that processes
+    outside this one and its children kept busy since the sample before (where /proc tells)."""
 
     def __init__(self, every_s: float = 5.0):
-        self.every_s, self.samples, self.phases = every_s, [], []
+        self.every_s, self.samples, self.phases, self.others = every_s, [], [], []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._split = None
 
     def _sample(self) -> None:
         self.samples.append(round(os.getloadavg()[0], 2))
         self.phases.append(_PHASE[0])
+        split, before = cpu_split(), self._split
+        if split is not None and before is not None and split[0] > before[0]:
+            busy, own = split[1] - before[1], split[2] - before[2]
+            self.others.append(round(max(0.0, busy - own) / (split[0] - before[0]), 2))
+        self._split = split
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -131,9 +168,11 @@ class LoadMonitor:
         self._sample()
 
 
-def load_summary(samples: list[float], cores: int | None = None, phases: list[str] | None = None) -> dict:
-    """The machine's load over a whole run: cores, the first, last, lowest and highest sample, quiet or not, and
-    (given each sample's phase) the highest sample in each phase."""
+def load_summary(samples: list[float], cores: int | None = None, phases: list[str] | None = None,
+                 others: list[float] | None = None) -> dict:
+    """The machine's load over a whole run: cores, the first, last, lowest and highest sample, quiet or not,
+    (given each sample's phase) the highest sample in each phase, and (given LoadMonitor.others) the most cores
+    that processes outside the run kept busy between two samples."""
     cores = cores or os.cpu_count() or 1
     out = {"cores": cores, "first": samples[0] if samples else None, "last": samples[-1] if samples else None,
            "min": min(samples, default=None), "max": max(samples, default=None), "samples": len(samples),
@@ -143,6 +182,8 @@ def load_summary(samples: list[float], cores: int | None = None, phases: list[st
         for value, phase in zip(samples, phases):
             by_phase[phase] = max(value, by_phase.get(phase, value))
         out["max_by_phase"] = by_phase
+    if others:
+        out["others_cpu_max"] = max(others)
     return out
 
 
