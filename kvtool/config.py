@@ -14,6 +14,7 @@ from kvtool.skill_settings import parse_preamble, parse_repair
 from kvtool.structured.grammar import request_grammar
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
+FORWARDS = ("auto", "reference", "cpu-ops")  # which forward a model's steps take (EngineConfig.forward)
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes; the server's seed fields use it too
 REAL = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 FLAGS = ("ignore_eos", "include_stop_str_in_output")
@@ -62,8 +63,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not (optional and value is None) and not is_whole(value, least):
                 bad(name, f"must be an integer >= {least}" + (" or None" if optional else ""))
-        choices = {"fast_decode": ("auto", "on", "off"), "weights": ("dense", "int4"),
-                   "forward": ("auto", "reference", "cpu-ops")}
+        choices = {"fast_decode": ("auto", "on", "off"), "weights": ("dense", "int4"), "forward": FORWARDS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 bad(name, f"must be one of {', '.join(allowed)}")

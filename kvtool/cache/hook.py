@@ -7,14 +7,13 @@ failing in the middle of a batch.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence
 
 from kvtool.cache.kv import KVCache
 
 METHODS = ("prepare", "publish", "commit")
 
 
-@runtime_checkable
 class PrefixHook(Protocol):
     def prepare(self, prompt_ids: Sequence[int], runner) -> tuple[KVCache, int, Any]:
         """(a KVCache the request owns, how many leading prompt tokens it already holds, a handle): the handle
@@ -32,10 +31,10 @@ class PrefixHook(Protocol):
 
 
 def checked_hook(hook):
-    """`hook` if it is None or a PrefixHook; else a TypeError that names what it lacks."""
-    if hook is None or isinstance(hook, PrefixHook):
+    """`hook` if it is None or has every method of a PrefixHook; else a TypeError that names what it lacks."""
+    missing = [] if hook is None else [name for name in METHODS if not callable(getattr(hook, name, None))]
+    if not missing:
         return hook
-    missing = [name for name in METHODS if not callable(getattr(hook, name, None))]
     raise TypeError(f"prefix_cache: a {type(hook).__name__} lacks {', '.join(missing)}; a prefix-cache hook has "
                     "prepare(prompt_ids, runner), publish(handle, token_ids, cache) and commit(handle, token_ids, "
                     "cache) (kvtool.cache.hook.PrefixHook)")

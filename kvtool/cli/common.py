@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvtool.config import EngineConfig, SamplingParams
-from kvtool.models.loading import FORWARDS, WEIGHTS
+from kvtool.config import FORWARDS, EngineConfig, SamplingParams
+from kvtool.models.loading import WEIGHTS
 
 ENGINE = EngineConfig()
 SAMPLING = SamplingParams()

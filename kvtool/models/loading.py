@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from kvtool.config import FORWARDS
 from kvtool.errors import ModelLoadError
 from kvtool.models import gguf, ollama
 from kvtool.models.host import page_out_files, tune_host_allocator
@@ -19,7 +20,6 @@ from kvtool.models.spec import ModelSpec
 from kvtool.models.text import ModelText, TextModel
 
 WEIGHTS = ("dense", "int4")  # int4: 4-bit projections and a bf16 head for CPU decode (kvtool.kernels.quant)
-FORWARDS = ("auto", "reference", "cpu-ops")  # which forward the runner's steps take (EngineConfig.forward)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model"]
