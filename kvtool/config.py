@@ -32,7 +32,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU; or float32/bfloat16/float16
     weights: str = "dense"  # dense | int4: 4-bit projections, bf16 head (CPU decode ~2x; kvtool.kernels.quant)
     prefill_chunk: int = 2048  # prompt tokens per scheduler step (each forward): bounds activation memory and how
-    # long one step stalls running streams; a later chunk attends through a mask over all earlier keys
+    # long one step stalls running streams; a later chunk attends over all earlier keys
     max_running: int = 16  # requests the scheduler batches in each step (kvtool serve --max-active sets it)
     kv_bytes: int | None = None  # KV of the running requests; beyond it the newest is preempted (and recomputed
     # later). None: a quarter of the memory available at first use, at most 16 GiB (kvtool.cache.manager)

@@ -141,6 +141,8 @@ HEADLINES.update({  # one-line summaries
         f"{m['xgrammar']['compiled']}/{m['schemas']}; mask median {m['llguidance']['mask_us']['median']:.0f} vs "
         f"{m['xgrammar']['mask_us']['median']:.0f} µs, compile p90 {m['llguidance']['compile_ms']['p90']:.0f} vs "
         f"{m['xgrammar']['compile_ms']['p90']:.0f} ms" for name, m in r["models"].items()),
+    "chunk_attention": lambda r: "no mask over the masked form: " + ", ".join(
+        f"{row['prefix']}+{row['tokens']} {_x(row['speedup']['median'])}" for row in r["rows"]),
     "agent_eval": lambda r: f"tool-call success {r['passed']}/{r['cases']}",
     "viz_8k": lambda r: f"{r['tokens']}-token heatmap peak RSS {r['peak_rss_gb']} GB",
     "engines": lambda r: "kvtool / vLLM: " + ", ".join(f"{k} {_x(v['median'])}"

@@ -6,9 +6,9 @@ these memory-bound ops suffer most: RMSNorm as pow/sum/mul, RoPE as rotate_half 
 silu(gate) * up, the residual adds and the copies of K and V into the cache. Here each layer is:
 `rms_norm` (rows split over the threads), the fused qkv product, `rope_qkv` (Qwen3's q/k norms, RoPE of q
 and k, K and V written straight into the cache's buffers, rows split over the threads), ATen's flash
-attention, the o product with the residual added by oneDNN as a post-op, `rms_norm`, the gate_up product,
-`silu_mul` (ATen's silu over blocks of rows, multiplied by up while in cache) and the down product, again
-with the residual. Each row is computed by one thread, so the result does not depend on the thread count.
+attention (with no mask after cached tokens: `chunk_attention`), the o product with the residual added
+by oneDNN as a post-op, `rms_norm`, the gate_up product, `silu_mul` (ATen's silu over blocks of rows,
+multiplied by up while in cache) and the down product, again with the residual. Each row is computed by one thread, so the result does not depend on the thread count.
 
 Afterwards (prefill-profile-cpu-fused.json) they are ~7%: the GEMMs take 61% and flash attention 32%.
 
@@ -23,10 +23,9 @@ built. Taps, other dtypes and devices run the reference forward.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from kvtool.kernels.attention import chunk_attention
 from kvtool.models.cpu_step import DecodeStep, _product, _weight
-from kvtool.models.layers import causal_mask
 
 
 class PrefillPass:
@@ -40,24 +39,20 @@ class PrefillPass:
         self.ops = torch.ops.kvtool_cpu
 
     def attention(self, qkv: torch.Tensor, layer: int, caches: list, lengths: list[int], slots: list[int],
-                  masks: list, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The attention output [N, hq d] of one layer for qkv [N, (hq + 2 hkv) d]; K and V go into the caches.
-        masks: each sequence's causal mask over its cache, None where the kernel's own causal path applies."""
+                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The attention output [N, hq d] of one layer for qkv [N, (hq + 2 hkv) d]; K and V go into the caches."""
         s, attn = self.runner.spec, self.runner.model.layers[layer].self_attn
         hq, hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
         qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
         eps = attn.q_norm.eps if attn.qk_norm else 0.0
         outs, start = [], 0
-        for cache, t, slot, mask in zip(caches, lengths, slots, masks):
+        for cache, t, slot in zip(caches, lengths, slots):
             kv = cache.layers[layer]
             keys, values = kv.buffers
             rows = slice(start, start + t)
             q = self.ops.rope_qkv(qkv[rows], keys, values, slot, cos[rows], sin[rows], qn, kn, eps, hq, hkv)
             kv.offset = slot + t
-            out = F.scaled_dot_product_attention(q.view(1, t, hq, d).transpose(1, 2), keys[:, :, : slot + t],
-                                                 values[:, :, : slot + t], attn_mask=mask,
-                                                 is_causal=t > 1 and mask is None, enable_gqa=True)
-            outs.append(out.transpose(1, 2).reshape(t, hq * d))
+            outs.append(chunk_attention(q, keys, values, slot).reshape(t, hq * d))
             start += t
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -69,14 +64,13 @@ class PrefillPass:
         slots = [cache.offset for cache in caches]
         for cache, t, slot in zip(caches, lengths, slots):
             cache.reserve(slot + t)
-        # a chunk that starts its sequence takes the kernel's own causal path; the others, one mask for all layers
-        masks = [None if t > 1 and slot == 0 else causal_mask(t, slot + t, x.device) for t, slot in zip(lengths, slots)]
         for i, layer in enumerate(self.runner.model.layers):
             attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
             qkv = _product(ops.rms_norm(x, norm.weight, norm.eps), attn._wqkv, attn._bqkv)
-            out = self.attention(qkv, i, caches, lengths, slots, masks, cos, sin)
+            out = self.attention(qkv, i, caches, lengths, slots, cos, sin)
             x = _product(out, _weight(attn.o_proj), residual=x)
             norm = layer.post_attention_layernorm
             gate_up = _product(ops.rms_norm(x, norm.weight, norm.eps), mlp._wgu)
             x = _product(ops.silu_mul(gate_up), _weight(mlp.down_proj), residual=x)
         return x
+

@@ -23,6 +23,7 @@ SCRIPTS = {
     "agent_eval.py": ["--cases", "1", "--turns", "2", "--max-tokens", "12"],
     "server_cost.py": ["--contexts", "16", "--tokens", "4", "--repeats", "1", "--warmup", "0"],
     "prefill_profile.py": ["--prefix", "64", "--tokens", "8", "--repeats", "1", "--top", "3"],
+    "chunk_attention.py": ["--prefix", "16", "--tokens", "4", "--repeats", "1"],
 }
 
 NO_OUT = {"agent_dispatch.py"}  # prints its record only

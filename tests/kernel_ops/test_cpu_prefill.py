@@ -132,6 +132,24 @@ def test_rope_qkv_refuses_what_does_not_fit(ops):
         ops.rope_qkv(qkv, keys, values, 0, rows, rows, torch.ones(15), torch.ones(16), 1e-6, 4, 2)
 
 
+@pytest.mark.parametrize("hq,hkv,d,t,slot", [(9, 3, 64, 64, 200), (14, 2, 64, 5, 3), (4, 4, 16, 7, 1),
+                                           (16, 8, 128, 33, 70), (2, 1, 8, 2, 600)])
+def test_a_chunk_chunk_attention_tokens_equals_masked_attention(hq, hkv, d, t, slot):
+    """chunk_attention (the cached part per KV head's query group, the chunk's own part causal, merged by
+    log-sum-exp) against SDPA with the causal mask over the whole cache; the same bits at any thread count."""
+    from kvtool.kernels.attention import chunk_attention
+    from kvtool.models.layers import causal_mask
+
+    gen = torch.Generator().manual_seed(t * slot)
+    keys, values = torch.randn(1, hkv, slot + t + 3, d, generator=gen), torch.randn(1, hkv, slot + t + 3, d, generator=gen)
+    q = torch.randn(t, hq, d, generator=gen) * 2
+    outs = at_threads(lambda: chunk_attention(q, keys, values, slot))
+    assert_same_bits(outs)
+    want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[:, :, : slot + t], values[:, :, : slot + t],
+                                          attn_mask=causal_mask(t, slot + t, "cpu"), enable_gqa=True)
+    torch.testing.assert_close(outs[0], want[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
 def prefill(runner, ids, on: bool, chunk: int, cache=None):
     """(logits of every token, the cache) of a prefill through the ops (on) or the reference forward."""
     assert runner.use_cpu_prefill(on) is None
@@ -150,7 +168,8 @@ def assert_same_prefill(fast, ref, atol):
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
 def test_prefill_through_the_ops_equals_the_reference_forward(tmp_path, family):
-    """Chunks of 7 over 40 tokens: the first chunk takes the causal kernel, later ones a mask over the cache."""
+    """Chunks of 7 over 40 tokens: the first chunk takes the causal kernel, later ones chunk_attention's mask-free
+    form over the cache."""
     tiny_checkpoint(family, tmp_path)
     runner = tiny_runner(family, tmp_path)
     assert runner.cpu_prefill  # kvtool's loader turns it on with the decode ops

@@ -1,0 +1,86 @@
+"""One layer's attention for a chunk after cached tokens (a prefix hit's suffix, a later prefill chunk), in a
+model's shape: the C++ prefill path's mask-free form (kvtool.kernels.attention.chunk_attention: each KV head's
+group of query heads scored in one pass over the cached keys, the chunk's own part causal, merged by
+log-sum-exp) beside the masked form it replaced (ATen's flash attention over the whole cache with an explicit
+causal mask and K/V repeated per query head, as the reference forward calls it). Both alternate run by run on the
+same inputs; each timed run is every layer of the model once. JSON record as the last line.
+
+    python benchmarks/chunk_attention.py --model smollm2 --prefix 512 2048 --tokens 64 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from kvtool.bench.loading import load_bench_model
+from kvtool.bench.protocol import device_name, emit, measure_side_by_side, paired_speedup, versions
+from kvtool.kernels.attention import chunk_attention
+from kvtool.models.layers import causal_mask
+
+
+def cases(spec, prefix: int, tokens: int, gen: torch.Generator):
+    """Per layer: q [t, hq, d] and keys/values [1, hkv, prefix + t, d], random, as the prefill pass holds them."""
+    hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    return [(torch.randn(tokens, hq, d, generator=gen), torch.randn(1, hkv, prefix + tokens, d, generator=gen),
+             torch.randn(1, hkv, prefix + tokens, d, generator=gen)) for _ in range(spec.num_layers)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="whose shape (heads, KV heads, head size, layers)")
+    p.add_argument("--prefix", type=int, nargs="+", default=[512, 2048], help="cached tokens")
+    p.add_argument("--tokens", type=int, nargs="+", default=[64, 512], help="the chunk's new tokens")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if min(args.prefix) < 1 or min(args.tokens) < 2 or args.repeats < 1:
+        p.error("--prefix must be at least 1, --tokens at least 2, --repeats at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bm = load_bench_model(args.model, device="cpu", dtype="float32", announce=lambda s: print(s, file=sys.stderr))
+    spec, gen, rows = bm.runner.spec, torch.Generator().manual_seed(0), []
+    for prefix in args.prefix:
+        for tokens in args.tokens:
+            layers = cases(spec, prefix, tokens, gen)
+            mask = causal_mask(tokens, prefix + tokens, "cpu")
+            print(f"{prefix} cached + {tokens} new tokens, {len(layers)} layers", file=sys.stderr)
+
+            def masked():
+                with torch.inference_mode():
+                    for q, keys, values in layers:
+                        F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask,
+                                                       enable_gqa=True)
+
+            def grouped():
+                with torch.inference_mode():
+                    for q, keys, values in layers:
+                        chunk_attention(q, keys, values, prefix)
+
+            q, keys, values = layers[0]
+            want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask,
+                                                  enable_gqa=True)[0].transpose(0, 1)
+            error = (chunk_attention(q, keys, values, prefix) - want).abs().max().item()
+            ms = measure_side_by_side({"masked": masked, "grouped": grouped}, args.repeats, 1)
+            rows.append({"prefix": prefix, "tokens": tokens, "ms": ms, "max_abs_error": error,
+                         "speedup": paired_speedup(ms["grouped"], ms["masked"], rate=False)})
+    record = {"benchmark": "chunk_attention", "model": bm.name, "device": device_name(bm.device),
+              "threads": torch.get_num_threads(), "load_avg": round(os.getloadavg()[0], 2),
+              "shape": {"layers": spec.num_layers, "heads": spec.num_heads, "kv_heads": spec.num_kv_heads,
+                        "head_dim": spec.head_dim}, "rows": rows, "versions": versions()}
+    print("\ncached  new  masked ms  grouped ms  speedup (min-max)")
+    for r in rows:
+        s = r["speedup"]
+        print(f"{r['prefix']:>6}{r['tokens']:>5}{r['ms']['masked']['median']:>11.1f}{r['ms']['grouped']['median']:>12.1f}"
+              f"{s['median']:>8.2f}x ({s['min']:.2f}-{s['max']:.2f})")
+    emit(record, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
