@@ -97,7 +97,7 @@ def test_no_request_gets_a_5xx(client, req):
         err = r.json()["error"]
         assert err["message"] and err["type"]
     elif r.headers["content-type"].startswith("text/event-stream"):
-        assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, r.text
+        assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, (path, body, r.text)
 
 
 def test_still_serving_after_the_fuzz(client):
