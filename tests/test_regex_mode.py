@@ -49,3 +49,22 @@ def test_cli_answers_in_a_pattern(capsys):
                  "--temperature", "0", "--max-tokens", "30", "--model", str(smollm2_gguf())]) == 0
     out = capsys.readouterr()
     assert re.fullmatch(DATE, out.out) and out.out.startswith("1945") and "[stop]" in out.err
+
+
+def test_unwritable_characters_follow_the_bytes_no_token_has():
+    from kvtool.structured.grammar import unwritable_chars as unwritable
+
+    assert unwritable(set(range(256))) == ()
+    missing = {0x04, 0xc3, 0xed, 0xf1, 0xf4}  # ASCII; the lead bytes of U+00C0-, U+D000- and U+40000-, U+100000-
+    assert unwritable(set(range(256)) - missing) == ((0x04, 0x04), (0xc0, 0xff), (0xd000, 0xd7ff),
+                                                     (0x40000, 0x7ffff), (0x100000, 0x10ffff))
+
+
+@pytest.mark.real_model
+def test_a_pattern_smollm2_cannot_write_is_refused_with_the_request(smollm2):
+    from kvtool.engine import Engine
+
+    engine = Engine(smollm2)
+    with pytest.raises(InvalidParameterError, match="no text this model can write"):
+        engine.generate([1, 2], SamplingParams(regex="W\x14"))  # no token of SmolLM2 has the byte 0x14
+    assert engine.generate([1, 2], SamplingParams(regex="W\x14|Wa", max_tokens=4)).run().text == "Wa"

@@ -22,6 +22,7 @@ import torch
 from llguidance import LLExecutor, LLMatcher
 
 from kvtool.errors import InvalidParameterError
+from kvtool.structured.grammar import unwritable_chars
 
 NEG = float("-inf")
 _EXECUTOR: LLExecutor | None = None  # llguidance's thread pool for the masks of many requests, made on first use
@@ -50,6 +51,8 @@ class Grammars:
                          if i < vocab_size and self.tokenizer.is_special_token(i)}
         self.names = {i: name for name, i in self.specials.items()}
         self.special_ids = np.array(sorted(set(self.names) - set(self.eos)), dtype=np.int64)
+        plain = [t for t in range(min(vocab_size, len(tokenizer))) if not self.tokenizer.is_special_token(t)]
+        self.unwritable = unwritable_chars(set(self.tokenizer.decode_bytes(plain)))
 
     def constraint(self, grammar: str, stop_ids) -> "Constraint":
         return Constraint(self, grammar, stop_ids)
@@ -69,16 +72,20 @@ class Constraint:
         self.bits = np.empty((self.vocab_size + 31) // 32, dtype=np.uint32)  # the matcher writes its mask here
         self.eos = [t for t in grammars.eos if t < self.vocab_size]
         self.special_ids, self.names, self.tokenizer = grammars.special_ids, grammars.names, grammars.tokenizer
+        self._next: np.ndarray | None = None
+        self._next = self._allowed()  # the first step's row, now: a request it leaves nothing to is refused at once
+        if not self._next.any():
+            raise InvalidParameterError("structured output: no text this model can write satisfies the grammar")
 
     def _raise_on_error(self) -> None:
         if self.matcher.is_error():
-            reason = self.matcher.get_error().strip().splitlines()
-            raise InvalidParameterError(f"structured output: {reason[0] if reason else 'the matcher failed'}")
+            reason = (self.matcher.get_error().strip().splitlines() or ["the matcher failed"])[0]
+            if reason == "NoExtensionBias":  # llguidance: the mask came out empty
+                reason = "no text this model can write satisfies the grammar from here"
+            raise InvalidParameterError(f"structured output: {reason}")
 
     def forced(self) -> int | None:
-        """The one token the grammar allows next, or None when it allows more (or only the end of the turn)."""
-        if self.matcher.is_stopped():
-            return None
+        """The one token the grammar allows next (before its end), or None when it allows more."""
         ff = self.matcher.compute_ff_tokens()
         # the forced text is tokenized as plain text would be, so text spelling a special token (`</tool_call>`
         # inside a JSON string) comes back as that token, which the grammar refuses: then the full mask decides
@@ -97,17 +104,15 @@ class Constraint:
         return self._finish(np.unpackbits(self.bits.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool))
 
     def _settled(self) -> np.ndarray | None:
-        """The allowed row when no mask is needed: after the grammar's end (its stop tokens), or the one token it
-        forces; None when the matcher has to compute the mask."""
-        if self.matcher.is_stopped():
-            ok = np.zeros(self.vocab_size, dtype=bool)
-            ok[self.stops] = True
-            return ok
-        forced = self.forced()
-        if forced is None:
+        """The allowed row when no mask is needed: the first step's (computed with the request), after the
+        grammar's end (its stop tokens), or the one token it forces; None when the matcher has to compute the mask."""
+        if self._next is not None:
+            return self._next
+        allowed = self.stops if self.matcher.is_stopped() else self.forced()
+        if allowed is None:
             return None
         ok = np.zeros(self.vocab_size, dtype=bool)
-        ok[forced] = True
+        ok[allowed] = True
         return ok
 
     def _finish(self, ok: np.ndarray) -> np.ndarray:
@@ -143,6 +148,7 @@ class Constraint:
         return logits.masked_fill(~self.allowed(logits.device), NEG)
 
     def accept(self, token: int) -> None:
+        self._next = None
         if token in self.stops:  # the turn ends here: the matcher has nothing more to follow
             if not (self.matcher.is_stopped() or self.matcher.is_accepting()):
                 raise InvalidParameterError(f"structured output: the turn ended (token {token}) before the output "
@@ -159,14 +165,9 @@ def allowed_rows(constraints: list[Constraint], device: torch.device) -> torch.T
     """bool [len(constraints), V] on device: each request's allowed tokens. The masks the matchers must compute
     are filled by llguidance's thread pool in one call and unpacked together; one transfer to the device."""
     vocab = constraints[0].vocab_size
-    ok = np.zeros((len(constraints), vocab), dtype=bool)
-    todo = []
-    for i, c in enumerate(constraints):
-        row = c._settled()
-        if row is None:
-            todo.append(i)
-        else:
-            ok[i] = row
+    rows = [c._settled() for c in constraints]
+    todo = [i for i, row in enumerate(rows) if row is None]
+    ok = np.stack([np.zeros(vocab, dtype=bool) if row is None else row for row in rows])
     if todo:
         bits = np.empty((len(todo), (vocab + 31) // 32), dtype=np.int32)
         executor().unsafe_compute_mask_ptr([(constraints[i].matcher, j) for j, i in enumerate(todo)],

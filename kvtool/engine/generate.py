@@ -86,7 +86,7 @@ class Engine:
 
             self._grammars = Grammars(self.model.tokenizer, self.runner.spec.vocab_size, self.end_of_turn)
         grammar = request_grammar(params.response_format, params.json_schema, params.json_suffix, params.choice,
-                                  params.regex, params.grammar, self._grammars.specials)
+                                  params.regex, params.grammar, self._grammars.specials, self._grammars.unwritable)
         return self._grammars.constraint(grammar, stop_ids)
 
     def stop_ids(self, params: SamplingParams) -> set[int]:
@@ -103,7 +103,8 @@ class Engine:
         params = as_sampling_params(params).validate()
         prompt_ids = as_token_ids(prompt_ids)
         max_tokens = self.check_prompt(prompt_ids, params)
-        return Generation(prompt_ids=prompt_ids, params=params), max_tokens
+        return Generation(prompt_ids=prompt_ids, params=params, _constraint=self.constraint(
+            params, self.stop_ids(params))), max_tokens
 
     @property
     def scheduler(self) -> BatchScheduler:
@@ -174,8 +175,7 @@ def kv_budget_tokens(engine: Engine) -> int:
     16 GiB) in tokens of this model's KV."""
     from kvtool.cache.manager import default_budget
 
-    budget = engine.config.kv_bytes
-    budget = budget if budget is not None else default_budget(engine.runner.device)
+    budget = engine.config.kv_bytes if engine.config.kv_bytes is not None else default_budget(engine.runner.device)
     tokens = budget // engine.runner.spec.kv_bytes_per_token(engine.runner.dtype.itemsize)
     if tokens < engine.model.context_window:
         log.warning("the KV budget (%d bytes) holds %d tokens, less than the %d-token context window: a request "

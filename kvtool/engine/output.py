@@ -84,6 +84,7 @@ class Generation:
     timings: Timings = field(default_factory=Timings)
     prompt_logprobs: list | None = None  # [PromptLogprob] per prompt token, when params.prompt_logprobs is set
     _events: Iterator[TokenEvent] | None = None
+    _constraint: object = field(default=None, repr=False)  # kvtool.engine.constraint.Constraint, built in validation
 
     def __iter__(self) -> Iterator[TokenEvent]:
         return self._events
@@ -153,7 +154,7 @@ class OutputState(OutputText):
         super().__init__(engine.model.tokenizer, engine.stop_ids(params), gen, max_tokens, skip_special_tokens, t0)
         self.sampler = Sampler(params, engine.runner.spec.vocab_size, gen.prompt_ids, engine.runner.device)
         self.sampler.hold(self.stops)
-        self.sampler.constraint = engine.constraint(params, self.stops)
+        self.sampler.constraint = gen._constraint
 
     def accept(self, logits: torch.Tensor | None, sample: Sample | None = None) -> TokenEvent:
         """Sample the next token from logits (or take `sample`, already drawn from them with this request's

@@ -39,6 +39,10 @@ class Unavailable(ServingError):
     status_code = 503
 
 
+class ServerFault(ServingError):
+    status_code = 500
+
+
 class NotSupported(ServingError):
     """A route the serving engine cannot answer (e.g. the prefix tree on --engine vllm): 501, naming the engine."""
 

@@ -34,7 +34,7 @@ from kvtool.engine import Generation, TokenEvent
 from kvtool.engine.forks import Fork, choices
 from kvtool.errors import KvtoolError
 from kvtool.serving.core import EngineCore, Output
-from kvtool.serving.errors import QueueFull, ServingError, Unavailable
+from kvtool.serving.errors import QueueFull, ServerFault, ServingError, Unavailable
 
 log = logging.getLogger("kvtool.serving")
 _DONE = object()
@@ -160,7 +160,13 @@ class Worker:
         total, capacity = check_count(len(prompts), n, self.max_active, self.max_queue)
         loop, handles = asyncio.get_running_loop(), Handles()
         for ids, choice, fork in choices(prompts, [params] * len(prompts), n):
-            gen, max_tokens = self.core.new_generation(ids, choice)  # validates; computes nothing yet
+            try:  # validates, and sets up the request's grammar matcher; runs no model
+                gen, max_tokens = self.core.new_generation(ids, choice)
+            except KvtoolError:
+                raise
+            except Exception as exc:  # a fault setting up this request: its own 500, the connection kept
+                log.exception("setting up a request failed")
+                raise ServerFault(f"internal server error: {type(exc).__name__}: {exc}") from exc
             handles.append(Handle(self, gen, max_tokens, skip_special_tokens, loop,
                                   fork if self.core.shares_forks else None))
         with self._cv:

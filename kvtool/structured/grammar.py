@@ -30,6 +30,7 @@ NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSc
 UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")
 MISSING_REF = re.compile(r"(Pointer|Resource) '([^']*)' (does not exist|is not present)")
+Ranges = tuple[tuple[int, int], ...]  # inclusive code point ranges
 
 
 def json_grammar(schema: dict | bool | None, suffix: str = "", specials: Mapping[str, int] | None = None) -> str:
@@ -134,11 +135,40 @@ def without_format(schema, name: str):
     return walk(schema)
 
 
-def regex_grammar(pattern: str) -> str:
-    return LLMatcher.grammar_from_regex(pattern)
+def unwritable_chars(written: set[int]) -> Ranges:
+    """The code points (inclusive ranges) no text of these tokens can hold: where a vocabulary has no token with
+    byte b (SmolLM2 has none with 0x14, nor 0xf1, which starts U+40000-U+7FFFF), no character whose UTF-8 starts
+    with b can be written. A missing continuation byte (0x80-0xbf) is not traced to characters."""
+    ranges = [(b, b) for b in sorted(set(range(0x80)) - written)]
+    for b in sorted(set(range(0xc2, 0xf5)) - written):  # lead bytes of 2-, 3- and 4-byte characters
+        width = 6 if b < 0xe0 else 12 if b < 0xf0 else 18  # the bits its continuation bytes carry
+        lo = (b & (0x3f >> width // 6)) << width
+        hi = 0xd7ff if b == 0xed else min(0x10ffff, lo + (1 << width) - 1)  # past 0xd7ff: surrogates, not text
+        ranges.append((lo, hi))
+    return tuple(ranges)
 
 
-def choice_grammar(choices: list[str]) -> str:
+def regex_grammar(pattern: str, unwritable: Ranges = ()) -> str:
+    """The pattern's grammar; given the characters a model cannot write (code point ranges), only the matches
+    free of them: llguidance then never offers a token after which the match needs one (a dead end)."""
+    grammar = LLMatcher.grammar_from_regex(pattern)
+    top = json.loads(grammar)
+    lark = top["grammars"][0]["lark_grammar"]  # start: /pattern/, its slashes escaped
+    if not unwritable or not lark.startswith("start: /"):
+        return grammar
+    banned = "".join(f"\\x{{{lo:x}}}-\\x{{{hi:x}}}" for lo, hi in unwritable)
+    top["grammars"][0]["lark_grammar"] = f"start: WRITABLE\nWRITABLE: {lark[7:]} & /[^{banned}]*/"
+    return json.dumps(top)
+
+
+def choice_grammar(choices: list[str], unwritable: Ranges = ()) -> str:
+    """The grammar of exactly one of the choices; InvalidParameterError for a choice with a character the model
+    cannot write (unwritable: code point ranges)."""
+    for i, choice in enumerate(choices):
+        bad = next((ch for ch in choice for lo, hi in unwritable if lo <= ord(ch) <= hi), None)
+        if bad is not None:
+            raise InvalidParameterError(f"choice {i} ({choice[:40]!r}) has the character U+{ord(bad):04X}, which no "
+                                        "token of this model spells")
     return grammar_from("choice", choices)
 
 
@@ -174,14 +204,16 @@ def rebase(schema: dict, base: str) -> dict:
 
 
 def request_grammar(response_format: str = "text", json_schema=None, json_suffix: str = "", choice=None, regex=None,
-                    grammar=None, specials: Mapping[str, int] | None = None) -> str | None:
+                    grammar=None, specials: Mapping[str, int] | None = None, unwritable: Ranges = ()) -> str | None:
     """The grammar a request's structured fields ask for (None: free text), checked: InvalidParameterError names
     the field and what the compiler could not take. specials (the model's special tokens, text -> id) turn those
-    tokens in json_suffix into token references; without them the suffix is text (a check needs no model)."""
+    tokens in json_suffix into token references; without them the suffix is text (a check needs no model).
+    unwritable (the characters no token of the model spells) keeps a regex to the matches the model can write,
+    and refuses a choice it cannot."""
     if choice is not None:
-        return check(choice_grammar(choice), "choice")
+        return check(choice_grammar(choice, unwritable), "choice")
     if regex is not None:
-        return check(regex_grammar(regex), f"the regex {regex[:80]!r}")
+        return check(regex_grammar(regex, unwritable), f"the regex {regex[:80]!r}")
     if grammar is not None:
         return check(text_grammar(grammar), "the grammar")
     if response_format == "text":

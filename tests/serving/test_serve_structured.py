@@ -128,3 +128,16 @@ def test_a_pattern_no_token_can_finish_is_a_400_and_the_server_goes_on(smol):
     streamed = smol.post("/v1/chat/completions", json={**CHAT, "guided_regex": "a(b", "stream": True})
     assert streamed.status_code == 400 or '"error"' in streamed.text
     assert re.fullmatch(DATE, content(smol, guided_regex=DATE))
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"guided_regex": "[^\\s\\S]"}, "no text this model can write satisfies the grammar"),
+    ({"guided_regex": "W\x14"}, "no text this model can write satisfies the grammar"),  # no SmolLM2 token has 0x14
+    ({"guided_choice": ["W\x14", "a"]}, "choice 0 ('W\\x14') has the character U+0014, which no token")])
+def test_output_the_model_cannot_write_is_a_400_before_the_stream(smol, body, words):
+    r = smol.post("/v1/chat/completions", json={**CHAT, **body, "stream": True})
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_a_regex_keeps_to_the_matches_the_model_can_write(smol):
+    assert content(smol, guided_regex="W\x14|Wa\U00050000|Wb") == "Wb"  # U+50000 starts with 0xf1: no token has it
