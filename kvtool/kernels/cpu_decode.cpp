@@ -42,6 +42,10 @@ namespace {
 
 using kvtool_cpu::dot;
 
+// x rows longer than this (bytes, all rows together) no longer stay in L1 beside the weight stream
+// (kvtool.kernels.cpu_decode.LONG_X_BYTES, the same value)
+constexpr int64_t LONG_X_BYTES = 16384;
+
 #if defined(__AVX2__) && defined(__FMA__)
 // The sum of a vector's eight lanes.
 inline float hsum(__m256 a) {
@@ -99,10 +103,45 @@ inline float row_dot_bf16(const uint16_t* w, const float* x, int64_t n) {
   return s;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// s[a * R + b] = weight row a . x row b for four weight rows (stride k) and R x rows: each eight-wide chunk of
+// an x row is loaded once for all four weight rows, so a long x row (beyond L1 beside the weight stream) is
+// read from L2 a quarter as often as by one row_dot per weight row.
+template <int R>
+inline void dot4(const float* w, const float* x, int64_t k, float* s) {
+  __m256 acc[4][R];
+#pragma GCC unroll 8
+  for (int a = 0; a < 4; ++a)
+#pragma GCC unroll 8
+    for (int b = 0; b < R; ++b) acc[a][b] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + k + i), w2 = _mm256_loadu_ps(w + 2 * k + i),
+                 w3 = _mm256_loadu_ps(w + 3 * k + i);
+#pragma GCC unroll 8
+    for (int b = 0; b < R; ++b) {
+      const __m256 xv = _mm256_loadu_ps(x + b * k + i);
+      acc[0][b] = _mm256_fmadd_ps(w0, xv, acc[0][b]);
+      acc[1][b] = _mm256_fmadd_ps(w1, xv, acc[1][b]);
+      acc[2][b] = _mm256_fmadd_ps(w2, xv, acc[2][b]);
+      acc[3][b] = _mm256_fmadd_ps(w3, xv, acc[3][b]);
+    }
+  }
+  for (int a = 0; a < 4; ++a)
+    for (int b = 0; b < R; ++b) {
+      float t = hsum(acc[a][b]);
+      for (int64_t j = i; j < k; ++j) t += w[a * k + j] * x[b * k + j];
+      s[a * R + b] = t;
+    }
+}
+#endif
+
 // y [rows, N] = x [rows, K] @ w [N, K].T (+ bias [N]) (+ residual [rows, N]) for the few rows of a decode
 // step, w in fp32 or bf16 (widened exactly; sums in fp32). Each thread streams its share of the weight rows
 // front to back, one row at a time, with a prefetch a few rows ahead; every x row reuses the weight row
-// while it is in L1.
+// while it is in L1. Where the x rows pass LONG_X_BYTES (Qwen2.5's down projection, K = 4,864), one or two
+// of them go four fp32 weight rows at a time (dot4): one thread, 24 distinct 896 x 4,864 weights, 0.93 ->
+// 0.74 ms at one row, 1.34 -> 0.96 at two.
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                 const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2, "gemv: x must be contiguous fp32 "
@@ -121,17 +160,34 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
+  auto finish = [&](int64_t r, int64_t j, float s) {
+    if (bp != nullptr) s += bp[j];
+    if (rp != nullptr) s += rp[r * n + j];
+    yp[r * n + j] = s;
+  };
+#if defined(__AVX2__) && defined(__FMA__)
+  if (!half && rows <= 2 && rows * k * 4 > LONG_X_BYTES && n % 4 == 0) {
+    const float* wf = reinterpret_cast<const float*>(wp);
+    at::parallel_for(0, n / 4, 16, [&](int64_t begin, int64_t end) {
+      float s[8];
+      for (int64_t j = 4 * begin; j < 4 * end; j += 4) {
+        __builtin_prefetch(wf + (j + 32) * k);  // a prefetch past the end never faults
+        rows == 1 ? dot4<1>(wf + j * k, xp, k, s) : dot4<2>(wf + j * k, xp, k, s);
+        for (int a = 0; a < 4; ++a)
+          for (int64_t r = 0; r < rows; ++r) finish(r, j + a, s[a * rows + r]);
+      }
+    });
+    return y;
+  }
+#endif
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       const char* wr = wp + j * row_bytes;
       __builtin_prefetch(wr + 8 * row_bytes);  // a prefetch past the end never faults
       __builtin_prefetch(wr + 8 * row_bytes + 64);
       for (int64_t r = 0; r < rows; ++r) {
-        float s = half ? row_dot_bf16(reinterpret_cast<const uint16_t*>(wr), xp + r * k, k)
-                       : row_dot(reinterpret_cast<const float*>(wr), xp + r * k, k);
-        if (bp != nullptr) s += bp[j];
-        if (rp != nullptr) s += rp[r * n + j];
-        yp[r * n + j] = s;
+        finish(r, j, half ? row_dot_bf16(reinterpret_cast<const uint16_t*>(wr), xp + r * k, k)
+                          : row_dot(reinterpret_cast<const float*>(wr), xp + r * k, k));
       }
     }
   });

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvtool.kernels import cpu_gemm, quant
-from kvtool.kernels.cpu_decode import GEMV_MAX_ROWS, unavailable
+from kvtool.kernels.cpu_decode import GEMV_MAX_ROWS, gemv_takes, unavailable
 from kvtool.kernels.linear import linear
 
 
@@ -34,9 +34,9 @@ def _dense(w) -> torch.Tensor | None:
 
 def _product(x: torch.Tensor, w, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None):
     """x @ W.T (+ bias) (+ residual) for any of the runner's weights: `gemv` over the dense values for up to
-    GEMV_MAX_ROWS rows, else the runner's own product (oneDNN-packed, int4 or F.linear)."""
+    GEMV_MAX_ROWS rows (where gemv_takes them), else the runner's own product (oneDNN-packed, int4 or F.linear)."""
     dense = _dense(w)
-    if dense is not None and x.shape[0] <= GEMV_MAX_ROWS:
+    if dense is not None and gemv_takes(x.shape[0], x.shape[1]):
         return torch.ops.kvtool_cpu.gemv(x, dense, bias, residual)
     if isinstance(w, cpu_gemm.PackedWeight):
         if residual is not None:  # one oneDNN call: the residual as a binary post-op
@@ -62,7 +62,7 @@ class DecodeStep:
         self.ops = torch.ops.kvtool_cpu
         s = runner.spec
         self.hq, self.hkv = s.num_heads, s.num_kv_heads
-        self._layer_args: dict[tuple[bool, bool], tuple | None] = {}
+        self._layer_args: dict[tuple[int, bool], tuple | None] = {}
 
     @staticmethod
     def takes(caches) -> bool:
@@ -73,9 +73,9 @@ class DecodeStep:
 
     def layer_args(self, rows: int) -> tuple | None:
         """(norms, mats, qkv_bias, qk_norms, eps, qk_eps, q4) for ops.layers, which runs every layer in one call,
-        when each product of `rows` rows runs in C++ (every weight dense and rows <= GEMV_MAX_ROWS, or every
+        when each product of `rows` rows runs in C++ (every weight dense and taken by gemv_takes, or every
         weight int4 and rows <= quant.MAX_ROWS) and the layers share their RMSNorm eps; else None."""
-        kind = (rows <= GEMV_MAX_ROWS, rows <= quant.MAX_ROWS)
+        kind = (min(rows, GEMV_MAX_ROWS + 1), rows <= quant.MAX_ROWS)
         if kind not in self._layer_args:
             self._layer_args[kind] = self._gather_layer_args(rows)
         return self._layer_args[kind]
@@ -90,7 +90,7 @@ class DecodeStep:
                 mats += [t for w in weights for t in (w.codes, w.scale_zero)]
             else:
                 dense = [_dense(w) for w in weights]
-                if rows > GEMV_MAX_ROWS or any(w is None for w in dense):
+                if any(w is None or not gemv_takes(rows, w.shape[1]) for w in dense):
                     return None
                 kinds.add("dense")
                 mats += dense
@@ -147,6 +147,6 @@ class DecodeStep:
             x = self.each_layer(x, caches, slots, cos, sin)
         norm = r.model.norm
         h = ops.rms_norm(x, norm.weight, norm.eps)
-        if r.weights == "dense" and h.shape[0] <= GEMV_MAX_ROWS and r.output_weight.is_contiguous():
+        if r.weights == "dense" and gemv_takes(*h.shape) and r.output_weight.is_contiguous():
             return ops.gemv(h, r.output_weight, None, None)
         return r.head(h)

@@ -24,6 +24,7 @@ SCRIPTS = {
     "server_cost.py": ["--contexts", "16", "--tokens", "4", "--repeats", "1", "--warmup", "0"],
     "prefill_profile.py": ["--prefix", "64", "--tokens", "8", "--repeats", "1", "--top", "3"],
     "chunk_attention.py": ["--prefix", "16", "--tokens", "4", "--repeats", "1"],
+    "decode_products.py": ["--rows", "1", "3", "--repeats", "1"],
 }
 
 NO_OUT = {"agent_dispatch.py"}  # prints its record only

@@ -36,9 +36,11 @@ def test_rms_norm_and_silu_mul_equal_torch(ops, rows):
     torch.testing.assert_close(ops.silu_mul(gu), F.silu(gu[:, :100]) * gu[:, 100:], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows,n,k", [(1, 96, 576), (3, 130, 70), (4, 1000, 1536), (2, 7, 5)])
+@pytest.mark.parametrize("rows,n,k", [(1, 96, 576), (3, 130, 70), (4, 1000, 1536), (2, 7, 5), (1, 68, 4101),
+                                      (2, 40, 2053), (2, 42, 2053)])
 def test_gemv_equals_linear_with_bias_and_residual(ops, rows, n, k):
-    """K not a multiple of the 32-wide or 8-wide steps exercises the tails; N below the thread grain too."""
+    """K not a multiple of the 32-wide or 8-wide steps exercises the tails; N below the thread grain too. Past
+    LONG_X_BYTES of x rows, four weight rows go at a time (N = 68, 40), unless N is not a multiple of four."""
     gen = torch.Generator().manual_seed(n)
     x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
     bias, residual = torch.randn(n, generator=gen), torch.randn(rows, n, generator=gen)
@@ -95,6 +97,10 @@ def test_decode_products_take_gemv_for_few_rows_and_the_runner_product_for_more(
     few, many = torch.randn(cpu_decode.GEMV_MAX_ROWS, 32), torch.randn(cpu_decode.GEMV_MAX_ROWS + 1, 32)
     assert "kvtool_cpu::gemv" in ops_of(lambda: cpu_step._product(few, weight))
     assert "kvtool_cpu::gemv" not in ops_of(lambda: cpu_step._product(many, weight))
+    long_rows = cpu_decode.LONG_X_BYTES // 4 // 3 + 1  # three x rows of this length pass LONG_X_BYTES, two do not
+    wide = cpu_gemm.pack(torch.randn(48, long_rows))
+    assert "kvtool_cpu::gemv" in ops_of(lambda: cpu_step._product(torch.randn(2, long_rows), wide))
+    assert "kvtool_cpu::gemv" not in ops_of(lambda: cpu_step._product(torch.randn(3, long_rows), wide))
     for x in (few, many):
         residual = torch.randn(x.shape[0], 48)
         torch.testing.assert_close(cpu_step._product(x, weight, residual=residual),
