@@ -1,9 +1,12 @@
-"""The matmuls of a decode step on the CPU, fp32, at one to a few rows: the ops' own `gemv` beside oneDNN's
-packed GEMM (the runner's product), over the model's own weights (every layer's, so they stream from memory as in
-a step), alternating run by run. Each row says which one the decode path takes there
-(kvtool.kernels.cpu_decode.gemv_takes) and how it compares with the other. JSON record as the last line.
+"""The matmuls of a decode step on the CPU at one to a few rows, over the model's own weights (every layer's, so
+they stream from memory as in a step), alternating run by run: fp32, the ops' own `gemv` beside oneDNN's packed
+GEMM (the runner's product); int4 (--weights int4), the ops' `gemv_q4` beside oneDNN's packed GEMM over the dense
+values the grid stands for. Each row says which one the decode path takes there (fp32:
+kvtool.kernels.cpu_decode.gemv_takes; int4: up to kvtool.kernels.quant.MAX_ROWS rows) and how it compares with
+the other. JSON record as the last line.
 
     python benchmarks/decode_products.py --model qwen25 --threads 1 --rows 1 2 3 4
+    python benchmarks/decode_products.py --model qwen25 --threads 1 --weights int4 --rows 1 4 5 6 8
 """
 
 from __future__ import annotations
@@ -16,35 +19,42 @@ import torch
 
 from kvtool.bench.loading import load_bench_model
 from kvtool.bench.protocol import device_name, emit, measure_side_by_side, paired_speedup, versions
-from kvtool.kernels import cpu_decode, cpu_gemm
+from kvtool.kernels import cpu_decode, cpu_gemm, quant
 
 
 def products(model) -> dict[str, list]:
-    """name -> every layer's PackedWeight of that projection (the fused qkv and gate_up as the runner holds them)."""
-    named = {"qkv": lambda layer: layer.self_attn._wqkv, "o": lambda layer: getattr(layer.self_attn.o_proj, "packed", None),
-             "gate_up": lambda layer: layer.mlp._wgu, "down": lambda layer: getattr(layer.mlp.down_proj, "packed", None)}
+    """name -> every layer's weight of that projection (the fused qkv and gate_up as the runner holds them): a
+    PackedWeight (fp32), or an Int4Weight with its `wide` oneDNN copy (int4); only the projections so held."""
+    named = {"qkv": lambda layer: layer.self_attn._wqkv,
+             "o": lambda layer: getattr(layer.self_attn.o_proj, "packed", None),
+             "gate_up": lambda layer: layer.mlp._wgu,
+             "down": lambda layer: getattr(layer.mlp.down_proj, "packed", None)}
     out = {name: [get(layer) for layer in model.layers] for name, get in named.items()}
-    return {name: ws for name, ws in out.items() if all(isinstance(w, cpu_gemm.PackedWeight) for w in ws)}
+    return {name: ws for name, ws in out.items() if all(
+        isinstance(w, cpu_gemm.PackedWeight) or isinstance(w, quant.Int4Weight) and w.wide is not None for w in ws)}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4], help="x rows (sequences in the step)")
+    p.add_argument("--weights", choices=["dense", "int4"], default="dense")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    if min(args.rows) < 1 or max(args.rows) > cpu_decode.GEMV_MAX_ROWS or args.repeats < 1:
-        p.error(f"--rows must be in 1..{cpu_decode.GEMV_MAX_ROWS} (where gemv may run), --repeats at least 1")
+    most = cpu_decode.GEMV_MAX_ROWS if args.weights == "dense" else 16
+    if min(args.rows) < 1 or max(args.rows) > most or args.repeats < 1:
+        p.error(f"--rows must be in 1..{most} (where the ops' kernel may run), --repeats at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    bm = load_bench_model(args.model, device="cpu", dtype="float32", announce=lambda s: print(s, file=sys.stderr))
+    bm = load_bench_model(args.model, device="cpu", dtype="float32", announce=lambda s: print(s, file=sys.stderr),
+                          weights=args.weights)
     why = cpu_decode.unavailable()
     found = products(bm.runner.model)
     if why is not None or not found:
         raise SystemExit(f"no fp32 decode ops to time here: {why or 'the weights are not oneDNN-packed'}")
-    ops, gen, rows = torch.ops.kvtool_cpu, torch.Generator().manual_seed(0), []
+    ops, gen, rows, int4 = torch.ops.kvtool_cpu, torch.Generator().manual_seed(0), [], args.weights == "int4"
     for name, weights in found.items():
         n, k = weights[0].dense.shape
         for count in args.rows:
@@ -52,27 +62,31 @@ def main(argv: list[str] | None = None) -> int:
 
             def gemv():
                 for w in weights:
-                    ops.gemv(x, w.dense, None, None)
+                    ops.gemv_q4(x, w.codes, w.scale_zero, None, None) if int4 else ops.gemv(x, w.dense, None, None)
 
             def onednn():
                 for w in weights:
-                    cpu_gemm.packed_linear(x, w)
+                    cpu_gemm.packed_linear(x, w.wide if int4 else w)
 
             print(f"{name} {n} x {k}, {count} rows, {len(weights)} weights", file=sys.stderr)
             with torch.inference_mode():
                 ms = measure_side_by_side({"gemv": gemv, "onednn": onednn}, args.repeats, 1)
-            taken = "gemv" if cpu_decode.gemv_takes(count, k) else "onednn"
-            other = "onednn" if taken == "gemv" else "gemv"
+            ours = count <= quant.MAX_ROWS if int4 else cpu_decode.gemv_takes(count, k)
+            taken, other = ("gemv", "onednn") if ours else ("onednn", "gemv")
             rows.append({"product": name, "n": n, "k": k, "rows": count, "ms": ms, "taken": taken,
                          "taken_over_other": paired_speedup(ms[taken], ms[other], rate=False)})
-    record = {"benchmark": "decode_products", "model": bm.name, "device": device_name(bm.device),
-              "threads": torch.get_num_threads(), "load_avg": round(os.getloadavg()[0], 2),
-              "long_x_bytes": cpu_decode.LONG_X_BYTES, "rows": rows, "versions": versions()}
-    print("\nproduct      N x K        rows  gemv ms  oneDNN ms  taken   taken over the other (min-max)")
+    record = {"benchmark": "decode_products", "model": bm.name, "weights": args.weights,
+              "device": device_name(bm.device), "threads": torch.get_num_threads(),
+              "load_avg": round(os.getloadavg()[0], 2),
+              "long_x_bytes": cpu_decode.LONG_X_BYTES, "int4_max_rows": quant.MAX_ROWS, "rows": rows,
+              "versions": versions()}
+    print(f"\n{args.weights}: 'gemv' is {'gemv_q4' if int4 else 'gemv'}")
+    print("product      N x K        rows  gemv ms  oneDNN ms  taken   taken over the other (min-max)")
     for r in rows:
         s = r["taken_over_other"]
         print(f"{r['product']:<9}{r['n']:>6} x {r['k']:<6}{r['rows']:>5}{r['ms']['gemv']['median']:>9.2f}"
-              f"{r['ms']['onednn']['median']:>11.2f}  {r['taken']:<7}{s['median']:>6.2f}x ({s['min']:.2f}-{s['max']:.2f})")
+              f"{r['ms']['onednn']['median']:>11.2f}  {r['taken']:<7}{s['median']:>6.2f}x "
+              f"({s['min']:.2f}-{s['max']:.2f})")
     emit(record, args.out)
     return 0
 

@@ -12,6 +12,7 @@ from kvtool.engine import Engine
 from kvtool.engine.static import StaticDecoder
 from kvtool.errors import ModelLoadError
 from kvtool.kernels import cpu_decode
+from kvtool.kernels.quant import MAX_ROWS
 from kvtool.kernels.quant import Int4Linear, Int4Weight
 from kvtool.models.loading import check_weights
 from kvtool.testing.tiny import tiny_checkpoint, tiny_runner
@@ -190,7 +191,7 @@ def test_cli_info_and_generate_take_weights_int4(capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["weights"] == "int4" and 100e6 < info["decode_weight_bytes"] < 150e6  # dense: 538 MB
     kernel = "C++ gemv_q4" if cpu_decode.unavailable() is None else "torch's int4 kernel"
-    assert info["matmuls"] == f"int4 ({kernel}) up to 8 rows, oneDNN packed above"
+    assert info["matmuls"] == f"int4 ({kernel}) up to {MAX_ROWS} rows, oneDNN packed above"
     assert main(["info", "--model", str(smollm2_gguf()), "--weights", "int4", "--forward", "reference", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["decode_steps"] == "reference forward"
     assert main(["generate", "Rivers of Europe:", "--model", str(smollm2_gguf()), "--weights", "int4",

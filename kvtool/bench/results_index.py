@@ -143,9 +143,9 @@ HEADLINES.update({  # one-line summaries
         f"{m['xgrammar']['compile_ms']['p90']:.0f} ms" for name, m in r["models"].items()),
     "chunk_attention": lambda r: "no mask over the masked form: " + ", ".join(
         f"{row['prefix']}+{row['tokens']} {_x(row['speedup']['median'])}" for row in r["rows"]),
-    "decode_products": lambda r: "the decode path's product over the other: " + ", ".join(
-        f"{row['product']}@{row['rows']} {_x(row['taken_over_other']['median'])}" for row in r["rows"]
-        if row["product"] in ("gate_up", "down")),
+    "decode_products": lambda r: f"{r.get('weights', 'dense')}, the decode path's product over the other: " + ", ".join(
+        f"{row['product']}@{row['rows']} {_x(row['taken_over_other']['median'])}"
+        for row in r["rows"] if row["product"] in ("gate_up", "down")),
     "agent_eval": lambda r: f"tool-call success {r['passed']}/{r['cases']}",
     "viz_8k": lambda r: f"{r['tokens']}-token heatmap peak RSS {r['peak_rss_gb']} GB",
     "engines": lambda r: "kvtool / vLLM: " + ", ".join(f"{k} {_x(v['median'])}"

@@ -47,10 +47,11 @@ import torch.nn.functional as F
 from kvtool.kernels import cpu_decode, cpu_gemm
 
 GROUP = 32
-# At more rows per call than this the dense fp32 GEMM beats the int4 kernels (2 cores, AVX2; against
-# oneDNN's packed fp32 GEMM over all of SmolLM2's projections, gemv_q4: 3.2x at 1 row, 1.7x at 4,
-# even at 8, 0.8x at 12, 0.65x at 16; torch's int4 kernel: 2x at 1 row, even at 8, 0.7x at 16).
-MAX_ROWS = 8
+# At more rows per call than this the dense fp32 GEMM beats the int4 kernels (AVX2; gemv_q4 against oneDNN's
+# packed fp32 GEMM, 24 distinct weights of each shape: 4x at 1 row; at 4 rows 1.0-1.3x on one thread, 1.2-1.5x
+# on two, in Qwen2.5's and SmolLM2's shapes; at 5 rows 0.82-1.17x; at 6 and 8 rows 0.64-1.11x, mostly ~0.8x.
+# An older measure over SmolLM2 on two cores had them even at 8 rows).
+MAX_ROWS = 4
 EXACT_TOP = 64  # head logits recomputed in fp32 per row
 # torch's bf16 head pass reads the whole head once per row on AVX2 (no bf16 dot instructions), so with a
 # oneDNN-packed dense head at hand it only pays at one row: SmolLM2's head took 4.7 ms against 5.3 dense

@@ -25,6 +25,7 @@ SCRIPTS = {
     "prefill_profile.py": ["--prefix", "64", "--tokens", "8", "--repeats", "1", "--top", "3"],
     "chunk_attention.py": ["--prefix", "16", "--tokens", "4", "--repeats", "1"],
     "decode_products.py": ["--rows", "1", "3", "--repeats", "1"],
+    "decode_products.py --weights int4": ["--weights", "int4", "--rows", "5", "--repeats", "1"],
 }
 
 NO_OUT = {"agent_dispatch.py"}  # prints its record only
@@ -37,8 +38,8 @@ def test_benchmark_script_runs_and_ends_in_a_json_record(script, tmp_path):
     out = tmp_path / "record.json"
     if script not in NO_OUT:
         args += ["--out", str(out)]
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script.split()[0]), *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)  # a key may name a variant after the file
     assert run.returncode == 0, run.stderr[-3000:]
     record = json.loads(run.stdout.strip().splitlines()[-1])
     assert record and (script in NO_OUT or json.loads(out.read_text()) == record)

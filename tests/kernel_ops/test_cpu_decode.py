@@ -36,7 +36,7 @@ def test_rms_norm_and_silu_mul_equal_torch(ops, rows):
     torch.testing.assert_close(ops.silu_mul(gu), F.silu(gu[:, :100]) * gu[:, 100:], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows,n,k", [(1, 96, 576), (3, 130, 70), (4, 1000, 1536), (2, 7, 5), (1, 68, 4101),
+@pytest.mark.parametrize("rows,n,k", [(1, 96, 576), (3, 130, 70), (4, 1000, 1536), (4, 33, 41), (2, 7, 5), (1, 68, 4101),
                                       (2, 40, 2053), (2, 42, 2053)])
 def test_gemv_equals_linear_with_bias_and_residual(ops, rows, n, k):
     """K not a multiple of the 32-wide or 8-wide steps exercises the tails; N below the thread grain too. Past
@@ -327,10 +327,11 @@ def test_plain_and_int4_matmuls_decode_through_the_ops_and_bf16_says_why_not(tmp
         torch.testing.assert_close(fast[1], ref[1], atol=atol, rtol=1e-4)
         assert runner.use_cpu_decode(True) is None
         assert "kvtool_cpu::layers" in ops_of(lambda: runner.forward([5], fast[2]))
-    eight = [int4.new_cache(8) for _ in range(8)]  # int4's gemv_q4 takes up to 8 rows, so the layers go in one call
-    for cache in eight:
+    most = [int4.new_cache(8) for _ in range(quant.MAX_ROWS + 1)]  # gemv_q4 takes up to MAX_ROWS rows in one call
+    for cache in most:
         int4.prefill([3, 4], cache)
-    assert "kvtool_cpu::layers" in ops_of(lambda: int4.forward_batch([([5], cache) for cache in eight]))
+    assert "kvtool_cpu::layers" in ops_of(lambda: int4.forward_batch([([5], cache) for cache in most[1:]]))
+    assert "kvtool_cpu::layers" not in ops_of(lambda: int4.forward_batch([([5], cache) for cache in most]))
     with pytest.raises(RuntimeError, match="layers: per layer, norms needs 2 entries, mats 4"):
         torch.ops.kvtool_cpu.layers(torch.zeros(1, 8), [torch.zeros(8)] * 2, [], [None], [None, None], [], [], [0],
                                     torch.zeros(1, 2), torch.zeros(1, 2), 1e-6, 0.0, 1, 1, False)
