@@ -43,8 +43,8 @@ namespace {
 using kvtool_cpu::dot;
 
 // x rows longer than this (bytes, all rows together) no longer stay in L1 beside the weight stream
-// (kvtool.kernels.cpu_decode.LONG_X_BYTES, the same value)
-constexpr int64_t LONG_X_BYTES = 16384;
+// (kvtool.kernels.cpu_decode.LONG_X_BYTES, which the build passes in)
+constexpr int64_t LONG_X_BYTES = KVTOOL_LONG_X_BYTES;
 
 #if defined(__AVX2__) && defined(__FMA__)
 // The sum of a vector's eight lanes.

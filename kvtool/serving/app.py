@@ -232,7 +232,7 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
                                    "the tool's schema", "response_format")
             params = dataclasses.replace(params, response_format="json_schema", json_schema=prepared.call_schema,
                                          json_suffix=prepared.call_suffix).validate()
-        handles = worker.submit_choices([prepared.prompt_ids], body.n, params)
+        handles = await worker.enqueue([prepared.prompt_ids], body.n, params)
         sessions: list[ChatSession] = []
         for i, handle in enumerate(handles):
             sessions.append(ChatSession(served, prepared, handle, fmt, raw_tokens, body.parallel_tool_calls, i,
@@ -266,7 +266,7 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
 
             ids = await run_in_threadpool(fim_ids)
             params = fim.sampling(params)
-        handles = worker.submit_choices(ids, body.n, params)
+        handles = await worker.enqueue(ids, body.n, params)
         sessions: list[CompletionSession] = []
         for i, handle in enumerate(handles):
             prompt = prompts[i // body.n]

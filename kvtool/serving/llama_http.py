@@ -164,7 +164,7 @@ def llama_router(worker, served: ServedModel, default_max_tokens: int | None, un
         params = body.sampling(served, default_max_tokens)
         ids = await run_in_threadpool(body.prompt_ids, served)
         try:
-            handle = worker.submit(ids, params)
+            handle = (await worker.enqueue([ids], 1, params))[0]
         except ContextWindowError as exc:  # "prompt + max_tokens exceeds the window", in llama.cpp's name
             raise ContextWindowError(str(exc).replace("max_tokens", "n_predict")) from None
         session = LlamaSession(served, handle, body, ids)

@@ -150,23 +150,13 @@ class Worker:
         return self.submit_choices([prompt_ids], 1, params, skip_special_tokens)[0]
 
     def submit_choices(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                       skip_special_tokens: bool = True) -> Handles:
-        """Queue n choices of each prompt, all or none: handle p * n + i is choice i of prompt p. A seed s
-        becomes s + i for choice i; on kvtool's core the choices of one prompt prefill it once (a shared Fork),
-        on vLLM's each is its own request (its prefix cache shares the prompt's blocks)."""
-        if not self.alive:
-            raise Unavailable(f"the {self.core.name} engine worker is not running; restart kvtool serve",
-                              code="worker_stopped")
-        total, capacity = check_count(len(prompts), n, self.max_active, self.max_queue)
+                       skip_special_tokens: bool = True, ready: list | None = None) -> Handles:
+        """Queue n choices of each prompt, all or none: handle p * n + i is choice i of prompt p, seed s + i. On
+        kvtool's core a prompt's choices prefill it once (a shared Fork), on vLLM's its prefix cache shares the
+        prompt's blocks. ready: what set_up() made of these arguments (enqueue() makes it off the event loop)."""
+        total, capacity = self._admissible(len(prompts), n)
         loop, handles = asyncio.get_running_loop(), Handles()
-        for ids, choice, fork in choices(prompts, [params] * len(prompts), n):
-            try:  # validates, and sets up the request's grammar matcher; runs no model
-                gen, max_tokens = self.core.new_generation(ids, choice)
-            except KvtoolError:
-                raise
-            except Exception as exc:  # a fault setting up this request: its own 500, the connection kept
-                log.exception("setting up a request failed")
-                raise ServerFault(f"internal server error: {type(exc).__name__}: {exc}") from exc
+        for gen, max_tokens, fork in ready if ready is not None else self.set_up(prompts, n, params):
             handles.append(Handle(self, gen, max_tokens, skip_special_tokens, loop,
                                   fork if self.core.shares_forks else None))
         with self._cv:
@@ -180,6 +170,30 @@ class Worker:
             self._pending.extend(handles)
             self._cv.notify()
         return handles
+
+    async def enqueue(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                      skip_special_tokens: bool = True) -> Handles:
+        """submit_choices, the setup (validation, a grammar's compile and first mask) on a thread: a large JSON
+        schema does not hold up the other streams."""
+        self._admissible(len(prompts), n)
+        ready = await asyncio.to_thread(self.set_up, prompts, n, params)
+        return self.submit_choices(prompts, n, params, skip_special_tokens, ready)
+
+    def _admissible(self, prompts: int, n: int) -> tuple[int, int]:  # 503 (worker gone) or check_count's 400
+        if not self.alive:
+            raise Unavailable(f"the {self.core.name} engine worker is not running; restart kvtool serve",
+                              code="worker_stopped")
+        return check_count(prompts, n, self.max_active, self.max_queue)
+
+    def set_up(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list:
+        """[(Generation, max_tokens, fork)] of each choice, validated, its grammar matcher set up; runs no model."""
+        try:
+            return [(*self.core.new_generation(i, c), f) for i, c, f in choices(prompts, [params] * len(prompts), n)]
+        except KvtoolError:
+            raise
+        except Exception as exc:  # a fault setting up this request: its own 500, the connection kept
+            log.exception("setting up a request failed")
+            raise ServerFault(f"internal server error: {type(exc).__name__}: {exc}") from exc
 
     def run_exclusive(self, fn, timeout: float | None = None):
         """fn() on the worker thread between two steps, so nothing else runs the engine meanwhile (an attention

@@ -15,6 +15,7 @@ unknown formats, and is dropped before compiling; every other keyword it does no
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -41,7 +42,7 @@ def json_grammar(schema: dict | bool | None, suffix: str = "", specials: Mapping
     check_meta(schema)
     for _ in range(8):  # each pass drops one unknown format
         grammar = _json_then(schema, suffix, specials or {})
-        error = LLMatcher.validate_grammar(grammar)
+        error = compile_error(grammar)
         unknown = UNKNOWN_FORMAT.search(error)
         if not unknown:
             break
@@ -180,9 +181,16 @@ def text_grammar(text: str) -> str:
         raise InvalidParameterError(f"the grammar is neither Lark nor GBNF: {exc}") from None
 
 
+@functools.lru_cache(maxsize=64)
+def compile_error(grammar: str) -> str:
+    """llguidance's complaint about grammar ('' when it compiles), remembered: a request's grammar is checked
+    when its parameters are validated, and again when the server sets the request up."""
+    return LLMatcher.validate_grammar(grammar)
+
+
 def check(grammar: str, what: str) -> str:
     """grammar, once llguidance compiles it; else InvalidParameterError naming `what` and the compiler's reason."""
-    error = LLMatcher.validate_grammar(grammar)
+    error = compile_error(grammar)
     if error:
         raise InvalidParameterError(f"{what} cannot be enforced: {first_lines(error)}")
     return grammar
@@ -204,18 +212,20 @@ def rebase(schema: dict, base: str) -> dict:
 
 
 def request_grammar(response_format: str = "text", json_schema=None, json_suffix: str = "", choice=None, regex=None,
-                    grammar=None, specials: Mapping[str, int] | None = None, unwritable: Ranges = ()) -> str | None:
+                    grammar=None, specials: Mapping[str, int] | None = None, unwritable: Ranges = (),
+                    checked: bool = True) -> str | None:
     """The grammar a request's structured fields ask for (None: free text), checked: InvalidParameterError names
     the field and what the compiler could not take. specials (the model's special tokens, text -> id) turn those
     tokens in json_suffix into token references; without them the suffix is text (a check needs no model).
     unwritable (the characters no token of the model spells) keeps a regex to the matches the model can write,
-    and refuses a choice it cannot."""
+    and refuses a choice it cannot. checked=False skips the compile (a matcher built from it reports the same)."""
+    ok = check if checked else lambda text, what: text
     if choice is not None:
-        return check(choice_grammar(choice, unwritable), "choice")
+        return ok(choice_grammar(choice, unwritable), "choice")
     if regex is not None:
-        return check(regex_grammar(regex, unwritable), f"the regex {regex[:80]!r}")
+        return ok(regex_grammar(regex, unwritable), f"the regex {regex[:80]!r}")
     if grammar is not None:
-        return check(text_grammar(grammar), "the grammar")
+        return ok(text_grammar(grammar), "the grammar")
     if response_format == "text":
         return None
     return json_grammar(json_schema, json_suffix, specials)

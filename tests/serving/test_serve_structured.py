@@ -141,3 +141,60 @@ def test_output_the_model_cannot_write_is_a_400_before_the_stream(smol, body, wo
 
 def test_a_regex_keeps_to_the_matches_the_model_can_write(smol):
     assert content(smol, guided_regex="W\x14|Wa\U00050000|Wb") == "Wb"  # U+50000 starts with 0xf1: no token has it
+
+
+def test_a_structured_request_is_set_up_off_the_event_loop(smol, monkeypatch):
+    """While one request's grammar is being set up (held here), the server answers others; the grammar is
+    compiled once for the request, not once per check."""
+    import asyncio
+    import threading
+
+    from kvtool.engine import Engine
+    from kvtool.structured import grammar
+
+    held, release, seen = threading.Event(), threading.Event(), []
+    real = Engine.constraint
+
+    def slow(self, params, stop_ids):
+        if not params.structured:
+            return real(self, params, stop_ids)
+        try:
+            asyncio.get_running_loop()
+            seen.append("event loop")
+        except RuntimeError:
+            seen.append("thread")
+        held.set()
+        assert release.wait(120)
+        return real(self, params, stop_ids)
+
+    monkeypatch.setattr(Engine, "constraint", slow)
+    results = []
+    slow_one = threading.Thread(target=lambda: results.append(smol.post(
+        "/v1/chat/completions", json={**CHAT, "structured_outputs": {"regex": DATE}})))
+    slow_one.start()
+    try:
+        assert held.wait(120)
+        free = smol.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+        assert free.status_code == 200 and not results  # answered while the other one's setup is held
+    finally:
+        release.set()
+        slow_one.join(120)
+    assert seen == ["thread"] and results[0].status_code == 200 and re.fullmatch(DATE, results[0].json()[
+        "choices"][0]["message"]["content"])
+
+    compiles, matcher = [], grammar.LLMatcher
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(matcher, name)
+
+        @staticmethod
+        def validate_grammar(text):
+            compiles.append(text)
+            return matcher.validate_grammar(text)
+
+    monkeypatch.setattr(grammar, "LLMatcher", Counting())
+    grammar.compile_error.cache_clear()
+    monkeypatch.setattr(Engine, "constraint", real)
+    assert content(smol, structured_outputs={"regex": r"\d{3}"}, n=2)
+    assert len(compiles) == 1
