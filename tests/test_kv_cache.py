@@ -15,22 +15,36 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("trim"), st.integers(0, 50)),
     st.tuples(st.just("truncate"), st.floats(0, 1)),
     st.tuples(st.just("roundtrip"), st.just(0)),
+    st.tuples(st.just("span"), st.tuples(st.floats(0, 1), st.floats(0, 1))),
 ), max_size=30)
 
 
+def shared_start(blocks: int, filled: int) -> tuple[LayerKV, list[torch.Tensor], list[torch.Tensor]]:
+    """Layer 1 of a two-layer cache over `blocks` shared blocks of 3 tokens, then `filled` tokens of its own;
+    its tokens as [2, H, D] keys and values, and copies of the blocks (which must stay as they are)."""
+    gen = torch.Generator().manual_seed(blocks * 10 + filled)
+    shared = [torch.randn(2, 2, H, 3, D, generator=gen) for _ in range(blocks)]
+    own = torch.randn(2, 2, H, filled + 2, D, generator=gen)
+    cache = KVCache.over_blocks(shared, own, filled)
+    tokens = [blk[:, 1, :, i] for blk in shared for i in range(3)] + [own[:, 1, :, i] for i in range(filled)]
+    return cache.layers[1], tokens, [blk.clone() for blk in shared]
+
+
 @settings(max_examples=150, deadline=None)
-@given(ops)
-def test_layer_matches_a_plain_list_model(operations):
-    layer = LayerKV(H, D, torch.float32, "cpu", capacity=4)
-    model_k: list[torch.Tensor] = []  # one [H, D] per token
+@given(ops, st.integers(0, 3), st.integers(0, 4))
+def test_layer_matches_a_plain_list_model(operations, blocks, filled):
+    """From empty buffers, or from shared blocks (KVCache.over_blocks) and some tokens of its own."""
+    layer, model_k, kept = shared_start(blocks, filled) if blocks else (LayerKV(H, D, torch.float32, "cpu", capacity=4),
+                                                                        [], [])
+    shared = list(layer.blocks)
     counter = 0
     for op, arg in operations:
         if op == "append":
             k = torch.arange(counter, counter + arg * H * D, dtype=torch.float32).reshape(1, H, arg, D)
             counter += arg * H * D
             keys, values = layer.append(k, -k)
-            model_k += [k[0, :, i] for i in range(arg)]
-            assert keys.shape == (1, H, len(model_k), D)
+            model_k += [torch.stack([k[0, :, i], -k[0, :, i]]) for i in range(arg)]
+            assert keys.shape == (1, H, len(model_k), D) and layer.base == 0  # a writer copies the blocks first
         elif op == "trim":
             dropped = layer.trim(arg)
             assert dropped == min(arg, len(model_k))
@@ -39,15 +53,20 @@ def test_layer_matches_a_plain_list_model(operations):
             n = int(arg * len(model_k))
             layer.truncate(n)
             model_k = model_k[:n]
+        elif op == "span":
+            lo, hi = sorted(int(a * len(model_k)) for a in arg)
+            k, v = layer.span(lo, hi)
+            assert k.shape == v.shape == (1, H, hi - lo, D)
+            assert hi == lo or torch.equal(torch.stack([k[0], v[0]]), torch.stack(model_k[lo:hi], 2))
         else:
             layer = LayerKV.from_state(layer.state())
         assert layer.offset == len(model_k)
         assert layer.nbytes == 2 * len(model_k) * H * D * 4
         assert layer.capacity >= layer.offset
         if model_k:
-            want = torch.stack(model_k, dim=1)[None]
-            assert torch.equal(layer.keys, want)
-            assert torch.equal(layer.values, -want)
+            want = torch.stack(model_k, dim=2)  # [2, H, T, D]
+            assert torch.equal(layer.keys[0], want[0]) and torch.equal(layer.values[0], want[1])
+    assert all(torch.equal(a, b) for a, b in zip(shared, kept))
 
 
 def test_truncate_past_end_is_refused():

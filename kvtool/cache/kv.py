@@ -3,6 +3,11 @@
 LayerKV keeps keys (post-RoPE) and values in buffers shaped [1, H_kv, capacity, D]
 that grow by doubling, so a decode step appends in place instead of re-concatenating.
 Slot i of every layer holds the token at sequence index i.
+
+A cache may start with shared blocks (KVCache.over_blocks): its first `base` tokens are the prefix cache's
+immutable [2, L, H, B, D] block tensors, by reference, and the buffers hold the tokens from `base` on (slot i:
+token base + i). The C++ CPU ops read the blocks in place (kvtool.models.cpu_step); `keys` and `values` join
+both parts in a copy, and any other writer first copies the blocks into the buffers (materialize()).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ MIN_CAPACITY = 256
 
 
 class LayerKV:
+    blocks: list[torch.Tensor] | tuple = ()  # shared [2, L, H, B, D] blocks holding tokens 0..base-1 (over_blocks)
+    layer = base = 0  # this layer's index in them, and the tokens they hold
     def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
                  capacity: int = MIN_CAPACITY):
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
@@ -34,33 +41,59 @@ class LayerKV:
 
     @property
     def capacity(self) -> int:
-        return self._k.shape[2]
+        return self.base + self._k.shape[2]
+
+    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [1, H, end - start, D] of tokens [start, end): views of the buffers, or one copy where
+        the span reaches into shared blocks."""
+        own = slice(max(start - self.base, 0), max(end - self.base, 0))
+        if start >= self.base or end <= start:
+            return self._k[:, :, own], self._v[:, :, own]
+        size, stop = self.blocks[0].shape[3], min(end, self.base)
+        parts = [blk[:, self.layer] for blk in self.blocks[start // size : (stop - 1) // size + 1]]  # [2, H, B, D]
+        parts[-1] = parts[-1][:, :, : stop - (stop - 1) // size * size]
+        parts[0] = parts[0][:, :, start % size :]
+        return (torch.cat([p[0] for p in parts] + [self._k[0, :, own]], 1)[None],
+                torch.cat([p[1] for p in parts] + [self._v[0, :, own]], 1)[None])
 
     @property
     def keys(self) -> torch.Tensor:
-        return self._k[:, :, : self.offset]
+        return self.span(0, self.offset)[0]
 
     @property
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole key and value buffers [1, H, capacity, D]; slots from `offset` on are free."""
+        """The whole key and value buffers [1, H, capacity - base, D]: slot i holds token base + i, and slots
+        from `offset - base` on are free."""
         return self._k, self._v
 
     @property
     def values(self) -> torch.Tensor:
-        return self._v[:, :, : self.offset]
+        return self.span(0, self.offset)[1]
+
+    def materialize(self) -> None:
+        """Copy the shared blocks' tokens into the buffers, which then hold every token from slot 0."""
+        if self.base:
+            (k, v), capacity = self.span(0, self.offset), self.capacity
+            self.base, self.blocks, self.offset = 0, (), 0
+            self._k, self._v = self._k[:, :, :0], self._v[:, :, :0]
+            self.reserve(capacity)  # the room it had: a prefill that follows need not grow it
+            self.append(k, v)
 
     def reserve(self, total: int) -> None:
         if total <= self.capacity:
             return
-        new_cap = max(total, 2 * self.capacity)
-        k = torch.empty(1, self.num_kv_heads, new_cap, self.head_dim, dtype=self.dtype, device=self.device)
-        v = torch.empty_like(k)
-        k[:, :, : self.offset] = self.keys
-        v[:, :, : self.offset] = self.values
+        new_cap = max(total, 2 * self.capacity) - self.base
+        with torch.inference_mode(False):  # grown inside a forward, it stays writable outside one (static rows)
+            k = torch.empty(1, self.num_kv_heads, new_cap, self.head_dim, dtype=self.dtype, device=self.device)
+            v = torch.empty_like(k)
+        n = self.offset - self.base
+        k[:, :, :n] = self._k[:, :, :n]
+        v[:, :, :n] = self._v[:, :, :n]
         self._k, self._v = k, v
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append k, v [1, H, T, D]; return views of all keys and values so far."""
+        self.materialize()
         n = k.shape[2]
         self.reserve(self.offset + n)
         self._k[:, :, self.offset : self.offset + n] = k
@@ -72,12 +105,14 @@ class LayerKV:
         """Keep the first `length` tokens."""
         if not 0 <= length <= self.offset:
             raise ValueError(f"cannot truncate a cache of {self.offset} tokens to {length}")
+        if length < self.base:
+            self.materialize()
         self.offset = length
 
     def trim(self, n: int) -> int:
         """Drop the last n tokens (fewer if the cache is shorter); return how many were dropped."""
         n = max(0, min(n, self.offset))
-        self.offset -= n
+        self.truncate(self.offset - n)
         return n
 
     @property
@@ -151,9 +186,18 @@ class KVCache:
     def stacked(self, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of tokens [start, end) as [L, H, T, D] copies."""
         end = self.offset if end is None else end
-        ks = torch.stack([layer.keys[0, :, start:end] for layer in self.layers])
-        vs = torch.stack([layer.values[0, :, start:end] for layer in self.layers])
-        return ks, vs
+        spans = [layer.span(start, end) for layer in self.layers]
+        return torch.stack([k[0] for k, _ in spans]), torch.stack([v[0] for _, v in spans])
+
+    @classmethod
+    def over_blocks(cls, blocks: list[torch.Tensor], own: torch.Tensor, filled: int) -> "KVCache":
+        """A cache whose first len(blocks) * B tokens are the shared [2, L, H, B, D] blocks (read in place, never
+        written) and whose next `filled` tokens are in `own` [2, L, H, capacity, D], which takes the rest."""
+        cache = cls.wrap(own, filled)
+        for i, layer in enumerate(cache.layers):
+            layer.blocks, layer.layer, layer.base = blocks, i, len(blocks) * blocks[0].shape[3] if blocks else 0
+            layer.offset += layer.base
+        return cache
 
     def state(self) -> dict[str, torch.Tensor]:
         out = {}

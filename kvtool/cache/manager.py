@@ -3,9 +3,11 @@
 It is the Engine's ``prefix_cache`` hook:
 - ``prepare(prompt_ids, runner)`` matches the longest cached chain of full blocks of
   ``prompt_ids[:-1]`` (the last token is always computed, for its logits) and, after it, the
-  leading tokens a cached block shares with the rest (PrefixIndex.match_tail), holds them, and
-  copies their KV into a fresh KVCache that the request owns. Requests never share KV tensors, so two
-  requests with one prefix cannot see each other's suffix.
+  leading tokens a cached block shares with the rest (PrefixIndex.match_tail), and holds them. On the
+  C++ CPU path the request's KVCache reads the full blocks in place (KVCache.over_blocks) and only the
+  partly reused block is copied; otherwise all of it is copied into a KVCache the request owns. Blocks
+  are immutable and a request writes only its own buffers, so two requests with one prefix cannot see
+  each other's suffix.
 - ``commit(handle, token_ids, cache)`` inserts the full blocks of what the request computed
   (prompt and decoded tokens), stores the KV of the new blocks and drops the hold. It never
   raises because of caching, and tolerates aborted requests and a reset() in between.
@@ -94,7 +96,7 @@ class PrefixCache:
         self.runner = runner  # computes KV for pin() of a prefix that is not cached yet
         self._lock = threading.RLock()
         self._epoch = 0
-        self._queries = self._query_tokens = self._hit_tokens = 0
+        self._queries = self._query_tokens = self._hit_tokens = self._copied_tokens = 0
         self._over_budget = 0  # requests (or pins) whose KV did not fit
         self._changes = 0  # what a cache file would hold moved on (blocks, pins, order of use): see `changes`
         self._warned = False
@@ -124,18 +126,20 @@ class PrefixCache:
             held = ids + [tail[0]] if tail else ids  # held while read: no eviction under the reader
             self.index.acquire(held)
             n = len(ids) * self.block_size + (tail[1] if tail else 0)
+            # the C++ CPU ops read full blocks in place; the rest is copied into a buffer the request owns
+            shared = ids if getattr(runner, "cpu_decode", False) else []
             try:
-                # One copy into a buffer the request owns, with room for the rest of its prompt.
-                kv = self.store.gather_padded(ids, len(prompt_ids) - n + 64, tail) if n else None
+                kv = self.store.gather_padded(ids[len(shared):], len(prompt_ids) - n + 64, tail) if n else None
+                blocks = self.store.tensors(shared)
             except BaseException:
                 self.store.free(self.index.release(held))
                 raise
             self._queries += 1
             self._query_tokens += len(prompt_ids)
             self._hit_tokens += n
+            self._copied_tokens += (copied := n - len(shared) * self.block_size)  # into the request's buffer
             handle = PrefixHandle(held, n, self._epoch)
-        cache = KVCache.wrap(kv, n) if n else runner.new_cache(len(prompt_ids) + 64)
-        return cache, n, handle
+        return KVCache.over_blocks(blocks, kv, copied) if n else runner.new_cache(len(prompt_ids) + 64), n, handle
 
     def commit(self, handle: PrefixHandle | None, token_ids: Sequence[int], cache: KVCache) -> None:
         """Cache the KV a request computed and release its hold. Idempotent per handle."""
@@ -322,6 +326,7 @@ class PrefixCache:
                 "query_tokens": self._query_tokens,
                 "hit_tokens": self._hit_tokens,
                 "hit_rate": self._hit_tokens / self._query_tokens if self._query_tokens else 0.0,
+                "copied_tokens": self._copied_tokens,  # of hit_tokens, copied into the request's own KV
                 "evictions": self.index.stats.evictions,
                 "inserted_blocks": self.index.stats.inserted_blocks,
                 "bytes_in_use": self.store.nbytes,

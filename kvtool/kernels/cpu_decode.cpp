@@ -477,9 +477,13 @@ void norm_rotate(float* x, int64_t d, const float* nw, float eps, const float* c
 // [1, hkv, capacity, d] and goes to slot slots[r] at the RoPE angles of cos[r]/sin[r] [d]. q and k are
 // normed (when q_norm/k_norm are given) and rotated, k and v written to the slot, and q attends to slots
 // 0..slot: softmax(q.k / sqrt(d)) v. Returns the attention output [n, hq d], heads in order.
+// With prefix_count (one entry per row), row r's keys start with prefix_count[r] shared blocks, the next ones
+// of `prefix` ([2, L, hkv, B, d] each: keys then values of L layers, this call's being `layer`), read in
+// place; its buffers then hold the keys after them, so it attends to prefix_count[r] * B + slot + 1 keys.
 at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList values, at::IntArrayRef slots,
                   const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& q_norm,
-                  const std::optional<at::Tensor>& k_norm, double eps, int64_t hq, int64_t hkv) {
+                  const std::optional<at::Tensor>& k_norm, double eps, int64_t hq, int64_t hkv,
+                  at::TensorList prefix, at::IntArrayRef prefix_count, int64_t layer) {
   const int64_t rows = qkv.dim() == 2 ? qkv.size(0) : 0;
   TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == at::kFloat && rows > 0,
               "attend: qkv must be contiguous fp32 [n, (hq + 2 hkv) d]");
@@ -500,9 +504,43 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
     TORCH_CHECK(k.size(1) == hkv && k.size(3) == d, "attend: head counts or head_dim do not match the buffers");
     TORCH_CHECK(slots[r] >= 0 && slots[r] < k.size(2), "attend: slot is outside the buffers");
   }
+  TORCH_CHECK(prefix_count.empty() || static_cast<int64_t>(prefix_count.size()) == rows,
+              "attend: prefix_count needs one entry per row of qkv, or none");
+  std::vector<int64_t> first_block(rows + 1, 0), shared(rows, 0);  // row r: its first block, its shared tokens
+  std::vector<const float*> block(prefix.size());
+  int64_t bs = 1, nl = 1;
+  for (int64_t r = 0; r < rows; ++r) {
+    first_block[r + 1] = first_block[r] + (prefix_count.empty() ? 0 : prefix_count[r]);
+  }
+  TORCH_CHECK(first_block[rows] == static_cast<int64_t>(prefix.size()), "attend: prefix_count does not add up to "
+              "the blocks given");
+  for (size_t i = 0; i < prefix.size(); ++i) {
+    const at::Tensor& b = prefix[i];
+    if (i == 0) bs = b.dim() == 5 ? b.size(3) : 0, nl = b.dim() == 5 ? b.size(1) : 0;
+    TORCH_CHECK(b.is_contiguous() && b.scalar_type() == at::kFloat && b.dim() == 5 && b.size(0) == 2 &&
+                    b.size(1) == nl && b.size(2) == hkv && b.size(3) == bs && b.size(4) == d && layer >= 0 &&
+                    layer < nl, "attend: shared blocks must be contiguous fp32 [2, L, hkv, B, d] alike, L > layer");
+    block[i] = b.data_ptr<float>();
+  }
+  for (int64_t r = 0; r < rows; ++r) shared[r] = (first_block[r + 1] - first_block[r]) * bs;
   const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
   const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
   const int64_t width = (hq + 2 * hkv) * d, group = hq / hkv;
+  // fn(k, v, off, n) for each run of keys t0 .. t0 + n - 1 of row r's kv head g that lies in one piece of memory:
+  // a shared block's, then the buffers'; `off` counts from t0
+  auto runs = [&](int64_t r, int64_t g, int64_t t0, int64_t n, auto&& fn) {
+    int64_t t = t0;
+    for (; t < t0 + n && t < shared[r]; t += bs - t % bs) {
+      const float* b = block[first_block[r] + t / bs];
+      const int64_t in = t % bs;
+      fn(b + ((layer * hkv + g) * bs + in) * d, b + (((nl + layer) * hkv + g) * bs + in) * d, t - t0,
+         std::min(bs - in, t0 + n - t));
+    }
+    if (t < t0 + n) {
+      const int64_t pos = g * keys[r].size(2) + t - shared[r];
+      fn(keys[r].data_ptr<float>() + pos * d, values[r].data_ptr<float>() + pos * d, t - t0, t0 + n - t);
+    }
+  };
 
   std::vector<float> q(rows * hq * d);
   for (int64_t r = 0; r < rows; ++r) {
@@ -530,7 +568,7 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
   int64_t keys_total = 0;
   for (int64_t r = 0; r < rows; ++r) {
     first[r] = static_cast<int64_t>(items.size());
-    const int64_t len = slots[r] + 1;
+    const int64_t len = shared[r] + slots[r] + 1;
     keys_total += len * hkv;
     for (int64_t g = 0; g < hkv; ++g) {
       for (int64_t t0 = 0; t0 < len; t0 += CHUNK) items.push_back({r, g, t0, std::min(len - t0, CHUNK)});
@@ -546,13 +584,13 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
     std::vector<float> score(group * CHUNK);
     for (int64_t it = begin; it < end; ++it) {
       const Item& item = items[it];
-      const int64_t cap = keys[item.row].size(2), n = item.n;
-      const float* kh = keys[item.row].data_ptr<float>() + (item.g * cap + item.t0) * d;
-      const float* vh = values[item.row].data_ptr<float>() + (item.g * cap + item.t0) * d;
+      const int64_t n = item.n;
       const float* qg = q.data() + (item.row * hq + item.g * group) * d;
-      for (int64_t t = 0; t < n; ++t) {
-        for (int64_t j = 0; j < group; ++j) score[j * CHUNK + t] = dot(qg + j * d, kh + t * d, d) * scale;
-      }
+      runs(item.row, item.g, item.t0, n, [&](const float* kh, const float*, int64_t off, int64_t len) {
+        for (int64_t t = 0; t < len; ++t) {
+          for (int64_t j = 0; j < group; ++j) score[j * CHUNK + off + t] = dot(qg + j * d, kh + t * d, d) * scale;
+        }
+      });
       float* o = part_o.data() + it * group * d;
       std::fill(o, o + group * d, 0.f);
       for (int64_t j = 0; j < group; ++j) {
@@ -562,7 +600,9 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
         part_m[it * group + j] = mx;
         part_l[it * group + j] = exp_sum(sj, n, mx);
       }
-      for (int64_t j = 0; j < group; ++j) weighted_sum(o + j * d, score.data() + j * CHUNK, vh, n, d);
+      runs(item.row, item.g, item.t0, n, [&](const float*, const float* vh, int64_t off, int64_t len) {
+        for (int64_t j = 0; j < group; ++j) weighted_sum(o + j * d, score.data() + j * CHUNK + off, vh, len, d);
+      });
     }
   });
 
@@ -595,12 +635,13 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
 // silu * up, down + residual. Per layer: norms holds the input and post-attention RMSNorm weights; mats
 // the qkv, o, gate_up and down weights, each one fp32 or bf16 tensor, or with q4 its codes and
 // scale_zero; qkv_bias one entry and qk_norms two (q, k), None where the model has none; keys and
-// values one buffer per row. Returns the hidden states after the last layer.
+// values one buffer per row; prefix and prefix_count the rows' shared blocks as for attend, the same for
+// every layer. Returns the hidden states after the last layer.
 at::Tensor layers(const at::Tensor& x0, at::TensorList norms, at::TensorList mats,
                   const c10::List<std::optional<at::Tensor>>& qkv_bias,
                   const c10::List<std::optional<at::Tensor>>& qk_norms, at::TensorList keys, at::TensorList values,
                   at::IntArrayRef slots, const at::Tensor& cos, const at::Tensor& sin, double eps, double qk_eps,
-                  int64_t hq, int64_t hkv, bool q4) {
+                  int64_t hq, int64_t hkv, bool q4, at::TensorList prefix, at::IntArrayRef prefix_count) {
   TORCH_CHECK(x0.dim() == 2, "layers: x must be [rows, hidden]");
   const int64_t count = static_cast<int64_t>(norms.size()) / 2, rows = x0.size(0), per = q4 ? 8 : 4;
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * count && static_cast<int64_t>(mats.size()) == per * count &&
@@ -619,7 +660,8 @@ at::Tensor layers(const at::Tensor& x0, at::TensorList norms, at::TensorList mat
   for (int64_t layer = 0; layer < count; ++layer) {
     const at::Tensor qkv = product(layer, 0, rms_norm(x, norms[2 * layer], eps), qkv_bias.get(layer), std::nullopt);
     const at::Tensor out = attend(qkv, keys.slice(layer * rows, rows), values.slice(layer * rows, rows), slots, cos,
-                                  sin, qk_norms.get(2 * layer), qk_norms.get(2 * layer + 1), qk_eps, hq, hkv);
+                                  sin, qk_norms.get(2 * layer), qk_norms.get(2 * layer + 1), qk_eps, hq, hkv, prefix,
+                                  prefix_count, layer);
     x = product(layer, 1, out, std::nullopt, x);
     const at::Tensor gate_up = product(layer, 2, rms_norm(x, norms[2 * layer + 1], eps), std::nullopt, std::nullopt);
     x = product(layer, 3, silu_mul(gate_up), std::nullopt, x);
@@ -635,10 +677,11 @@ TORCH_LIBRARY(kvtool_cpu, m) {
   m.def("gemv(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("gemv_q4(Tensor x, Tensor codes, Tensor scale_zero, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("attend(Tensor qkv, Tensor(a!)[] keys, Tensor(b!)[] values, int[] slots, Tensor cos, Tensor sin, "
-        "Tensor? q_norm, Tensor? k_norm, float eps, int hq, int hkv) -> Tensor");
+        "Tensor? q_norm, Tensor? k_norm, float eps, int hq, int hkv, Tensor[] prefix, int[] prefix_count, "
+        "int layer) -> Tensor");
   m.def("layers(Tensor x, Tensor[] norms, Tensor[] mats, Tensor?[] qkv_bias, Tensor?[] qk_norms, Tensor(a!)[] keys, "
         "Tensor(b!)[] values, int[] slots, Tensor cos, Tensor sin, float eps, float qk_eps, int hq, int hkv, "
-        "bool q4) -> Tensor");
+        "bool q4, Tensor[] prefix, int[] prefix_count) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvtool_cpu, CPU, m) {

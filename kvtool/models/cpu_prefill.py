@@ -6,11 +6,12 @@ these memory-bound ops suffer most: RMSNorm as pow/sum/mul, RoPE as rotate_half 
 silu(gate) * up, the residual adds and the copies of K and V into the cache. Here each layer is:
 `rms_norm` (rows split over the threads), the fused qkv product, `rope_qkv` (Qwen3's q/k norms, RoPE of q
 and k, K and V written straight into the cache's buffers, rows split over the threads), ATen's flash
-attention (with no mask after cached tokens: `chunk_attention`), the o product with the residual added
-by oneDNN as a post-op, `rms_norm`, the gate_up product, `silu_mul` (ATen's silu over blocks of rows,
-multiplied by up while in cache) and the down product, again with the residual. Each row is computed by one thread, so the result does not depend on the thread count.
-
-Afterwards (prefill-profile-cpu-fused.json) they are ~7%: the GEMMs take 61% and flash attention 32%.
+attention (with no mask after cached tokens: `chunk_attention`; after a prefix-cache hit's shared blocks,
+`join_blocks` first copies the layer's keys and values into one scratch buffer), the o product with the
+residual added by oneDNN as a post-op, `rms_norm`, the gate_up product, `silu_mul` (ATen's silu over blocks
+of rows, multiplied by up while in cache) and the down product, again with the residual. Each row is
+computed by one thread, so the result does not depend on the thread count. Afterwards
+(prefill-profile-cpu-fused.json) they are ~7%: the GEMMs take 61% and flash attention 32%.
 
 Numerics: RoPE, silu * up and the K/V copies give the reference's bits; RMSNorm sums its squares in another
 order (SmolLM2 logits within 1.5e-3 of the reference forward's over 700 tokens, greedy tokens the same).
@@ -50,8 +51,11 @@ class PrefillPass:
             kv = cache.layers[layer]
             keys, values = kv.buffers
             rows = slice(start, start + t)
-            q = self.ops.rope_qkv(qkv[rows], keys, values, slot, cos[rows], sin[rows], qn, kn, eps, hq, hkv)
+            q = self.ops.rope_qkv(qkv[rows], keys, values, slot - kv.base, cos[rows], sin[rows], qn, kn, eps, hq, hkv)
             kv.offset = slot + t
+            if kv.base:  # after shared blocks: the layer's keys and values joined, as the flash kernel takes them
+                keys, values = torch.empty(2, 1, hkv, slot + t, d)
+                self.ops.join_blocks(kv.blocks, layer, *kv.buffers, slot + t - kv.base, keys, values)
             outs.append(chunk_attention(q, keys, values, slot).reshape(t, hq * d))
             start += t
         return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -60,16 +60,15 @@ class DecodeStep:
     def __init__(self, runner):
         self.runner = runner
         self.ops = torch.ops.kvtool_cpu
-        s = runner.spec
-        self.hq, self.hkv = s.num_heads, s.num_kv_heads
+        self.hq, self.hkv = runner.spec.num_heads, runner.spec.num_kv_heads
         self._layer_args: dict[tuple[int, bool], tuple | None] = {}
 
     @staticmethod
     def takes(caches) -> bool:
-        """True when every layer's buffers are the contiguous fp32 CPU [1, H, capacity, D] the ops index into
+        """True when every layer's buffers and shared blocks are the contiguous fp32 CPU tensors the ops index into
         (a runner moved to another dtype or device after use_cpu_decode() makes caches that are not)."""
-        return all(k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == torch.float32
-                   and k.device.type == "cpu" for cache in caches for k, v in (layer.buffers for layer in cache.layers))
+        return all(t.is_contiguous() and t.dtype == torch.float32 and t.device.type == "cpu" for cache in caches
+                   for layer in cache.layers for t in (*layer.buffers, *layer.blocks[:1]))  # blocks: one store's
 
     def layer_args(self, rows: int) -> tuple | None:
         """(norms, mats, qkv_bias, qk_norms, eps, qk_eps, q4) for ops.layers, which runs every layer in one call,
@@ -103,10 +102,10 @@ class DecodeStep:
             return None
         return norms, mats, biases, qk_norms, eps.pop(), qk_eps.pop(), kinds.pop() == "q4"
 
-    def each_layer(self, x: torch.Tensor, caches: list, slots: list[int], cos: torch.Tensor,
-                   sin: torch.Tensor) -> torch.Tensor:
+    def each_layer(self, x: torch.Tensor, caches: list, slots: list[int], cos: torch.Tensor, sin: torch.Tensor,
+                   shared: tuple) -> torch.Tensor:
         """The layers one by one, eight op calls each, the products through _product (oneDNN past GEMV_MAX_ROWS
-        rows): x after the last layer."""
+        rows): x after the last layer. shared: attend's prefix and prefix_count (the caches' shared blocks)."""
         ops, hq, hkv = self.ops, self.hq, self.hkv
         for i, layer in enumerate(self.runner.model.layers):
             attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
@@ -115,9 +114,9 @@ class DecodeStep:
             qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
             eps = attn.q_norm.eps if attn.qk_norm else 0.0
             out = ops.attend(qkv, [layer_kv.buffers[0] for layer_kv in kv], [layer_kv.buffers[1] for layer_kv in kv],
-                             slots, cos, sin, qn, kn, eps, hq, hkv)
-            for layer_kv, slot in zip(kv, slots):
-                layer_kv.offset = slot + 1
+                             slots, cos, sin, qn, kn, eps, hq, hkv, *shared, i)
+            for layer_kv in kv:
+                layer_kv.offset += 1
             x = _product(out, _weight(attn.o_proj), residual=x)
             norm = layer.post_attention_layernorm
             gate_up = _product(ops.rms_norm(x, norm.weight, norm.eps), mlp._wgu)
@@ -128,9 +127,10 @@ class DecodeStep:
         """Logits [n, V] (fp32) of tokens [n], token i at RoPE position positions[i]; its K/V go to the next
         slot of caches[i]."""
         r, ops, hq, hkv = self.runner, self.ops, self.hq, self.hkv
-        slots = [cache.offset for cache in caches]
-        for cache, slot in zip(caches, slots):
-            cache.reserve(slot + 1)
+        for cache in caches:
+            cache.reserve(cache.offset + 1)
+        slots = [cache.offset - cache.layers[0].base for cache in caches]  # in the buffers, after shared blocks
+        shared = [b for c in caches for b in c.layers[0].blocks], [len(c.layers[0].blocks) for c in caches]
         cos, sin = r.rope_cos_sin(torch.tensor(positions, device=r.device))  # [n, D] each
         x = r.model.embed_tokens(tokens)  # [n, hidden]
         fused = self.layer_args(len(caches))
@@ -139,12 +139,13 @@ class DecodeStep:
             count = len(r.model.layers)
             keys = [cache.layers[i].buffers[0] for i in range(count) for cache in caches]
             values = [cache.layers[i].buffers[1] for i in range(count) for cache in caches]
-            x = ops.layers(x, norms, mats, biases, qk_norms, keys, values, slots, cos, sin, eps, qk_eps, hq, hkv, q4)
-            for cache, slot in zip(caches, slots):
+            x = ops.layers(x, norms, mats, biases, qk_norms, keys, values, slots, cos, sin, eps, qk_eps, hq, hkv, q4,
+                           *shared)
+            for cache in caches:
                 for layer_kv in cache.layers:
-                    layer_kv.offset = slot + 1
+                    layer_kv.offset += 1
         else:
-            x = self.each_layer(x, caches, slots, cos, sin)
+            x = self.each_layer(x, caches, slots, cos, sin, shared)
         norm = r.model.norm
         h = ops.rms_norm(x, norm.weight, norm.eps)
         if r.weights == "dense" and gemv_takes(*h.shape) and r.output_weight.is_contiguous():

@@ -1,8 +1,7 @@
 """A lean forward pass for Qwen3, Qwen2/Qwen2.5, Llama and Gemma 3 (kvtool.models.gemma3) with an explicit KV cache.
 
-Module and parameter names match the Hugging Face checkpoints, so weights load by
-name (the layers are in kvtool.models.layers). Batch size is 1: tensors are [1, T, hidden]
-and the cache is one sequence.
+Module and parameter names match the Hugging Face checkpoints, so weights load by name (the layers are in
+kvtool.models.layers). forward_batch packs the new tokens of several sequences, each over its own KVCache, in one row.
 """
 
 from __future__ import annotations

@@ -102,6 +102,37 @@ def test_a_prefix_ending_inside_a_block_is_reused_exactly(smollm2, engines):
     cache.check_integrity()
 
 
+@pytest.mark.parametrize("name", ["smollm2", "qwen25"])
+def test_a_hit_reads_the_cached_blocks_in_place_and_copies_only_a_partial_one(name, request):
+    """The C++ CPU path reads a hit's full blocks where the cache keeps them (no copy), the partly reused
+    block is copied; prefill and decode over them give the bits of the same KV copied into one buffer."""
+    from kvtool.cache.kv import KVCache
+
+    model = request.getfixturevalue(name)
+    engine, runner = Engine(model), model.runner
+    cache = attach_prefix_cache(engine, budget_bytes=64 << 20)
+    base = chat_ids(model, QUESTION)
+    engine.generate(base, GREEDY).run()
+    prompt = base[:40] + model.encode(" And rye bread?")  # 2 full blocks of 16 and 8 tokens of a third
+    kv, n, handle = cache.prepare(prompt, runner)
+    assert runner.cpu_decode and n == 40 and cache.stats()["copied_tokens"] == 8
+    assert [b.data_ptr() for b in kv.layers[5].blocks] == [b.data_ptr() for b in
+                                                           cache.store.tensors(handle.block_ids[:2])]
+    copied = KVCache.from_state(kv.state())  # the same KV in one buffer per layer
+    assert not copied.layers[0].blocks and torch.equal(copied.layers[3].keys, kv.layers[3].keys)
+    got, want = runner.prefill(prompt[n:], kv), runner.prefill(prompt[n:], copied)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, runner.prefill(prompt, runner.new_cache()), atol=1e-4, rtol=1e-4)
+    token = int(got.argmax())
+    for _ in range(3):
+        got, want = runner.forward([token], kv), runner.forward([token], copied)
+        assert torch.equal(got, want) and kv.offset == copied.offset
+        token = int(got.argmax())
+    assert torch.equal(kv.layers[2].values, copied.layers[2].values) and kv.layers[2].base == 32
+    cache.commit(handle, prompt, kv)
+    cache.check_integrity()
+
+
 def test_budget_too_small_runs_uncached_with_a_warning(smollm2, reference):
     engine = Engine(smollm2)
     cache = attach_prefix_cache(engine, budget_bytes=1000)  # less than one 16-token block

@@ -138,7 +138,7 @@ def test_attend_equals_norm_rope_and_sdpa_and_writes_only_its_slot(ops, hq, hkv,
             for r, s in enumerate(slots)]
     before = [(k.clone(), v.clone()) for k, v in zip(keys, values)]
 
-    got = ops.attend(qkv, keys, values, slots, cos, sin, *norms, 1e-6, hq, hkv)
+    got = ops.attend(qkv, keys, values, slots, cos, sin, *norms, 1e-6, hq, hkv, [], [], 0)
     torch.testing.assert_close(got, torch.cat([w[0] for w in want]), atol=2e-5, rtol=1e-4)
     for r, s in enumerate(slots):
         torch.testing.assert_close(keys[r][0, :, s], want[r][1], atol=1e-5, rtol=1e-5)
@@ -152,13 +152,49 @@ def test_attend_refuses_what_does_not_fit(ops):
     keys = values = torch.zeros(1, 2, 8, 16)
     qkv, row = torch.zeros(1, 8 * 16), torch.zeros(1, 16)
     with pytest.raises(RuntimeError, match="slot is outside the buffers"):
-        ops.attend(qkv, [keys], [values], [8], row, row, None, None, 1e-6, 4, 2)
+        ops.attend(qkv, [keys], [values], [8], row, row, None, None, 1e-6, 4, 2, [], [], 0)
     with pytest.raises(RuntimeError, match="qkv has the wrong size"):
-        ops.attend(torch.zeros(1, 17), [keys], [values], [0], row, row, None, None, 1e-6, 4, 2)
+        ops.attend(torch.zeros(1, 17), [keys], [values], [0], row, row, None, None, 1e-6, 4, 2, [], [], 0)
     with pytest.raises(RuntimeError, match="must be contiguous"):
-        ops.attend(qkv, [keys.transpose(2, 3)], [values], [0], row, row, None, None, 1e-6, 4, 2)
+        ops.attend(qkv, [keys.transpose(2, 3)], [values], [0], row, row, None, None, 1e-6, 4, 2, [], [], 0)
     with pytest.raises(RuntimeError, match="one entry per row"):
-        ops.attend(qkv, [keys, keys], [values], [0], row, row, None, None, 1e-6, 4, 2)
+        ops.attend(qkv, [keys, keys], [values], [0], row, row, None, None, 1e-6, 4, 2, [], [], 0)
+
+
+@pytest.mark.parametrize("block_size,blocks", [(16, [3, 0, 20]), (5, [1, 7, 60])])
+def test_attend_reads_shared_blocks_in_place_with_the_same_bits(ops, block_size, blocks):
+    """Rows whose first keys sit in shared [2, L, hkv, B, d] blocks (layer 1 of 3 here), the rest in their own
+    buffers: the output has the bits of the same keys in one buffer (chunks of 256 keys cross block edges), the
+    new K/V go to the buffers, and the blocks are only read."""
+    hq, hkv, d, layers, gen = 6, 2, 32, 3, torch.Generator().manual_seed(block_size)
+    slots = [9, 300, 2]
+    whole = [torch.randn(2, hkv, b * block_size + s + 4, d, generator=gen) for b, s in zip(blocks, slots)]
+    qkv = torch.randn(len(slots), (hq + 2 * hkv) * d, generator=gen)
+    angles = torch.rand(len(slots), d // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    prefix, own = [], []
+    for w, b in zip(whole, blocks):
+        for i in range(b):
+            blk = torch.randn(2, layers, hkv, block_size, d, generator=gen)
+            blk[:, 1] = w[:, :, i * block_size : (i + 1) * block_size]
+            prefix.append(blk)
+        own.append(w[:, :, b * block_size :].clone())
+    kept = [blk.clone() for blk in prefix]
+    full = [w.clone() for w in whole]
+    want = ops.attend(qkv, [w[0:1] for w in full], [w[1:2] for w in full], [b * block_size + s for b, s in
+                      zip(blocks, slots)], cos, sin, None, None, 1e-6, hq, hkv, [], [], 0)
+    got = ops.attend(qkv, [o[0:1] for o in own], [o[1:2] for o in own], slots, cos, sin, None, None, 1e-6, hq, hkv,
+                     prefix, blocks, 1)
+    assert torch.equal(got, want)
+    for w, o, b in zip(full, own, blocks):
+        assert torch.equal(o, w[:, :, b * block_size :])
+    assert all(torch.equal(a, b) for a, b in zip(prefix, kept))
+    with pytest.raises(RuntimeError, match="does not add up"):
+        ops.attend(qkv, [o[0:1] for o in own], [o[1:2] for o in own], slots, cos, sin, None, None, 1e-6, hq, hkv,
+                   prefix[1:], blocks, 1)
+    with pytest.raises(RuntimeError, match="L > layer"):
+        ops.attend(qkv, [o[0:1] for o in own], [o[1:2] for o in own], slots, cos, sin, None, None, 1e-6, hq, hkv,
+                   prefix, blocks, 3)
 
 
 def decode(runner, prompt: list[int], steps: int, on: bool, positions_from: int | None = None):
@@ -334,7 +370,7 @@ def test_plain_and_int4_matmuls_decode_through_the_ops_and_bf16_says_why_not(tmp
     assert "kvtool_cpu::layers" not in ops_of(lambda: int4.forward_batch([([5], cache) for cache in most]))
     with pytest.raises(RuntimeError, match="layers: per layer, norms needs 2 entries, mats 4"):
         torch.ops.kvtool_cpu.layers(torch.zeros(1, 8), [torch.zeros(8)] * 2, [], [None], [None, None], [], [], [0],
-                                    torch.zeros(1, 2), torch.zeros(1, 2), 1e-6, 0.0, 1, 1, False)
+                                    torch.zeros(1, 2), torch.zeros(1, 2), 1e-6, 0.0, 1, 1, False, [], [])
     spec = plain.spec  # caches the ops cannot index into go to the reference forward
     assert cpu_step.DecodeStep.takes([plain.new_cache(8)])
     assert not cpu_step.DecodeStep.takes([KVCache.empty(spec.num_layers, spec.num_kv_heads, spec.head_dim,

@@ -1,0 +1,125 @@
+"""A prefix-cache hit on the C++ CPU path reading the cached blocks in place (KVCache.over_blocks) beside the same
+hit copied into buffers the request owns (what every hit did before, and what the reference forward still gets),
+alternating run by run, on the model's own weights: the hit's TTFT (the lookup, then the prefill of the new
+tokens), a decode step of `--rows` requests that each hit the same prefix, and the KV bytes the requests hold
+beyond the cache's own blocks. JSON record as the last line.
+
+    python benchmarks/prefix_blocks.py --model qwen25 --threads 1 --prefix 2048 --suffix 64 --rows 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from kvtool.bench.loading import load_bench_model
+from kvtool.bench.protocol import device_name, emit, measure_side_by_side, paired_speedup, versions
+from kvtool.cache.manager import PrefixCache
+
+
+class Copying:
+    """The runner as a prefix cache sees one whose forward cannot read blocks in place: every hit is copied."""
+
+    cpu_decode = False
+
+    def __init__(self, runner):
+        self.new_cache = runner.new_cache
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--prefix", type=int, default=2048, help="tokens the cache holds (whole blocks of 16)")
+    p.add_argument("--suffix", type=int, default=64, help="new tokens after the prefix")
+    p.add_argument("--rows", type=int, default=4, help="requests in the decode step, each over its own hit")
+    p.add_argument("--steps", type=int, default=8, help="decode steps per run (their median is the run's)")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if args.prefix < 16 or args.suffix < 1 or args.rows < 1 or args.steps < 1 or args.repeats < 1:
+        p.error("--prefix needs one block (16 tokens), and --suffix, --rows, --steps, --repeats at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bm = load_bench_model(args.model, device="cpu", dtype="float32", announce=lambda s: print(s, file=sys.stderr))
+    runner = bm.runner
+    if not runner.cpu_decode:
+        raise SystemExit("the C++ CPU ops do not run this model here: no in-place hit to time")
+    gen = torch.Generator().manual_seed(0)
+    vocab = min(runner.spec.vocab_size, 30000)
+    prefix = torch.randint(100, vocab, (args.prefix,), generator=gen).tolist()
+    suffixes = [torch.randint(100, vocab, (args.suffix,), generator=gen).tolist() for _ in range(args.rows)]
+    s = runner.spec
+    cache = PrefixCache(s.num_layers, s.num_kv_heads, s.head_dim, budget_bytes=4 << 30, dtype=runner.dtype,
+                        runner=runner)
+    print(f"caching a {args.prefix}-token prefix", file=sys.stderr)
+    cache.pin(prefix)
+    sides = {"in_place": runner, "copied": Copying(runner)}
+    held: dict[str, list] = {}  # side -> the requests of its last run: (KVCache, next token, hold)
+    own_bytes: dict[str, int] = {}
+
+    def release(side: str) -> None:  # the last run's holds on the blocks, adding nothing to the cache
+        for kv, _, handle in held.pop(side, []):
+            cache.commit(handle, [], kv)
+
+    def hit(side: str):
+        def run():
+            release(side)
+            t0 = time.perf_counter()
+            kv, n, handle = cache.prepare(prefix + suffixes[0], sides[side])
+            logits = runner.prefill(suffixes[0], kv)
+            ms = 1e3 * (time.perf_counter() - t0)
+            held[side] = [(kv, int(logits.argmax()), handle)]
+            return ms
+        return run
+
+    def step(side: str):
+        def run():
+            release(side)
+            rows = []
+            for suffix in suffixes:
+                kv, n, handle = cache.prepare(prefix + suffix, sides[side])
+                rows.append((kv, int(runner.prefill(suffix, kv).argmax()), handle))
+            held[side] = rows
+            own_bytes[side] = sum(t.nbytes for kv, _, _ in rows for layer in kv.layers for t in layer.buffers)
+            times = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                out = runner.forward_batch([([token], kv) for kv, token, _ in rows])
+                times.append(1e3 * (time.perf_counter() - t0))
+                rows = [(kv, int(o.argmax()), h) for (kv, _, h), o in zip(rows, out)]
+            return statistics.median(times)
+        return run
+
+    with torch.inference_mode():
+        print("hit TTFT: in place / copied, alternating", file=sys.stderr)
+        ttft = measure_side_by_side({side: hit(side) for side in sides}, args.repeats, 1)
+        print(f"decode step of {args.rows} rows: in place / copied, alternating", file=sys.stderr)
+        steps = measure_side_by_side({side: step(side) for side in sides}, args.repeats, 1)
+    for side in list(held):
+        release(side)
+    record = {"benchmark": "prefix_blocks", "model": bm.name, "device": device_name(bm.device),
+              "threads": torch.get_num_threads(), "load_avg": round(os.getloadavg()[0], 2), "prefix": args.prefix,
+              "suffix": args.suffix, "rows": args.rows, "block_size": cache.block_size,
+              "hit_ttft_ms": ttft, "step_ms": steps,
+              "ttft_speedup": paired_speedup(ttft["in_place"], ttft["copied"], rate=False),
+              "step_speedup": paired_speedup(steps["in_place"], steps["copied"], rate=False),
+              "request_kv_bytes": own_bytes, "versions": versions()}
+    print(f"\n{bm.name}, {args.prefix} cached + {args.suffix} new tokens, {torch.get_num_threads()} thread(s)")
+    for name, ms, x in (("hit TTFT", ttft, record["ttft_speedup"]),
+                        (f"decode step, {args.rows} rows", steps, record["step_speedup"])):
+        print(f"{name:<22} in place {ms['in_place']['median']:8.1f} ms  copied {ms['copied']['median']:8.1f} ms  "
+              f"{x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})")
+    print(f"KV the {args.rows} requests hold beyond the cache's blocks: in place {own_bytes['in_place'] / 2**20:.1f} "
+          f"MiB, copied {own_bytes['copied'] / 2**20:.1f} MiB")
+    emit(record, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
