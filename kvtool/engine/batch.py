@@ -120,8 +120,9 @@ class BatchScheduler:
                     self._finish(req, reason, error)
 
     def _kv_tokens(self) -> int:
-        """Tokens of KV the batch holds: the running requests', and the fork copies waiting for siblings."""
-        return (sum(self.static.tokens(r.slot) if r.slot is not None else r.cache.offset
+        """Tokens of KV the batch holds: the running requests' own (not the prefix cache's blocks a hit reads in
+        place: that cache holds them), and the fork copies waiting for siblings."""
+        return (sum(self.static.tokens(r.slot) if r.slot is not None else r.cache.offset - r.cache.layers[0].base
                     for r in self.running if r.cache is not None)
                 + sum(fork.cache.offset for fork in self._held_forks()))
 

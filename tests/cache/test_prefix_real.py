@@ -133,6 +133,24 @@ def test_a_hit_reads_the_cached_blocks_in_place_and_copies_only_a_partial_one(na
     cache.check_integrity()
 
 
+def test_requests_that_read_one_cached_prefix_in_place_run_together_under_a_small_kv_budget(smollm2, engines):
+    """The scheduler's KV budget counts a request's own tokens, not the cached blocks it reads in place: two
+    requests on one cached prefix run at once under a budget that two copies of the prefix would not fit."""
+    from kvtool.engine.batch import BatchScheduler
+
+    plain, engine = engines
+    prefix = chat_ids(smollm2, QUESTION)
+    engine.prefix_cache.pin(prefix)
+    a, b = prefix + smollm2.encode(" In euros."), prefix + smollm2.encode(" And on Sundays?")
+    sched = BatchScheduler(engine, max_running=2, prefill_budget=512, kv_budget_tokens=len(prefix) + 40)
+    ga, gb = sched.submit(a, GREEDY), sched.submit(b, GREEDY)
+    sched.step()
+    assert len(sched.running) == 2 and sched.kv_in_use < len(prefix)  # copies would hold 2 x len(prefix)
+    sched.run()
+    assert ga.timings.cached_tokens >= 64 and gb.timings.cached_tokens >= 64
+    assert ga.token_ids == plain.generate(a).token_ids and gb.token_ids == plain.generate(b).token_ids
+
+
 def test_budget_too_small_runs_uncached_with_a_warning(smollm2, reference):
     engine = Engine(smollm2)
     cache = attach_prefix_cache(engine, budget_bytes=1000)  # less than one 16-token block
