@@ -4,7 +4,6 @@ JSON endpoints over HTTP and the page in headless Chromium (skipped without chro
 import json
 import shutil
 import socket
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -164,8 +163,10 @@ def test_a_router_without_a_worker_makes_its_own(smollm2):
     assert len(att["row"]) == len(ids) and abs(sum(att["row"]) - 1) < 1e-4
 
 
-def browser():
-    """Headless Chromium via selenium + /usr/bin/chromedriver, or None when any piece is missing."""
+def browser(profile):
+    """Headless Chromium via selenium + /usr/bin/chromedriver, or None when any piece is missing.
+
+    Its profile lives in ``profile`` (the test's tmp_path), so no run leaves one behind."""
     try:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
@@ -180,14 +181,14 @@ def browser():
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--disable-dev-shm-usage", "--window-size=1500,1000",
-                 f"--user-data-dir={tempfile.mkdtemp(prefix='kvtool-chromium-')}"):
+                 f"--user-data-dir={profile}"):
         opts.add_argument(flag)
     return webdriver.Chrome(service=Service(driver), options=opts)
 
 
 @pytest.mark.parametrize("which", ["server", "chat_server"])
-def test_inspector_page_in_headless_chromium(which, request):
-    driver = browser()
+def test_inspector_page_in_headless_chromium(which, request, tmp_path):
+    driver = browser(tmp_path / "chromium")
     if driver is None:
         pytest.skip("needs chromium, chromedriver and selenium (apt-get install chromium chromium-driver; "
                     "pip install selenium)")
