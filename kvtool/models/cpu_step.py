@@ -68,7 +68,8 @@ class DecodeStep:
         """True when every layer's buffers and shared blocks are the contiguous fp32 CPU tensors the ops index into
         (a runner moved to another dtype or device after use_cpu_decode() makes caches that are not)."""
         return all(t.is_contiguous() and t.dtype == torch.float32 and t.device.type == "cpu" for cache in caches
-                   for layer in cache.layers for t in (*layer.buffers, *layer.blocks[:1]))  # blocks: one store's
+                   if cache.layers  # whose layers share one list of blocks
+                   for t in (*cache.layers[0].blocks[:1], *(b for layer in cache.layers for b in layer.buffers)))
 
     def layer_args(self, rows: int) -> tuple | None:
         """(norms, mats, qkv_bias, qk_norms, eps, qk_eps, q4) for ops.layers, which runs every layer in one call,
