@@ -2,7 +2,10 @@
 hit copied into buffers the request owns (what every hit did before, and what the reference forward still gets),
 alternating run by run, on the model's own weights: the hit's TTFT (the lookup, then the prefill of the new
 tokens), a decode step of `--rows` requests that each hit the same prefix, and the KV bytes the requests hold
-beyond the cache's own blocks. JSON record as the last line.
+beyond the cache's own blocks. Then `--rows` choices of one prompt (n > 1) through the scheduler: the copy of
+the prompt's KV each choice starts from reads the prompt's cached blocks in place (PrefixCache.fork), beside
+whole copies (a hook without fork): the time until every choice has its first token, and the KV they own.
+JSON record as the last line.
 
     python benchmarks/prefix_blocks.py --model qwen25 --threads 1 --prefix 2048 --suffix 64 --rows 4
 """
@@ -19,7 +22,17 @@ import torch
 
 from kvtool.bench.loading import load_bench_model
 from kvtool.bench.protocol import device_name, emit, measure_side_by_side, paired_speedup, versions
+from kvtool import SamplingParams
 from kvtool.cache.manager import PrefixCache
+from kvtool.engine import Engine
+from kvtool.engine.batch import BatchScheduler, Fork
+
+
+class WholeForks:
+    """The prefix cache as a hook without fork(): the n choices of a prompt start from whole copies of its KV."""
+
+    def __init__(self, cache: PrefixCache):
+        self.prepare, self.publish, self.commit = cache.prepare, cache.publish, cache.commit
 
 
 class Copying:
@@ -103,20 +116,46 @@ def main(argv: list[str] | None = None) -> int:
         steps = measure_side_by_side({side: step(side) for side in sides}, args.repeats, 1)
     for side in list(held):
         release(side)
+    engine, prompt = Engine(bm.model), prefix + suffixes[0]
+    hooks = {"in_place": cache, "copied": WholeForks(cache)}
+    fork_bytes: dict[str, int] = {}
+
+    def fork(side: str):
+        def run():
+            engine.prefix_cache = hooks[side]
+            sched = BatchScheduler(engine, max_running=args.rows, prefill_budget=len(prompt))
+            share = Fork()
+            gens = [sched.submit(prompt, SamplingParams(temperature=0, max_tokens=8), fork=share)
+                    for _ in range(args.rows)]
+            while any(not g.token_ids for g in gens):
+                sched.step()
+            fork_bytes[side] = sum(t.nbytes for r in sched.running for layer in r.cache.layers for t in layer.buffers)
+            sched.run()
+            return max(g.timings.ttft_ms for g in gens)  # the choices' TTFT counts from the first's start
+        return run
+
+    with torch.inference_mode():
+        print(f"{args.rows} choices of one prompt, first tokens: in place / whole copies, alternating", file=sys.stderr)
+        forks = measure_side_by_side({side: fork(side) for side in sides}, args.repeats, 1)
     record = {"benchmark": "prefix_blocks", "model": bm.name, "device": device_name(bm.device),
               "threads": torch.get_num_threads(), "load_avg": round(os.getloadavg()[0], 2), "prefix": args.prefix,
               "suffix": args.suffix, "rows": args.rows, "block_size": cache.block_size,
               "hit_ttft_ms": ttft, "step_ms": steps,
               "ttft_speedup": paired_speedup(ttft["in_place"], ttft["copied"], rate=False),
               "step_speedup": paired_speedup(steps["in_place"], steps["copied"], rate=False),
-              "request_kv_bytes": own_bytes, "versions": versions()}
+              "request_kv_bytes": own_bytes, "choices_first_tokens_ms": forks,
+              "choices_speedup": paired_speedup(forks["in_place"], forks["copied"], rate=False),
+              "choices_kv_bytes": fork_bytes, "versions": versions()}
     print(f"\n{bm.name}, {args.prefix} cached + {args.suffix} new tokens, {torch.get_num_threads()} thread(s)")
     for name, ms, x in (("hit TTFT", ttft, record["ttft_speedup"]),
-                        (f"decode step, {args.rows} rows", steps, record["step_speedup"])):
+                        (f"decode step, {args.rows} rows", steps, record["step_speedup"]),
+                        (f"{args.rows} choices, 1st tokens", forks, record["choices_speedup"])):
         print(f"{name:<22} in place {ms['in_place']['median']:8.1f} ms  copied {ms['copied']['median']:8.1f} ms  "
               f"{x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})")
     print(f"KV the {args.rows} requests hold beyond the cache's blocks: in place {own_bytes['in_place'] / 2**20:.1f} "
           f"MiB, copied {own_bytes['copied'] / 2**20:.1f} MiB")
+    print(f"KV the {args.rows} choices own after their first token: in place {fork_bytes['in_place'] / 2**20:.1f} MiB, "
+          f"whole copies {fork_bytes['copied'] / 2**20:.1f} MiB")
     emit(record, args.out)
     return 0
 

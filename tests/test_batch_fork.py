@@ -144,3 +144,43 @@ def test_generate_batch_equals_single_runs_choice_by_choice(smollm2, engine_prom
         engine.generate_batch([other], [greedy, greedy])
     with pytest.raises(InvalidParameterError, match="n must be"):
         engine.generate_batch([other], greedy, n=0)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("model", ["smollm2", "qwen25"])
+def test_siblings_read_the_prompts_cached_blocks_in_place(model, request):
+    """With the prefix cache on the C++ CPU path, the copy the siblings start from reads the prompt's full
+    blocks (which the first published when its prefill ended) where the cache holds them: it owns only the tokens
+    after them, the KV budget counts only those, each sibling's cache reads the same block tensors, the choices
+    equal their solo runs, and every hold on the blocks ends with the requests."""
+    from kvtool.cache.manager import attach_prefix_cache
+
+    loaded = request.getfixturevalue(model)
+    engine = Engine(loaded)
+    assert engine.runner.cpu_decode
+    prompt = loaded.encode(loaded.render([{"role": "system", "content": "You answer in verse. " * 12},
+                                          {"role": "user", "content": QUESTION}]))
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=s, max_tokens=8) for s in (3, 4, 5)]
+    solo = [engine.generate(prompt, p).run().token_ids for p in params]
+    prefix = attach_prefix_cache(engine, budget_bytes=64 << 20, block_size=16)
+    shared = len(prompt) // 16 * 16
+    assert shared >= 64
+
+    sched = BatchScheduler(engine, max_running=1, prefill_budget=512)  # one row: the siblings wait on the copy
+    fork = Fork()
+    gens = [sched.submit(prompt, p, fork=fork) for p in params]
+    sched.step()  # the first's prefill ends
+    blocks = fork.cache.layers[0].blocks
+    assert len(blocks) == shared // 16 and fork.cache.own_tokens == len(prompt) - shared
+    assert all(layer.blocks is blocks and layer.buffers[0].shape[2] < 100 for layer in fork.cache.layers)
+    assert sched._kv_tokens() == len(prompt) + len(prompt) - shared  # the first's KV, and the copy's own tokens
+    caches = []
+    while not sched.idle:
+        sched.step()
+        caches += [r.cache for r in sched.running if r.gen is not gens[0] and r.cache not in caches]
+    assert len(caches) == 2 and all([b.data_ptr() for b in c.layers[0].blocks] == [b.data_ptr() for b in blocks]
+                                    for c in caches)
+    assert [g.token_ids for g in gens] == solo
+    prefix.check_integrity()
+    prefix.set_budget(0)  # evicts every block that no request holds
+    assert prefix.stats()["blocks"] == 0

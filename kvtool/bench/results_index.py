@@ -147,7 +147,9 @@ HEADLINES.update({  # one-line summaries
         f"{row['product']}@{row['rows']} {_x(row['taken_over_other']['median'])}"
         for row in r["rows"] if row["product"] in ("gate_up", "down")),
     "prefix_blocks": lambda r: f"a hit read in place over copied, {r['prefix']}+{r['suffix']}: TTFT "
-                               f"{_x(r['ttft_speedup']['median'])}, {r['rows']}-row step {_x(r['step_speedup']['median'])}",
+                               f"{_x(r['ttft_speedup']['median'])}, {r['rows']}-row step {_x(r['step_speedup']['median'])}"
+                               + (f", first tokens of {r['rows']} choices {_x(r['choices_speedup']['median'])}"
+                                  if "choices_speedup" in r else ""),
     "agent_eval": lambda r: f"tool-call success {r['passed']}/{r['cases']}",
     "viz_8k": lambda r: f"{r['tokens']}-token heatmap peak RSS {r['peak_rss_gb']} GB",
     "engines": lambda r: "kvtool / vLLM: " + ", ".join(f"{k} {_x(v['median'])}"

@@ -11,7 +11,7 @@ from typing import Any, Protocol, Sequence
 
 from kvtool.cache.kv import KVCache
 
-METHODS = ("prepare", "publish", "commit")
+METHODS = ("prepare", "publish", "commit")  # and, optional, fork (PrefixCache.fork: the n choices of a prompt)
 
 
 class PrefixHook(Protocol):

@@ -46,9 +46,8 @@ class PrefixIndex:
             raise InvalidParameterError(f"block_size must be a positive int, got {block_size!r}")
         _check_capacity(capacity_blocks)
         if eviction not in EVICTION_POLICIES:
-            raise InvalidParameterError(
-                f"unknown eviction policy {eviction!r}; choose one of {sorted(EVICTION_POLICIES)}"
-            )
+            raise InvalidParameterError(f"unknown eviction policy {eviction!r}; choose one of "
+                                        f"{sorted(EVICTION_POLICIES)}")
         self.block_size = block_size
         self.capacity_blocks = capacity_blocks
         self.eviction = eviction
@@ -193,10 +192,8 @@ class PrefixIndex:
         key = self._full_tokens(tokens)
         stack = self._pin_records.get(key)
         if not stack:
-            raise ValueError(
-                f"unpin_prefix: no pin for these {len(key)} tokens "
-                "(never pinned, already unpinned, or dropped by reset())"
-            )
+            raise ValueError(f"unpin_prefix: no pin for these {len(key)} tokens (never pinned, already unpinned, or "
+                             "dropped by reset())")
         for block_id in stack.pop():
             block = self._blocks[block_id]
             block.pins -= 1
@@ -365,9 +362,8 @@ class PrefixIndex:
         assert n_child_links == sum(1 for b in blocks.values() if b.parent is not None)
         assert self._roots == {i for i, b in blocks.items() if b.parent is None}, "root set out of date"
         has_evictable = any(self._is_evictable(b) for b in blocks.values())
-        assert self.num_blocks <= self.capacity_blocks or not has_evictable, (
+        assert self.num_blocks <= self.capacity_blocks or not has_evictable, \
             f"{self.num_blocks} blocks over capacity {self.capacity_blocks} with evictable blocks left"
-        )
         s = self.stats
         assert min(s.queries, s.query_tokens, s.hit_tokens, s.inserted_blocks, s.evictions) >= 0
         assert s.hit_tokens <= s.query_tokens
@@ -375,9 +371,8 @@ class PrefixIndex:
 
 def _check_capacity(capacity_blocks: int) -> None:
     if not isinstance(capacity_blocks, int) or capacity_blocks < 0:
-        raise InvalidParameterError(
-            f"capacity_blocks must be an int >= 0 (0 disables caching), got {capacity_blocks!r}"
-        )
+        raise InvalidParameterError(f"capacity_blocks must be an int >= 0 (0 disables caching), "
+                                    f"got {capacity_blocks!r}")
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:

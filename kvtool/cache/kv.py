@@ -161,6 +161,10 @@ class KVCache:
     def offset(self) -> int:
         return self.layers[0].offset if self.layers else 0
 
+    @property
+    def own_tokens(self) -> int:  # in its buffers: all but those of the shared blocks it starts with
+        return self.offset - self.layers[0].base if self.layers else 0
+
     def reserve(self, total: int) -> None:
         for layer in self.layers:
             layer.reserve(total)

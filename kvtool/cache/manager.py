@@ -15,6 +15,8 @@ It is the Engine's ``prefix_cache`` hook:
   scheduler calls it when a prompt's prefill ends, so requests that arrive while that one
   still decodes reuse its prompt (vLLM shares a block once it is full, too); commit() later
   adds only the blocks that are new by then.
+- ``fork(cache, token_ids, runner)`` (optional for a hook) copies a prefilled prompt's KV for each of its n
+  choices: on the C++ CPU path the copy reads the prompt's cached full blocks in place and holds them.
 
 Memory: the store holds at most ``budget_bytes // bytes_per_block`` blocks; eviction is the
 index's (LRU by default). A request whose KV does not fit runs (partly) uncached, with a
@@ -158,6 +160,20 @@ class PrefixCache:
             return
         with self._lock:
             self._insert_safely(handle, token_ids, cache, final=False)
+
+    def fork(self, cache: KVCache, token_ids: Sequence[int], runner) -> tuple[KVCache, PrefixHandle]:
+        """(a copy of `cache`, which holds the KV of `token_ids`, for one of the n choices of that prompt, a handle):
+        on the C++ CPU path the copy reads the tokens' cached full blocks in place (held until commit(), as a hit's)
+        and owns only the tokens after them; elsewhere it owns all."""
+        tokens = list(token_ids)[: cache.offset]
+        with self._lock:
+            ids = self.index.match(tokens, record=False) if getattr(runner, "cpu_decode", False) else []
+            self.index.acquire(ids)
+            blocks, shared = self.store.tensors(ids), len(ids) * self.block_size
+        keys, values = cache.stacked(shared, len(tokens))
+        own = keys.new_empty(2, *keys.shape[:2], keys.shape[2] + 64, keys.shape[3])  # + room to decode
+        own[0, :, :, : keys.shape[2]], own[1, :, :, : keys.shape[2]] = keys, values
+        return KVCache.over_blocks(blocks, own, keys.shape[2]), PrefixHandle(ids, shared, self._epoch)
 
     def _insert_safely(self, handle: PrefixHandle, token_ids: Sequence[int], cache: KVCache, final: bool) -> None:
         try:
@@ -322,23 +338,15 @@ class PrefixCache:
     def stats(self) -> dict:
         with self._lock:
             return {
-                "queries": self._queries,
-                "query_tokens": self._query_tokens,
-                "hit_tokens": self._hit_tokens,
+                "queries": self._queries, "query_tokens": self._query_tokens, "hit_tokens": self._hit_tokens,
                 "hit_rate": self._hit_tokens / self._query_tokens if self._query_tokens else 0.0,
                 "copied_tokens": self._copied_tokens,  # of hit_tokens, copied into the request's own KV
-                "evictions": self.index.stats.evictions,
-                "inserted_blocks": self.index.stats.inserted_blocks,
-                "bytes_in_use": self.store.nbytes,
-                "budget_bytes": self.budget_bytes,
-                "blocks": self.index.num_blocks,
-                "capacity_blocks": self.index.capacity_blocks,
-                "pinned_blocks": self.index.pinned_blocks,
-                "block_size": self.block_size,
-                "bytes_per_block": self.store.bytes_per_block,
-                "over_budget": self._over_budget,
-                "resets": self._epoch,
-                "eviction": self.index.eviction,
+                "evictions": self.index.stats.evictions, "inserted_blocks": self.index.stats.inserted_blocks,
+                "bytes_in_use": self.store.nbytes, "budget_bytes": self.budget_bytes,
+                "blocks": self.index.num_blocks, "capacity_blocks": self.index.capacity_blocks,
+                "pinned_blocks": self.index.pinned_blocks, "block_size": self.block_size,
+                "bytes_per_block": self.store.bytes_per_block, "over_budget": self._over_budget,
+                "resets": self._epoch, "eviction": self.index.eviction,
             }
 
     def prometheus_lines(self, prefix: str = "kvtool_prefix_cache") -> list[str]:

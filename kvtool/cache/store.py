@@ -17,26 +17,13 @@ BlockKV = torch.Tensor | Sequence[torch.Tensor]
 
 
 class BlockStore:
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        block_size: int,
-        dtype: torch.dtype = torch.float16,
-        device: torch.device | str = "cpu",
-    ):
-        for name, value in [
-            ("num_layers", num_layers),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-            ("block_size", block_size),
-        ]:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu"):
+        sizes = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim, "block_size": block_size}
+        for name, value in sizes.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"BlockStore: {name} must be a positive int, got {value!r}")
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.block_size = block_size
         self.dtype = dtype
         self.device = torch.empty(0, device=device).device  # resolves "cuda" to "cuda:0"
@@ -78,10 +65,8 @@ class BlockStore:
             per_layer = [kv[layer] for layer in range(kv.shape[0])] if isinstance(kv, torch.Tensor) else list(kv)
             if len(per_layer) != self.num_layers or any(t.shape != self.block_shape[2:] for t in per_layer):
                 got = [tuple(t.shape) for t in per_layer]
-                raise ValueError(
-                    f"BlockStore.put: {name} for block {block_id} must be {self.num_layers} layers of "
-                    f"[H={self.num_kv_heads}, B={self.block_size}, D={self.head_dim}], got {got}"
-                )
+                raise ValueError(f"BlockStore.put: {name} for block {block_id} must be {self.num_layers} layers of "
+                                 f"[H={self.num_kv_heads}, B={self.block_size}, D={self.head_dim}], got {got}")
             for layer, t in enumerate(per_layer):
                 block[i, layer].copy_(t)
         self._blocks[block_id] = block

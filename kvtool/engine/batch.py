@@ -69,9 +69,7 @@ class BatchScheduler:
                             ("kv_budget_tokens", 1 if kv_budget_tokens is None else kv_budget_tokens)):
             if not is_whole(value, 1):
                 raise InvalidParameterError(f"{name} must be an integer >= 1, got {value!r}")
-        self.engine = engine
-        self.max_running = max_running
-        self.prefill_budget = prefill_budget
+        self.engine, self.max_running, self.prefill_budget = engine, max_running, prefill_budget
         self.kv_budget_tokens = kv_budget_tokens
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[BatchRequest] = []
@@ -122,9 +120,9 @@ class BatchScheduler:
     def _kv_tokens(self) -> int:
         """Tokens of KV the batch holds: the running requests' own (not the prefix cache's blocks a hit reads in
         place: that cache holds them), and the fork copies waiting for siblings."""
-        return (sum(self.static.tokens(r.slot) if r.slot is not None else r.cache.offset - r.cache.layers[0].base
+        return (sum(self.static.tokens(r.slot) if r.slot is not None else r.cache.own_tokens
                     for r in self.running if r.cache is not None)
-                + sum(fork.cache.offset for fork in self._held_forks()))
+                + sum(fork.cache.own_tokens for fork in self._held_forks()))
 
     def _held_forks(self) -> list[Fork]:
         """The forks whose prompt KV copy waits for siblings, each once."""
@@ -143,12 +141,12 @@ class BatchScheduler:
                 continue  # its sibling is still prefilling their prompt
             need = len(req.pending) + 1
             if fork is not None and fork.cache is not None:  # a copy of the fork's KV; the last sibling takes it
-                need = 1 if not any(r.fork is fork and r is not req for r in self.waiting) else fork.cache.offset + 1
+                last = not any(r.fork is fork and r is not req for r in self.waiting)
+                need = 1 if last else fork.cache.own_tokens + 1
             if self.running and self._over_budget(need + sum(len(r.pending) for r in self.running)):
                 break  # (what the running requests have still to run takes room too)
             self.waiting.remove(req)
-            first = req.preemptions == 0
-            if first:  # time from now on (TTFT excludes the wait in the queue, reported as queue_ms)
+            if first := req.preemptions == 0:  # time from now on (TTFT excludes the queue wait: queue_ms)
                 now = time.perf_counter()
                 req.gen.timings.queue_ms += (now - req.state.t0) * 1000.0
                 req.state.t0 = now
@@ -172,10 +170,10 @@ class BatchScheduler:
         # TTFT counts from when the shared prefill started; waiting for it is not queueing
         req.gen.timings.queue_ms, req.state.t0 = leader.gen.timings.queue_ms, leader.state.t0
         last = not any(r.fork is fork for r in self.waiting)
-        req.cache = fork.cache if last else fork.cache.clone()
+        req.cache, req.handle = (fork.cache, fork.handle) if last else self._fork_copy(fork.cache, req.gen.prompt_ids)
         logits = fork.logits
         if last:
-            fork.cache = fork.logits = None
+            fork.cache = fork.logits = fork.handle = None
         prompt = len(req.gen.prompt_ids)
         req.gen.timings.account(prompt, prompt, None)
         req.gen.timings.prefill_ms = leader.gen.timings.prefill_ms
@@ -193,11 +191,23 @@ class BatchScheduler:
             self.engine.prefix_cache.publish(req.handle, req.gen.prompt_ids[: req.cache.offset], req.cache)
         if req.fork is not None:
             fork, req.fork = req.fork, None
-            if any(r.fork is fork for r in self.waiting):
-                if self._over_budget(req.cache.offset):  # no room for a copy: the others prefill on their own
+            if any(r.fork is fork for r in self.waiting):  # (req leads now, if the first left before its prefill)
+                fork.leader, fork.logits = req, logits.detach().clone()
+                fork.cache, fork.handle = self._fork_copy(req.cache, req.gen.prompt_ids)
+                if self._over_budget(0):  # no room for the copy: the others prefill on their own
+                    self._drop_fork(fork)
                     fork.abandoned = True
-                else:  # (req leads now, if the first left before its prefill)
-                    fork.leader, fork.cache, fork.logits = req, req.cache.clone(), logits.detach().clone()
+
+    def _fork_copy(self, cache: KVCache, prompt_ids: list[int]) -> tuple[KVCache, object]:
+        """(a copy of a fork's prompt KV, its hold): over the prompt's cached blocks where the hook can
+        (PrefixCache.fork, on the C++ CPU path), else a whole copy."""
+        fork = getattr(self.engine.prefix_cache, "fork", None)
+        return fork(cache, prompt_ids, self.engine.runner) if fork is not None else (cache.clone(), None)
+
+    def _drop_fork(self, fork: Fork) -> None:
+        if fork.handle is not None:  # ends the copy's hold (the first cached the prompt already)
+            self.engine.prefix_cache.commit(fork.handle, [], fork.cache)
+        fork.cache = fork.logits = fork.handle = None
 
     def _deliver(self, req: BatchRequest, logits: torch.Tensor | None, sample) -> None:
         """Accept req's next token (from logits, or the batched sample); it leaves the batch when done."""
@@ -221,7 +231,7 @@ class BatchScheduler:
         for fork in self._held_forks():  # first the copies siblings wait for: they can prefill on their own
             if not self._over_budget(new_tokens):
                 break
-            fork.cache = fork.logits = None
+            self._drop_fork(fork)
             fork.abandoned = True
         dropped = False
         while len(self.running) > 1 and self._over_budget(new_tokens):
@@ -257,7 +267,7 @@ class BatchScheduler:
         if fork is not None and fork.leader is req and fork.cache is None:
             fork.abandoned = True  # ended before its prefill did
         elif fork is not None and not any(r.fork is fork and r is not req for r in self.waiting):
-            fork.cache = fork.logits = None  # the last sibling left without using the copy
+            self._drop_fork(fork)  # the last sibling left without using the copy
         req.fork = None
         try:
             self._release(req)
@@ -318,12 +328,10 @@ class BatchScheduler:
                if len(req.pending) == len(chunk) and batchable(req.state.sampler)]
         if not now:
             return {}
-        fast = [j for j in now if logits[j] is None]
-        slow = [j for j in now if logits[j] is not None]
+        fast, slow = [j for j in now if logits[j] is None], [j for j in now if logits[j] is not None]
         parts = [logits[j].reshape(1, -1) for j in slow]
         if fast:
-            slots = torch.tensor([plan[j][0].slot for j in fast], device=rows.device)
-            parts.insert(0, rows.index_select(0, slots))
+            parts.insert(0, rows.index_select(0, torch.tensor([plan[j][0].slot for j in fast], device=rows.device)))
         order = fast + slow
         stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
         return dict(zip(order, sample_rows([plan[j][0].state.sampler for j in order], stacked)))

@@ -121,8 +121,7 @@ class IncrementalDetokenizer:
     """Turns token ids into text deltas without splitting multi-byte characters.
 
     Byte-level tokenizers: a ByteStream. Others: decodes a small window (prefix_offset..end) each step;
-    a delta is released only when it does not end in U+FFFD (a partial UTF-8 sequence).
-    """
+    a delta is released only when it does not end in U+FFFD (a partial UTF-8 sequence)."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer

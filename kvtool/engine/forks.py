@@ -1,11 +1,12 @@
 """The n choices of one prompt: their seeds, their order, and the Fork through which they share its prefill.
 
 Requests added to a BatchScheduler with one Fork prefill their prompt once: the first prefills it; the
-others wait, and when its prefill ends they start from a copy of its prompt KV, each drawing its first
-token from the same last-prompt-token logits with its own sampler. If the first ends before its prefill
-does, the others prefill on their own. The copy waiting for them counts against the KV budget; under KV
-pressure it is dropped before any running request is preempted, and the others prefill on their own (from
-the prefix cache, where the first published the prompt).
+others wait, and when its prefill ends each starts from a copy of its prompt KV (with a prefix cache on the
+C++ CPU path, one that reads the prompt's cached blocks in place and owns only the tokens after them) and
+draws its first token from the same last-prompt-token logits with its own sampler. If the first ends before
+its prefill does, the others prefill on their own. The copy waiting for them counts against the KV budget;
+under KV pressure it is dropped before any running request is preempted, and the others prefill on their
+own (from the prefix cache, where the first published the prompt).
 """
 
 from __future__ import annotations
@@ -38,4 +39,5 @@ class Fork:
     leader: object = None  # the first kvtool.engine.batch.BatchRequest added with this fork: it prefills the prompt
     cache: KVCache | None = None
     logits: torch.Tensor | None = None
+    handle: object = None  # the copy's hold on the prefix cache's blocks it reads (PrefixCache.fork)
     abandoned: bool = False  # the leader ended before its prefill did: the others prefill on their own

@@ -140,8 +140,7 @@ class Engine:
 
         Keeps at least the last known token to run (its logits pick the next token); on the first
         start, records the cached / block / prefilled split in gen.timings. A start that scores the
-        prompt (prompt_logprobs not yet complete) keeps nothing: every prompt token's logits are needed.
-        """
+        prompt (prompt_logprobs not yet complete) keeps nothing: every prompt token's logits are needed."""
         cache, ready, handle = self.start_cache(known_ids)
         ready = 0 if scores_prompt(gen) else min(ready, len(known_ids) - 1)
         cache.truncate(ready)

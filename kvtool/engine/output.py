@@ -54,8 +54,7 @@ class Timings:
         """Split the prompt into cached / block / prefilled tokens; `ready` tokens were in the cache at start.
 
         `splice` is a skill splicer's stats (kvtool.skills.splice.SpliceStats) when one prepared the cache:
-        its ready tokens are the prefix hit, the blocks it placed and the gaps it prefilled itself.
-        """
+        its ready tokens are the prefix hit, the blocks it placed and the gaps it prefilled itself."""
         cached, blocks = ready, 0
         if splice is not None:
             cached = min(splice.prefix_hit_tokens, ready)

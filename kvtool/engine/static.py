@@ -23,7 +23,7 @@ import torch
 
 from kvtool.cache.kv import KVCache
 from kvtool.engine.decode_step import DecodeStep
-from kvtool.errors import ContextWindowError
+from kvtool.errors import ContextWindowError, InvalidParameterError
 
 MODES = ("auto", "on", "off")  # EngineConfig.fast_decode: auto = on for CUDA only
 
@@ -32,8 +32,6 @@ def fast_decode_enabled(mode: str, device: torch.device, spec=None) -> bool:
     """Whether the static decoders run; never for a model with sliding-window layers (spec.layer_types), whose
     layers they do not implement: its steps take the reference forward."""
     if mode not in MODES:
-        from kvtool.errors import InvalidParameterError
-
         raise InvalidParameterError(f"fast_decode must be one of {', '.join(MODES)}; got {mode!r}")
     if spec is not None and spec.layer_types:
         return False
@@ -70,9 +68,7 @@ class StaticDecoder:
         return total_tokens <= self.max_len
 
     def load(self, cache: KVCache) -> None:
-        """Take a request: copy its prefilled KV into the static buffers."""
-        if cache.offset >= self.max_len:
-            raise ContextWindowError(f"the static decoder holds {self.max_len} tokens; this cache has {cache.offset}")
+        """Take a request: copy its prefilled KV into the static buffers (ContextWindowError if it does not fit)."""
         self.batched.load(cache)
 
     def extend(self, ids: list[int]) -> torch.Tensor:
@@ -81,8 +77,6 @@ class StaticDecoder:
 
     def step(self, token_id: int) -> torch.Tensor:
         """Run token_id at the next position; return its logits [1, V] (fp32, on the device)."""
-        if self.length >= self.max_len:
-            raise ContextWindowError(f"the static decoder is full ({self.max_len} tokens)")
         return self.batched.step({0: token_id})[0]
 
     def release(self) -> None:
@@ -122,8 +116,7 @@ class BatchedStaticDecoder:
     a `bucket`-slot window with a per-row mask. Shapes depend only on (rows, bucket), so on CUDA each
     pair is captured once as a CUDA graph. Rows not stepped this time (free, or held by a request
     that is not decoding now) compute on a dummy token and write it to a scratch position (index
-    max_len) that no window covers, so their K/V stays intact.
-    """
+    max_len) that no window covers, so their K/V stays intact."""
 
     def __init__(self, runner, slots: int, max_len: int, bucket_tokens: int = 256, graphs: bool | None = None):
         s = runner.spec
@@ -160,7 +153,8 @@ class BatchedStaticDecoder:
         """Take a request: copy its KV into the lowest free slot; return the slot."""
         n = cache.offset
         if n >= self.max_len or not self.free:
-            raise ContextWindowError(f"no free slot of {self.max_len} tokens for a cache of {n}")
+            raise ContextWindowError(f"the static decoder holds {self.max_len} tokens a slot"
+                                     f"{'' if self.free else ', and none is free'}; this cache has {n}")
         slot = min(self.free)
         self.free.remove(slot)
         for i, layer in enumerate(cache.layers):
