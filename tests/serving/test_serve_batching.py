@@ -51,10 +51,15 @@ def test_concurrent_requests_share_decode_steps_and_match_solo(smol, smol_server
 
 @pytest.fixture(scope="module")
 def tight_server(smollm2):
-    """A server whose KV budget admits two of these requests, which then outgrow it."""
-    from tests.serving.conftest import start_server
+    """A server whose KV budget admits two of these requests, which then outgrow it. Its prefix cache is off: a
+    hit's blocks, read in place, take none of the KV budget, so requests whose prompts share the chat template's
+    first blocks with one cached before could all fit, and whether any is preempted would depend on timing."""
+    from kvtool.config import EngineConfig
+    from kvtool.serving import ServerConfig, create_app
+    from kvtool.serving.server import BackgroundServer
 
-    srv = start_server(smollm2, kv_bytes=75 * smollm2.kv_bytes_per_token, max_active=4)
+    config = ServerConfig(kv_bytes=75 * smollm2.kv_bytes_per_token, max_active=4)
+    srv = BackgroundServer(create_app(smollm2, EngineConfig(enable_prefix_cache=False), config)).start()
     yield srv
     srv.stop()
 
