@@ -43,15 +43,16 @@ def _mean(xs):
 
 
 def workload_rows(record: dict) -> list[tuple[str, str, object]]:
-    """(workload, label, engine entry -> cell) for every figure the record's workloads produce."""
+    """(workload, label, engine entry -> cell) for every figure the record's workloads produce; each stream count is
+    a workload of its own ("streams 8"), so a record of other counts does not hide it in the README."""
     c = record["config"]
     rows = [("memory", "RSS after one request (MiB)", lambda e: spread(e, "memory.rss_mib")),
             ("decode", f"decode bs=1, {c['decode_tokens']} tokens (tok/s)", lambda e: spread(e, "decode_tok_s"))]
     rows += [("ttft", f"cold TTFT @{n} (ms)", lambda e, n=n: spread(e, f"ttft_ms_{n}")) for n in c["ttft_lengths"]]
     rows.append(("prefix", f"prefix hit {c['prefix_tokens']}+{c['suffix_tokens']} (ms; cached tokens)",
                  lambda e: f"{spread(e, 'prefix_hit_ms')}; {e['results']['prefix_cached_tokens']}"))
-    rows += [("streams", f"{n} streams x {c['stream_tokens']} (tok/s)", lambda e, n=n: spread(e, f"streams_{n}.tok_s"))
-             for n in c["streams"]]
+    rows += [(f"streams {n}", f"{n} streams x {c['stream_tokens']} (tok/s)",
+              lambda e, n=n: spread(e, f"streams_{n}.tok_s")) for n in c["streams"]]
     rows.append(("layouts", "context layouts: mean cached after 1st",
                  lambda e: f"{100 * _mean([x['hit_rate_after_first'] for x in e['results']['layouts'].values()]):.0f}%"))
     if "client_prompts" in c:
@@ -59,7 +60,7 @@ def workload_rows(record: dict) -> list[tuple[str, str, object]]:
                 f" tokens -> {c['client_output_tokens']}, {c['client_concurrency']} at once")
         rows += [("vllm-bench", f"{what}: {label}", lambda e, key=key: spread(e, f"vllm_bench.{key}"))
                  for key, label in VLLM_BENCH_ROWS]
-    return [r for r in rows if r[0] in c.get("workloads", [])]
+    return [r for r in rows if r[0].split()[0] in c.get("workloads", [])]
 
 
 def cells(record: dict, get) -> list[str]:
@@ -120,7 +121,7 @@ def quiet_block(peers: list[tuple[Path, dict]], readme: Path) -> list[str]:
     command that reproduces it."""
     latest: dict[tuple[str, str], tuple[Path, dict]] = {}
     for path, rec in sorted(((p, r) for p, r in peers if is_quiet(r)), key=lambda pr: pr[1]["date"]):
-        for workload in rec["config"].get("workloads", []):
+        for workload in dict.fromkeys(wl for wl, _, _ in workload_rows(rec)):
             latest[(rec["model"], workload)] = (path, rec)
     if not latest:
         noisy = len(peers)

@@ -74,6 +74,23 @@ def test_the_readme_shows_the_latest_quiet_record_per_model_and_workload(tmp_pat
     assert "load 1.50-1.90 on 2 cores" in table
 
 
+def test_a_record_of_other_stream_counts_keeps_the_older_counts_in_the_readme(tmp_path):
+    results = tmp_path / "benchmarks" / "results"
+    _write(results / "peers-8", "report.json", _peers("2026-11-01 10:00", 10.0, True, ("streams",)))
+    newer = _peers("2026-12-01 08:00", 10.0, True, ("streams",))
+    newer["config"]["streams"] = [16, 64]
+    for row in (newer["engines"]["kvtool"], newer["engines"]["kvtool-int4"]):
+        row["results"] = {**row["results"], "streams_16": {"tok_s": _summary(70.0)},
+                          "streams_64": {"tok_s": _summary(85.0)}}
+    _write(results / "peers-16-64", "report.json", newer)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{BEGIN}\n{END}\n")
+    update(results, readme)
+    table = readme.read_text()
+    assert "| 8 streams x 128 (tok/s) | 90.0 | 90.0 | missing | not run | not run | [peers-8]" in table
+    assert "|  | 16 streams x 128 (tok/s) | 70.0 |" in table and "|  | 64 streams x 128 (tok/s) | 85.0 |" in table
+
+
 def test_without_a_quiet_record_the_readme_says_so(tmp_path):
     results = tmp_path / "results"
     _write(results / "peers-a", "report.json", _peers("2026-12-03 08:00:00", 99.0, False))
