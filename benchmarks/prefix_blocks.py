@@ -152,10 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                         (f"{args.rows} choices, 1st tokens", forks, record["choices_speedup"])):
         print(f"{name:<22} in place {ms['in_place']['median']:8.1f} ms  copied {ms['copied']['median']:8.1f} ms  "
               f"{x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})")
-    print(f"KV the {args.rows} requests hold beyond the cache's blocks: in place {own_bytes['in_place'] / 2**20:.1f} "
-          f"MiB, copied {own_bytes['copied'] / 2**20:.1f} MiB")
-    print(f"KV the {args.rows} choices own after their first token: in place {fork_bytes['in_place'] / 2**20:.1f} MiB, "
-          f"whole copies {fork_bytes['copied'] / 2**20:.1f} MiB")
+    for what, held, other in ((f"the {args.rows} requests hold beyond the cache's blocks", own_bytes, "copied"),
+                              (f"the {args.rows} choices own after their first token", fork_bytes, "whole copies")):
+        print(f"KV {what}: in place {held['in_place'] / 2**20:.1f} MiB, {other} {held['copied'] / 2**20:.1f} MiB")
     emit(record, args.out)
     return 0
 
