@@ -1,11 +1,11 @@
-"""One layer's attention for a chunk after cached tokens (a prefix hit's suffix, a later prefill chunk), in a
-model's shape: the C++ prefill path's mask-free form (kvtool.kernels.attention.chunk_attention: each KV head's
-group of query heads scored in one pass over the cached keys, the chunk's own part causal, merged by
-log-sum-exp) beside the masked form it replaced (ATen's flash attention over the whole cache with an explicit
-causal mask and K/V repeated per query head, as the reference forward calls it). Both alternate run by run on the
-same inputs; each timed run is every layer of the model once. JSON record as the last line.
+"""One layer's causal attention for a chunk of new tokens (a cold prefill with --prefix 0, a prefix hit's suffix, a
+later prefill chunk), in a model's shape: the C++ prefill path's kernel (torch.ops.kvtool_cpu.prefill_attention,
+kvtool/kernels/cpu_attention.cpp: each KV head's group of query heads scored in one pass, no mask) beside ATen's
+flash attention as the reference forward calls it (its causal path for a cold chunk, else an explicit causal mask
+over the whole cache, K/V repeated per query head). Both alternate run by run on the same inputs; each timed run
+is every layer of the model once. JSON record as the last line.
 
-    python benchmarks/chunk_attention.py --model smollm2 --prefix 512 2048 --tokens 64 512
+    python benchmarks/chunk_attention.py --model smollm2 --prefix 0 2048 --tokens 64 512 2048
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from kvtool.bench.loading import load_bench_model
 from kvtool.bench.protocol import device_name, emit, measure_side_by_side, paired_speedup, versions
-from kvtool.kernels.attention import chunk_attention
+from kvtool.kernels.cpu_decode import unavailable
 from kvtool.models.layers import causal_mask
 
 
@@ -39,8 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    if min(args.prefix) < 1 or min(args.tokens) < 2 or args.repeats < 1:
-        p.error("--prefix must be at least 1, --tokens at least 2, --repeats at least 1")
+    if min(args.prefix) < 0 or min(args.tokens) < 2 or args.repeats < 1:
+        p.error("--prefix must be at least 0, --tokens at least 2, --repeats at least 1")
+    if (why := unavailable()) is not None:
+        p.error(f"the C++ ops did not load: {why}")
     if args.threads:
         torch.set_num_threads(args.threads)
     bm = load_bench_model(args.model, device="cpu", dtype="float32", announce=lambda s: print(s, file=sys.stderr))
@@ -48,35 +50,37 @@ def main(argv: list[str] | None = None) -> int:
     for prefix in args.prefix:
         for tokens in args.tokens:
             layers = cases(spec, prefix, tokens, gen)
-            mask = causal_mask(tokens, prefix + tokens, "cpu")
+            mask = causal_mask(tokens, prefix + tokens, "cpu") if prefix else None
+            kernel = torch.ops.kvtool_cpu.prefill_attention
             print(f"{prefix} cached + {tokens} new tokens, {len(layers)} layers", file=sys.stderr)
 
-            def masked():
-                with torch.inference_mode():
-                    for q, keys, values in layers:
-                        F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask,
-                                                       enable_gqa=True)
+            def aten(q, keys, values):
+                return F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask,
+                                                      is_causal=mask is None, enable_gqa=True)[0].transpose(0, 1)
 
-            def grouped():
+            def theirs():
                 with torch.inference_mode():
                     for q, keys, values in layers:
-                        chunk_attention(q, keys, values, prefix)
+                        aten(q, keys, values)
+
+            def ours():
+                with torch.inference_mode():
+                    for q, keys, values in layers:
+                        kernel(q, [], 0, keys, values, 0, prefix)
 
             q, keys, values = layers[0]
-            want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask,
-                                                  enable_gqa=True)[0].transpose(0, 1)
-            error = (chunk_attention(q, keys, values, prefix) - want).abs().max().item()
-            ms = measure_side_by_side({"masked": masked, "grouped": grouped}, args.repeats, 1)
+            error = (kernel(q, [], 0, keys, values, 0, prefix) - aten(q, keys, values)).abs().max().item()
+            ms = measure_side_by_side({"aten": theirs, "kvtool": ours}, args.repeats, 1)
             rows.append({"prefix": prefix, "tokens": tokens, "ms": ms, "max_abs_error": error,
-                         "speedup": paired_speedup(ms["grouped"], ms["masked"], rate=False)})
-    record = {"benchmark": "chunk_attention", "model": bm.name, "device": device_name(bm.device),
+                         "speedup": paired_speedup(ms["kvtool"], ms["aten"], rate=False)})
+    record = {"benchmark": "chunk_attention", "compares": "kvtool's kernel over ATen's flash", "model": bm.name, "device": device_name(bm.device),
               "threads": torch.get_num_threads(), "load_avg": round(os.getloadavg()[0], 2),
               "shape": {"layers": spec.num_layers, "heads": spec.num_heads, "kv_heads": spec.num_kv_heads,
                         "head_dim": spec.head_dim}, "rows": rows, "versions": versions()}
-    print("\ncached  new  masked ms  grouped ms  speedup (min-max)")
+    print("\ncached  new    aten ms  kvtool ms  speedup (min-max)")
     for r in rows:
         s = r["speedup"]
-        print(f"{r['prefix']:>6}{r['tokens']:>5}{r['ms']['masked']['median']:>11.1f}{r['ms']['grouped']['median']:>12.1f}"
+        print(f"{r['prefix']:>6}{r['tokens']:>5}{r['ms']['aten']['median']:>11.1f}{r['ms']['kvtool']['median']:>11.1f}"
               f"{s['median']:>8.2f}x ({s['min']:.2f}-{s['max']:.2f})")
     emit(record, args.out)
     return 0

@@ -141,7 +141,7 @@ HEADLINES.update({  # one-line summaries
         f"{m['xgrammar']['compiled']}/{m['schemas']}; mask median {m['llguidance']['mask_us']['median']:.0f} vs "
         f"{m['xgrammar']['mask_us']['median']:.0f} µs, compile p90 {m['llguidance']['compile_ms']['p90']:.0f} vs "
         f"{m['xgrammar']['compile_ms']['p90']:.0f} ms" for name, m in r["models"].items()),
-    "chunk_attention": lambda r: "no mask over the masked form: " + ", ".join(
+    "chunk_attention": lambda r: r.get("compares", "no mask over the masked form") + ": " + ", ".join(
         f"{row['prefix']}+{row['tokens']} {_x(row['speedup']['median'])}" for row in r["rows"]),
     "decode_products": lambda r: f"{r.get('weights', 'dense')}, the decode path's product over the other: " + ", ".join(
         f"{row['product']}@{row['rows']} {_x(row['taken_over_other']['median'])}"

@@ -21,6 +21,8 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_simd.h"
+
 namespace kvtool_cpu {
 
 // Sum of a[i] * b[i] in eight partial sums, which the compiler vectorises without -ffast-math (cpu_prefill.cpp
@@ -390,8 +392,8 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return out;
 }
 
-// exp(s[t] - mx) into s[t] for t < n, returning their sum: eight at a time with Cephes' expf (range reduction
-// by ln 2, a degree-5 polynomial, ~1 ulp for the arguments here, which are <= 0), the tail with std::exp.
+// exp(s[t] - mx) into s[t] for t < n, returning their sum: eight at a time with exp8 (cpu_simd.h), the tail with
+// std::exp.
 inline float exp_sum(float* s, int64_t n, float mx) {
   int64_t t = 0;
   float total = 0.f;
@@ -399,20 +401,7 @@ inline float exp_sum(float* s, int64_t n, float mx) {
   const __m256 m = _mm256_set1_ps(mx);
   __m256 acc = _mm256_setzero_ps();
   for (; t + 8 <= n; t += 8) {
-    __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), m), _mm256_set1_ps(-87.33654f));
-    const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-    const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+    const __m256 y = kvtool_cpu::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
     _mm256_storeu_ps(s + t, y);
     acc = _mm256_add_ps(acc, y);
   }

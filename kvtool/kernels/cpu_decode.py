@@ -45,7 +45,8 @@ exactly) for the bf16 copy of the head. A SmolLM2 int4 step then reads ~123 MB a
 27.1 with torch's int4 kernel and bf16 head (medians of 5 interleaved runs of 64 tokens, 1.45x; before
 `layers`), and its next-token KL to the dense model of its grid values went from 0.00038 to 0.00017.
 
-The same library holds the prefill ops of cpu_prefill.cpp (kvtool.models.cpu_prefill documents them), and the
+The same library holds the prefill ops of cpu_prefill.cpp and cpu_attention.cpp (kvtool.models.cpu_prefill
+documents them), and the
 many-row paths of `rms_norm` and `silu_mul` that prefill uses: rows split over the threads, each row by one
 thread, so the same bits at any thread count.
 
@@ -75,7 +76,9 @@ from kvtool.paths import cache_root
 
 ENV = "KVTOOL_CPU_DECODE"
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-SOURCES = (SOURCE, SOURCE.with_name("cpu_prefill.cpp"))  # one library: the prefill ops (kvtool.models.cpu_prefill) too
+SOURCES = (SOURCE, *(SOURCE.with_name(f"cpu_{name}.cpp") for name in ("prefill", "attention")))  # one library: the
+# prefill ops (kvtool.models.cpu_prefill) too; they include HEADER
+HEADER = SOURCE.with_name("cpu_simd.h")
 # Past this many bytes of x rows they no longer stay in L1 beside the weight stream (the build passes the
 # value to cpu_decode.cpp): one or two rows then go four weight rows at a time, and three or four go to
 # oneDNN, whose blocking keeps them there (one thread, 24 distinct weights: Qwen2.5's 896 x 4,864 down
@@ -106,7 +109,7 @@ def _cpu_id() -> str:
 
 
 def library_path(compiler: str) -> Path:
-    texts = [source.read_text() for source in SOURCES]
+    texts = [source.read_text() for source in (*SOURCES, HEADER)]
     key = hashlib.sha256("\0".join([*texts, torch.__version__, compiler, *FLAGS, _cpu_id()]).encode())
     return cache_root() / "ext" / f"kvtool_cpu_decode-{key.hexdigest()[:16]}.so"
 

@@ -90,54 +90,13 @@ at::Tensor rope_qkv(const at::Tensor& qkv, at::Tensor& keys, at::Tensor& values,
   return q;
 }
 
-// One layer's keys and values for a chunk after shared blocks (kvtool.cache.kv.KVCache.over_blocks), as the flash
-// kernel takes them: keys/values [1, hkv, n B + m, d] (contiguous) get that layer's part of each of the n blocks
-// [2, L, hkv, B, d] in turn, then the first m slots of its own buffers own_k/own_v [1, hkv, capacity, d].
-void join_blocks(at::TensorList blocks, int64_t layer, const at::Tensor& own_k, const at::Tensor& own_v, int64_t m,
-                 at::Tensor& keys, at::Tensor& values) {
-  const int64_t n = static_cast<int64_t>(blocks.size()), hkv = own_k.size(1), d = own_k.size(3);
-  const int64_t bs = n ? blocks[0].size(3) : 0, nl = n ? blocks[0].size(1) : 0, len = n * bs + m;
-  TORCH_CHECK(own_k.is_contiguous() && own_v.is_contiguous() && own_k.sizes() == own_v.sizes() && own_k.dim() == 4 &&
-                  m >= 0 && m <= own_k.size(2) && own_k.scalar_type() == at::kFloat &&
-                  own_v.scalar_type() == at::kFloat, "join_blocks: own buffers must be fp32 [1, hkv, capacity, d] "
-              "holding m slots");
-  for (const at::Tensor& b : {keys, values}) {
-    TORCH_CHECK(b.is_contiguous() && b.scalar_type() == at::kFloat && b.numel() == hkv * len * d,
-                "join_blocks: keys and values must be contiguous fp32 [1, hkv, n B + m, d]");
-  }
-  for (const at::Tensor& b : blocks) {
-    TORCH_CHECK(b.is_contiguous() && b.scalar_type() == at::kFloat && b.dim() == 5 && b.size(0) == 2 &&
-                    b.size(1) == nl && b.size(2) == hkv && b.size(3) == bs && b.size(4) == d && 0 <= layer &&
-                    layer < nl,
-                "join_blocks: blocks must be contiguous fp32 [2, L, hkv, B, d] alike, L > layer");
-  }
-  float* out[2] = {keys.data_ptr<float>(), values.data_ptr<float>()};
-  const float* own[2] = {own_k.data_ptr<float>(), own_v.data_ptr<float>()};
-  const int64_t cap = own_k.size(2);
-  at::parallel_for(0, hkv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      for (int kv = 0; kv < 2; ++kv) {
-        float* o = out[kv] + g * len * d;
-        for (int64_t i = 0; i < n; ++i) {
-          const float* b = blocks[i].data_ptr<float>() + (((kv * nl + layer) * hkv + g) * bs) * d;
-          std::memcpy(o + i * bs * d, b, bs * d * sizeof(float));
-        }
-        std::memcpy(o + n * bs * d, own[kv] + g * cap * d, m * d * sizeof(float));
-      }
-    }
-  });
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvtool_cpu, m) {
-  m.def("join_blocks(Tensor[] blocks, int layer, Tensor own_k, Tensor own_v, int m, Tensor(a!) keys, "
-        "Tensor(b!) values) -> ()");
   m.def("rope_qkv(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, int slot, Tensor cos, Tensor sin, Tensor? q_norm, "
         "Tensor? k_norm, float eps, int hq, int hkv) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvtool_cpu, CPU, m) {
   m.impl("rope_qkv", rope_qkv);
-  m.impl("join_blocks", join_blocks);
 }

@@ -5,13 +5,13 @@ ops on a quiet machine, ~45% at a load average near 10 (benchmarks/results/prefi
 these memory-bound ops suffer most: RMSNorm as pow/sum/mul, RoPE as rotate_half (neg, cat, mul, add),
 silu(gate) * up, the residual adds and the copies of K and V into the cache. Here each layer is:
 `rms_norm` (rows split over the threads), the fused qkv product, `rope_qkv` (Qwen3's q/k norms, RoPE of q
-and k, K and V written straight into the cache's buffers, rows split over the threads), ATen's flash
-attention (with no mask after cached tokens: `chunk_attention`; after a prefix-cache hit's shared blocks,
-`join_blocks` first copies the layer's keys and values into one scratch buffer), the o product with the
-residual added by oneDNN as a post-op, `rms_norm`, the gate_up product, `silu_mul` (ATen's silu over blocks
-of rows, multiplied by up while in cache) and the down product, again with the residual. Each row is
-computed by one thread, so the result does not depend on the thread count. Afterwards
-(prefill-profile-cpu-fused.json) they are ~7%: the GEMMs take 61% and flash attention 32%.
+and k, K and V written straight into the cache's buffers, rows split over the threads), `prefill_attention`
+(kvtool/kernels/cpu_attention.cpp: causal, each KV head's whole group of query heads scored at once, with no
+mask; a prefix-cache hit's shared blocks read in place), the o product with the residual added by oneDNN as a
+post-op, `rms_norm`, the gate_up product, `silu_mul` (ATen's silu over blocks of rows, multiplied by up while in
+cache) and the down product, again with the residual. Each row is computed by one thread, so the result does not
+depend on the thread count. Afterwards (prefill-profile-cpu-fused.json) they are ~7%: the GEMMs take 61% and
+ATen's flash attention, since replaced by `prefill_attention` (1.7x ATen's at 512 tokens, 1.2x at 2,048), 32%.
 
 Numerics: RoPE, silu * up and the K/V copies give the reference's bits; RMSNorm sums its squares in another
 order (SmolLM2 logits within 1.5e-3 of the reference forward's over 700 tokens, greedy tokens the same).
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from kvtool.kernels.attention import chunk_attention
 from kvtool.models.cpu_step import DecodeStep, _product, _weight
 
 
@@ -53,10 +52,7 @@ class PrefillPass:
             rows = slice(start, start + t)
             q = self.ops.rope_qkv(qkv[rows], keys, values, slot - kv.base, cos[rows], sin[rows], qn, kn, eps, hq, hkv)
             kv.offset = slot + t
-            if kv.base:  # after shared blocks: the layer's keys and values joined, as the flash kernel takes them
-                keys, values = torch.empty(2, 1, hkv, slot + t, d)
-                self.ops.join_blocks(kv.blocks, layer, *kv.buffers, slot + t - kv.base, keys, values)
-            outs.append(chunk_attention(q, keys, values, slot).reshape(t, hq * d))
+            outs.append(self.ops.prefill_attention(q, kv.blocks, layer, keys, values, kv.base, slot).reshape(t, hq * d))
             start += t
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 

@@ -21,8 +21,8 @@ def unsupported(runner) -> str | None:
         return "the projections are not fused (call fuse() first)"
     if runner.spec.layer_types:
         return f"{runner.spec.model_type}'s layers (sliding windows, extra norms) run through the reference forward"
-    if runner.spec.head_dim % 2 or runner.spec.head_dim > 1024:
-        return f"head_dim {runner.spec.head_dim} is odd or above 1024"
+    if runner.spec.head_dim % 8 or runner.spec.head_dim > 1024:
+        return f"head_dim {runner.spec.head_dim} is not a multiple of 8 or above 1024"
     return unavailable()
 
 

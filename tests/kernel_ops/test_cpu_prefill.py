@@ -132,22 +132,37 @@ def test_rope_qkv_refuses_what_does_not_fit(ops):
         ops.rope_qkv(qkv, keys, values, 0, rows, rows, torch.ones(15), torch.ones(16), 1e-6, 4, 2)
 
 
-@pytest.mark.parametrize("hq,hkv,d,t,slot", [(9, 3, 64, 64, 200), (14, 2, 64, 5, 3), (4, 4, 16, 7, 1),
-                                           (16, 8, 128, 33, 70), (2, 1, 8, 2, 600)])
-def test_a_chunk_chunk_attention_tokens_equals_masked_attention(hq, hkv, d, t, slot):
-    """chunk_attention (the cached part per KV head's query group, the chunk's own part causal, merged by
-    log-sum-exp) against SDPA with the causal mask over the whole cache; the same bits at any thread count."""
-    from kvtool.kernels.attention import chunk_attention
+@pytest.mark.parametrize("hq,hkv,d,t,slot,blocks", [(9, 3, 64, 64, 200, 0), (9, 3, 64, 300, 0, 0), (14, 2, 64, 5, 3, 0),
+                                                  (4, 4, 16, 7, 1, 0), (16, 8, 128, 33, 70, 4), (2, 1, 8, 2, 600, 9),
+                                                  (4, 2, 24, 97, 40, 2)])
+def test_prefill_attention_equals_masked_attention(ops, hq, hkv, d, t, slot, blocks):
+    """prefill_attention (keys in tiles, each KV head's query group at once, no mask) against SDPA with the causal
+    mask over the whole cache, with the first keys read from shared blocks of 16 in place; the same bits at any
+    thread count."""
     from kvtool.models.layers import causal_mask
 
-    gen = torch.Generator().manual_seed(t * slot)
-    keys, values = torch.randn(1, hkv, slot + t + 3, d, generator=gen), torch.randn(1, hkv, slot + t + 3, d, generator=gen)
+    gen = torch.Generator().manual_seed(t * slot + blocks)
+    base, layers = 16 * blocks, 3
+    shared = [torch.randn(2, layers, hkv, 16, d, generator=gen) for _ in range(blocks)]
+    own_k, own_v = (torch.randn(1, hkv, slot + t - base + 3, d, generator=gen) for _ in range(2))
     q = torch.randn(t, hq, d, generator=gen) * 2
-    outs = at_threads(lambda: chunk_attention(q, keys, values, slot))
+    outs = at_threads(lambda: ops.prefill_attention(q, shared, 1, own_k, own_v, base, slot))
     assert_same_bits(outs)
-    want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[:, :, : slot + t], values[:, :, : slot + t],
+    keys, values = (torch.cat([*(b[kv, 1] for b in shared), mine[0, :, : slot + t - base]], 1)[None]
+                    for kv, mine in ((0, own_k), (1, own_v)))
+    want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values,
                                           attn_mask=causal_mask(t, slot + t, "cpu"), enable_gqa=True)
     torch.testing.assert_close(outs[0], want[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_attention_refuses_what_does_not_fit(ops):
+    q, keys = torch.zeros(4, 2, 16), torch.zeros(1, 1, 8, 16)
+    with pytest.raises(RuntimeError, match=r"positions 6\.\.9 do not fit 0 blocks \(0 tokens\) and buffers of 8"):
+        ops.prefill_attention(q, [], 0, keys, keys, 0, 6)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        ops.prefill_attention(torch.zeros(4, 2, 12), [], 0, torch.zeros(1, 1, 8, 12), torch.zeros(1, 1, 8, 12), 0, 0)
+    with pytest.raises(RuntimeError, match="blocks must be contiguous fp32"):
+        ops.prefill_attention(q, [torch.zeros(2, 1, 1, 4, 16)], 1, keys, keys, 4, 4)
 
 
 def prefill(runner, ids, on: bool, chunk: int, cache=None):
@@ -168,8 +183,7 @@ def assert_same_prefill(fast, ref, atol):
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
 def test_prefill_through_the_ops_equals_the_reference_forward(tmp_path, family):
-    """Chunks of 7 over 40 tokens: the first chunk takes the causal kernel, later ones chunk_attention's mask-free
-    form over the cache."""
+    """Chunks of 7 over 40 tokens: the first chunk attends to itself only, later ones to the cache too."""
     tiny_checkpoint(family, tmp_path)
     runner = tiny_runner(family, tmp_path)
     assert runner.cpu_prefill  # kvtool's loader turns it on with the decode ops
