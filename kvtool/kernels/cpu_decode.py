@@ -91,11 +91,15 @@ BUILD_TIMEOUT_S = 600
 # shape, so they stream from memory: at 1 row 71 vs 126 us for a 960 x 576 qkv, 259 vs 332 for gate_up,
 # 4.2 vs 5.5 ms for the head; even at 8 rows; oneDNN ahead from 16).
 GEMV_MAX_ROWS = 4
+# Three or four rows take gemv only while they hold at most this many bytes: whole 4-row decode steps of Qwen2.5
+# (896-wide x, 14 KiB) took 124 ms with every product in oneDNN against 131 with gemv taking the 896-wide ones
+# (~1,100-token contexts, one thread; 104 against 121 at 3 rows, 10.5 KiB); SmolLM2's 4 rows (9 KiB) tied.
+MANY_X_BYTES = 12288
 
 
 def gemv_takes(rows: int, k: int) -> bool:
     """Whether `gemv` is the faster product for `rows` fp32 x rows of length k (else oneDNN's packed GEMM)."""
-    return rows <= GEMV_MAX_ROWS and (rows <= 2 or rows * k * 4 <= LONG_X_BYTES)
+    return rows <= GEMV_MAX_ROWS and (rows <= 2 or rows * k * 4 <= MANY_X_BYTES)
 
 
 def _cpu_id() -> str:

@@ -97,10 +97,13 @@ def test_decode_products_take_gemv_for_few_rows_and_the_runner_product_for_more(
     few, many = torch.randn(cpu_decode.GEMV_MAX_ROWS, 32), torch.randn(cpu_decode.GEMV_MAX_ROWS + 1, 32)
     assert "kvtool_cpu::gemv" in ops_of(lambda: cpu_step._product(few, weight))
     assert "kvtool_cpu::gemv" not in ops_of(lambda: cpu_step._product(many, weight))
-    long_rows = cpu_decode.LONG_X_BYTES // 4 // 3 + 1  # three x rows of this length pass LONG_X_BYTES, two do not
+    long_rows = cpu_decode.MANY_X_BYTES // 4 // 3 + 1  # three x rows of this length pass MANY_X_BYTES, two do not
     wide = cpu_gemm.pack(torch.randn(48, long_rows))
     assert "kvtool_cpu::gemv" in ops_of(lambda: cpu_step._product(torch.randn(2, long_rows), wide))
     assert "kvtool_cpu::gemv" not in ops_of(lambda: cpu_step._product(torch.randn(3, long_rows), wide))
+    qwen25 = cpu_gemm.pack(torch.randn(48, 896))  # Qwen2.5's hidden size: 3 rows in gemv, 4 in oneDNN
+    assert "kvtool_cpu::gemv" in ops_of(lambda: cpu_step._product(torch.randn(3, 896), qwen25))
+    assert "kvtool_cpu::gemv" not in ops_of(lambda: cpu_step._product(torch.randn(4, 896), qwen25))
     for x in (few, many):
         residual = torch.randn(x.shape[0], 48)
         torch.testing.assert_close(cpu_step._product(x, weight, residual=residual),
