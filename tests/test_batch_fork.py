@@ -184,3 +184,27 @@ def test_siblings_read_the_prompts_cached_blocks_in_place(model, request):
     prefix.check_integrity()
     prefix.set_budget(0)  # evicts every block that no request holds
     assert prefix.stats()["blocks"] == 0
+
+
+@pytest.mark.real_model
+def test_requests_that_arrive_together_on_one_prefix_read_what_the_first_published(smollm2):
+    """Three requests on one system prompt, queued at once: only those whose first chunk fits the step's prefill
+    budget open their cache (the prefix lookup), so the later ones start after the first published the prompt's
+    blocks and prefill only their own question; the answers equal solo runs."""
+    from kvtool.cache.manager import attach_prefix_cache
+
+    engine = Engine(smollm2)
+    system = {"role": "system", "content": "You answer in verse. " * 12}
+    prompts = [smollm2.encode(smollm2.render([system, {"role": "user", "content": q}]))
+               for q in (QUESTION, "Name a prime number.", "What colour is the sky?")]
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    solo = [engine.generate(p, greedy).run().token_ids for p in prompts]
+    attach_prefix_cache(engine, budget_bytes=64 << 20, block_size=16)
+    sched = BatchScheduler(engine, max_running=4, prefill_budget=len(prompts[0]))  # one prompt a step
+    gens = [sched.submit(p, greedy) for p in prompts]
+    while not sched.idle:
+        sched.step()
+    shared = next(i for i in range(len(prompts[0])) if len({p[i] for p in prompts}) > 1) // 16 * 16  # full blocks
+    assert shared >= 64
+    assert [g.token_ids for g in gens] == solo
+    assert gens[0].timings.cached_tokens == 0 and all(g.timings.cached_tokens >= shared for g in gens[1:])

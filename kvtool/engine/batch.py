@@ -1,26 +1,26 @@
 """Continuous batching: many requests share each forward.
 
-Every step packs, into one runner.forward_batch call, one decode token of each running
-request plus prefill chunks of admitted requests within `prefill_budget` tokens, so a long
-prompt is prefilled over several steps without stalling the streams already running.
-Under KV pressure the most recently admitted request is preempted: its KV is dropped and
-it is re-queued at the front to be recomputed later (its token stream simply continues).
+Every step packs, into one runner.forward_batch call, one decode token of each running request plus prefill chunks
+of admitted requests within `prefill_budget` tokens, so a long prompt is prefilled over several steps without
+stalling the streams already running. Under KV pressure the most recently admitted request is preempted: its KV is
+dropped and it is re-queued at the front to be recomputed later (its token stream simply continues).
 
 Where EngineConfig.fast_decode allows (CUDA by default), the decode tokens of a step run through a
-BatchedStaticDecoder instead (one static K/V row per request, CUDA graphs), and prefill chunks
-through forward_batch beside it; a request's K/V returns to its own cache when it leaves.
+BatchedStaticDecoder instead (one static K/V row per request, CUDA graphs), and prefill chunks through forward_batch
+beside it; a request's K/V returns to its own cache when it leaves.
 
 Every request that samples in a step and has no seed is sampled together with the others
-(kvtool.engine.batch_sampling): one pass over their stacked logits, each row with its own
-parameters, and one host read for all tokens and logprobs. A seeded request draws from its own
-generator, alone, so its output repeats exactly as in a single stream. `host_s` counts the time
-steps spend outside the forward and that read (scheduling, detokenizing, callbacks).
+(kvtool.engine.batch_sampling): one pass over their stacked logits, each row with its own parameters, and one host
+read for all tokens and logprobs. A seeded request draws from its own generator, alone, so its output repeats
+exactly as in a single stream. `host_s` counts the time steps spend outside the forward and that read (scheduling,
+detokenizing, callbacks).
 
-A fault while sampling one request (on_event or the sampler raising) ends that request alone,
-with finish_reason "error" and the exception passed to its on_finish callback.
+A fault while sampling one request (on_event or the sampler raising) ends that request alone, with finish_reason
+"error" and the exception passed to its on_finish callback.
 
-With a prefix cache, a request's prompt KV goes into it as soon as its prefill ends (publish), so
-requests that arrive while it still decodes reuse that prompt; the rest is cached when it finishes.
+With a prefix cache, a request's prompt KV goes into it as soon as its prefill ends (publish), so requests that
+arrive while it still decodes reuse that prompt; the rest is cached when it finishes. A request is admitted (a
+lookup) only in a step whose budget starts its prompt: requests arriving together read what the first published.
 
 The n choices of one prompt share its prefill through a Fork (kvtool.engine.forks).
 """
@@ -126,19 +126,20 @@ class BatchScheduler:
 
     def _held_forks(self) -> list[Fork]:
         """The forks whose prompt KV copy waits for siblings, each once."""
-        forks = {id(r.fork): r.fork for r in self.waiting if r.fork is not None and r.fork.cache is not None}
-        return list(forks.values())
+        return list({id(f): f for f in (r.fork for r in self.waiting) if f and f.cache is not None}.values())
 
     def _over_budget(self, new_tokens: int) -> bool:
         return self.kv_budget_tokens is not None and self._kv_tokens() + new_tokens > self.kv_budget_tokens
 
     def _admit(self) -> None:
+        left = self.prefill_budget - sum(len(r.pending) for r in self.running if len(r.pending) > 1)  # to start
         for req in list(self.waiting):
             if len(self.running) >= self.max_running:
                 break
             fork = req.fork
-            if fork is not None and fork.leader is not req and fork.cache is None and not fork.abandoned:
-                continue  # its sibling is still prefilling their prompt
+            waits = fork is not None and fork.leader is not req and fork.cache is None and not fork.abandoned
+            if waits or ((fork is None or fork.cache is None) and self.running and left <= 0):
+                continue  # its sibling is still prefilling their prompt, or no prompt starts in this step
             need = len(req.pending) + 1
             if fork is not None and fork.cache is not None:  # a copy of the fork's KV; the last sibling takes it
                 last = not any(r.fork is fork and r is not req for r in self.waiting)
@@ -160,6 +161,7 @@ class BatchScheduler:
                 self._finish(req, "error", exc)
                 continue
             req.cache, req.pending, req.admitted_at = cache, known[cached:], self.steps
+            left -= len(req.pending)
             if scores_prompt(req.gen):  # its prefill chunks' logits become prompt logprobs, chunk by chunk
                 req.scorer = PromptScorer(known, req.gen.params.prompt_logprobs)
             self.running.append(req)

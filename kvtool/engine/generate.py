@@ -63,10 +63,8 @@ class Engine:
     def _new_batched_decoder(self, slots: int):
         from kvtool.cache.manager import default_budget
 
-        bucket = 256
-        per_token = self.runner.spec.kv_bytes_per_token(self.runner.dtype.itemsize)
-        budget = self.config.static_kv_bytes
-        budget = default_budget(self.runner.device) if budget is None else budget
+        bucket, per_token = 256, self.runner.spec.kv_bytes_per_token(self.runner.dtype.itemsize)
+        budget = self.config.static_kv_bytes or default_budget(self.runner.device)  # validate(): None or >= 1
         # every slot gets the same whole buckets, plus its one scratch position
         fit = (budget // (slots * per_token) - 1) // bucket * bucket
         if fit < bucket:
