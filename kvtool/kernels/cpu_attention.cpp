@@ -124,10 +124,11 @@ at::Tensor prefill_attention(const at::Tensor& q, at::TensorList blocks, int64_t
   }
   std::vector<const float*> block(n);
   for (int64_t i = 0; i < n; ++i) block[i] = blocks[i].data_ptr<float>();
+  const float* own[2] = {keys.data_ptr<float>(), values.data_ptr<float>()};
   // The key (kv 0) or value (kv 1) of KV head g at position pos.
   auto row = [&](int kv, int64_t g, int64_t pos) -> const float* {
     if (pos < base) return block[pos / bs] + (((kv * nl + layer) * hkv + g) * bs + pos % bs) * d;
-    return (kv ? values : keys).data_ptr<float>() + (g * cap + pos - base) * d;
+    return own[kv] + (g * cap + pos - base) * d;
   };
   const int64_t group = hq / hkv, per = std::max<int64_t>(1, 96 / group);  // positions per item: ~96 query rows
   const int64_t blocks_of_t = (T + per - 1) / per, items = hkv * blocks_of_t;
