@@ -268,9 +268,9 @@ class CompletionSession:
                 started = True
                 if self.score_only:
                     continue
-                logprobs = self._logprobs([ev], offset)
-                if ev.text or logprobs:
-                    yield self._chunk(ev.text, logprobs=logprobs)
+                # a chunk per token, as vLLM sends them, even where the text is held back (a character's first
+                # bytes): clients time tokens by chunks (vLLM's bench counts each as one inter-token gap)
+                yield self._chunk(ev.text, logprobs=self._logprobs([ev], offset))
                 offset += len(ev.text)
         except (WorkerCrash, ServingError) as exc:
             if aborted(exc):

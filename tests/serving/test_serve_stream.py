@@ -103,6 +103,18 @@ def test_completions_string_ids_and_stream(smol, sse_events):
     assert events[-2]["usage"]["completion_tokens"] == 3 and "timings" in events[-3]
 
 
+def test_completions_stream_a_chunk_per_token_when_its_text_is_held_back(smol, smollm2, sse_events):
+    # a forced byte token 0xE4 starts a 3-byte character: the decoder holds it, and each token still gets its chunk
+    byte = smollm2.tokenizer.convert_tokens_to_ids("\u00e4")  # GPT-2's byte table: byte 0xE4 spells itself
+    body = {"prompt": "Say:", "max_tokens": 3, "temperature": 0, "logit_bias": {str(byte): 100}}
+    events = stream(smol, sse_events, "/v1/completions", **body, stream_options={"include_usage": True})
+    tokens = [c for c in events[:-1] if c["choices"] and c["choices"][0]["finish_reason"] is None]
+    assert len(tokens) == 3 and tokens[0]["choices"][0]["text"] == ""
+    whole = smol.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert "".join(c["choices"][0]["text"] for c in events[:-1] if c["choices"]) == whole
+    assert events[-2]["usage"]["completion_tokens"] == 3
+
+
 def test_tokenize_detokenize_round_trip(smol):
     r = smol.post("/tokenize", json={"prompt": "Hello world", "with_pieces": True, "return_token_strs": True}).json()
     assert r["count"] == len(r["tokens"]) == len(r["pieces"]) == len(r["token_strs"]) and r["max_model_len"] == 8192
