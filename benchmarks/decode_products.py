@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"benchmark": "decode_products", "model": bm.name, "weights": args.weights,
               "device": device_name(bm.device), "threads": torch.get_num_threads(),
               "load_avg": round(os.getloadavg()[0], 2),
-              "long_x_bytes": cpu_decode.LONG_X_BYTES, "int4_max_rows": quant.MAX_ROWS, "rows": rows,
+              "many_x_bytes": cpu_decode.MANY_X_BYTES, "int4_max_rows": quant.MAX_ROWS, "rows": rows,
               "versions": versions()}
     print(f"\n{args.weights}: 'gemv' is {'gemv_q4' if int4 else 'gemv'}")
     print("product      N x K        rows  gemv ms  oneDNN ms  taken   taken over the other (min-max)")

@@ -79,13 +79,7 @@ SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 SOURCES = (SOURCE, *(SOURCE.with_name(f"cpu_{name}.cpp") for name in ("prefill", "attention")))  # one library: the
 # prefill ops (kvtool.models.cpu_prefill) too; they include HEADER
 HEADER = SOURCE.with_name("cpu_simd.h")
-# Past this many bytes of x rows they no longer stay in L1 beside the weight stream (the build passes the
-# value to cpu_decode.cpp): one or two rows then go four weight rows at a time, and three or four go to
-# oneDNN, whose blocking keeps them there (one thread, 24 distinct weights: Qwen2.5's 896 x 4,864 down
-# projection at 4 rows 1.89 ms in gemv, 0.97 in oneDNN; SmolLM2's 576 x 1,536 0.32 against 0.23).
-LONG_X_BYTES = 16384
-FLAGS = ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w",
-         f"-DKVTOOL_LONG_X_BYTES={LONG_X_BYTES}"]
+FLAGS = ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w"]
 BUILD_TIMEOUT_S = 600
 # Up to this many rows the ops' own gemv beats oneDNN's packed GEMM (30 distinct weights of each SmolLM2
 # shape, so they stream from memory: at 1 row 71 vs 126 us for a 960 x 576 qkv, 259 vs 332 for gate_up,

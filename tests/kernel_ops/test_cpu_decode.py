@@ -36,11 +36,11 @@ def test_rms_norm_and_silu_mul_equal_torch(ops, rows):
     torch.testing.assert_close(ops.silu_mul(gu), F.silu(gu[:, :100]) * gu[:, 100:], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows,n,k", [(1, 96, 576), (3, 130, 70), (4, 1000, 1536), (4, 33, 41), (2, 7, 5), (1, 68, 4101),
+@pytest.mark.parametrize("rows,n,k", [(1, 96, 576), (3, 131, 70), (4, 1000, 1536), (4, 33, 41), (2, 7, 5), (1, 69, 4101),
                                       (2, 40, 2053), (2, 42, 2053)])
 def test_gemv_equals_linear_with_bias_and_residual(ops, rows, n, k):
-    """K not a multiple of the 32-wide or 8-wide steps exercises the tails; N below the thread grain too. Past
-    LONG_X_BYTES of x rows, four weight rows go at a time (N = 68, 40), unless N is not a multiple of four."""
+    """K not a multiple of the 32-wide or 8-wide steps exercises the tails; N below the thread grain too; N not a
+    multiple of the weight rows taken at a time (four for one or two rows, two for three or four) the last ones."""
     gen = torch.Generator().manual_seed(n)
     x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
     bias, residual = torch.randn(n, generator=gen), torch.randn(rows, n, generator=gen)
@@ -49,6 +49,15 @@ def test_gemv_equals_linear_with_bias_and_residual(ops, rows, n, k):
     torch.testing.assert_close(ops.gemv(x, w, bias, residual), want + bias + residual, atol=1e-4, rtol=1e-5)
     with pytest.raises(RuntimeError, match="w must be contiguous fp32"):
         ops.gemv(x, w.t().contiguous().t(), None, None)
+
+
+def test_gemv_gives_a_row_the_same_bits_at_any_row_count(ops):
+    """One to four rows go through kernels of four or two weight rows at a time, each sum in one order."""
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(4, 896, generator=gen), torch.randn(258, 896, generator=gen)
+    alone = torch.cat([ops.gemv(x[i : i + 1], w, None, None) for i in range(4)])
+    for rows in (2, 3, 4):
+        assert torch.equal(ops.gemv(x[:rows], w, None, None), alone[:rows])
 
 
 def test_gemv_widens_bf16_weights_exactly(ops):
