@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 
 def bar_panels(path: str | Path, title: str, panels: dict[str, dict[str, float | None]]) -> Path:
-    """panels: {metric label: {engine: value}}; missing values (None) are left out of their panel."""
+    """panels: {metric label: {engine: value}}; missing values (None) are left out of their panel, and a panel
+    with no value at all (a workload the run left out) is not drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    panels = {metric: values for metric, values in panels.items() if any(v is not None for v in values.values())}
+    if not panels:
+        raise ValueError(f"{title}: no values to plot")
     engines = list(dict.fromkeys(e for values in panels.values() for e, v in values.items() if v is not None))
     colors = {e: f"C{i}" for i, e in enumerate(engines)}
     fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels) + 1, 3.8), squeeze=False)
@@ -59,7 +64,7 @@ def line_panels(path: str | Path, title: str, panels: dict[str, dict[str, list[t
 def _save(fig, path: str | Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, int(fig.get_figwidth() * 12)), fontsize=10)  # ~12 characters an inch
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -249,3 +249,19 @@ def test_repeat_words_cuts_filler_to_the_word():
 
     assert repeat_words("a b c", 7) == "a b c a b c a"
     assert repeat_words("one two. ", 3) == "one two. one" and repeat_words("x", 0) == ""
+
+
+def test_bar_panels_leave_out_a_panel_the_run_did_not_measure(tmp_path):
+    """A peers run of decode alone drew empty panels for the TTFT workloads it left out."""
+    from matplotlib.image import imread
+
+    from kvtool.bench.plots import bar_panels
+
+    def width(panels):
+        return imread(bar_panels(tmp_path / "p.png", "t", panels)).shape[1]
+
+    one = width({"decode": {"a": 1.0}})
+    assert width({"decode": {"a": 1.0}, "ttft": {}, "hit": {"a": None}}) == one
+    assert width({"decode": {"a": 1.0}, "ttft": {"a": 2.0}}) > one
+    with pytest.raises(ValueError, match="no values to plot"):
+        bar_panels(tmp_path / "q.png", "t", {"ttft": {}})
