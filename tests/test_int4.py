@@ -29,7 +29,8 @@ def pair(request, tmp_path_factory):
     """(int4 runner, dense runner holding the int4 runner's grid values) of one tiny family."""
     folder = tmp_path_factory.mktemp(request.param)
     tiny_checkpoint(request.param, folder)
-    packed, dense = tiny_runner(request.param, folder, weights="int4"), tiny_runner(request.param, folder)
+    packed = tiny_runner(request.param, folder, weights="int4")
+    dense = tiny_runner(request.param, folder, dense_copies=True)
     dense.load_state_dict(packed.state_dict())
     return packed, dense
 

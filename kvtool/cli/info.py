@@ -17,7 +17,8 @@ def register(subparsers) -> None:
 
 def describe(model) -> dict:
     s = model.spec
-    params = sum(p.numel() for p in model.runner.parameters())
+    held_once = [w for w in model.runner._packed_weights() if w.held is None]  # no longer module parameters
+    params = sum(p.numel() for p in model.runner.parameters()) + sum(w.shape.numel() for w in held_once)
     return {
         "model": model.name, "folder": str(model.folder), "family": s.model_type,
         "parameters": params, "layers": s.num_layers, "hidden": s.hidden_size,

@@ -8,9 +8,12 @@ allow ~25 ms either way. oneDNN's linear over a weight reordered once into its b
 and ~31 ms (head 5 ms and 7 ms), and is no slower at prefill sizes. Results differ from
 F.linear only by summation order (~1e-4 on SmolLM2's projections).
 
-The reordered weight is an opaque oneDNN tensor beside the dense one, which stays: the HF-named
-parameters are views of it, and the reference and int4 packing read it. So
-packing costs one more copy of the projection and head weights in host memory.
+The reordered weight is an opaque oneDNN tensor beside the dense one. Where its bytes are laid out as
+[N / 64, K, 64] (checked value for value; that is what oneDNN picked for every kvtool shape on AVX2
+and AVX-512), `blocked` views them as a plain tensor, which the decode gemv reads too
+(kvtool.kernels.cpu_decode). The runner can then drop the dense copy (ModelRunner.hold_weights_once,
+which kvtool.load calls): `dense` is remade from the blocked bytes when something asks for it, and the
+weights are held once. Otherwise packing costs one more copy of the projection and head weights.
 It is on by default on x86_64, where it was measured. `KVTOOL_CPU_GEMM=0` keeps plain F.linear (to
 compare, or where oneDNN misbehaves); `KVTOOL_CPU_GEMM=1` turns it on elsewhere too (arm64, where
 F.linear may already be fast).
@@ -18,10 +21,10 @@ F.linear may already be fast).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import platform
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,21 +34,63 @@ HINT_ROWS = 8  # the row count oneDNN picks its weight layout for; 1-64 rows all
 ENV = "KVTOOL_CPU_GEMM"
 
 
-@dataclass
 class PackedWeight:
-    """dense [N, K] fp32 (the values); packed: the same in oneDNN's layout (opaque, for packed_linear only)."""
+    """A [N, K] fp32 weight in oneDNN's packed layout (`packed`, opaque, for packed_linear), its bytes as
+    [N / 64, K, 64] (`blocked`) where oneDNN laid them out so, and the dense values until drop_dense()."""
 
-    dense: torch.Tensor
-    packed: torch.Tensor
+    def __init__(self, dense: torch.Tensor, packed: torch.Tensor):
+        self.held: torch.Tensor | None = dense
+        self.shape = dense.shape
+        self.packed = packed
+
+    @property
+    def packed(self) -> torch.Tensor:
+        return self._packed
+
+    @packed.setter
+    def packed(self, value: torch.Tensor) -> None:
+        self._packed, self.blocked = value, blocked_view(value, self.held)
+
+    @property
+    def dense(self) -> torch.Tensor:
+        """The [N, K] values: the held copy, or a new one made from the blocked bytes (exact)."""
+        if self.held is not None:
+            return self.held
+        return self.blocked.transpose(1, 2).reshape(self.shape)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight (an embedding lookup), from whichever copy is held."""
+        return self.held[ids] if self.held is not None else self.blocked[ids // BLOCK, :, ids % BLOCK]
+
+    def drop_dense(self) -> bool:
+        """Let go of the dense copy where the blocked bytes can stand in for it; whether they could."""
+        if self.blocked is not None:
+            self.held = None
+        return self.held is None
 
     @property
     def nbytes(self) -> int:
-        """Bytes one product reads (the packed copy holds the same values)."""
-        return self.dense.nbytes
+        """Bytes one product reads."""
+        return self.shape.numel() * 4
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.dense.shape
+
+BLOCK = 64  # output rows per block of the packed layout the decode gemv reads (cpu_decode.cpp's BLOCK)
+
+
+def blocked_view(packed: torch.Tensor, dense: torch.Tensor | None) -> torch.Tensor | None:
+    """oneDNN's bytes of `packed` as a [N / 64, K, 64] fp32 tensor (no copy; valid while `packed` lives) when they
+    hold exactly `dense` in that layout, else None."""
+    if dense is None or dense.dim() != 2 or dense.shape[0] % BLOCK or dense.shape[1] % 4:
+        return None
+    n, k = dense.shape
+    try:
+        if torch.ops.mkldnn._nbytes(packed) != n * k * 4:
+            return None
+        raw = (ctypes.c_float * (n * k)).from_address(torch.ops.mkldnn.data_ptr(packed))
+    except (RuntimeError, AttributeError):
+        return None
+    view = torch.frombuffer(raw, dtype=torch.float32).view(n // BLOCK, k, BLOCK)
+    return view if torch.equal(view, dense.view(n // BLOCK, BLOCK, k).transpose(1, 2)) else None
 
 
 @functools.cache
@@ -113,3 +158,16 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.packed, self.bias)
+
+
+class PackedEmbedding(nn.Module):
+    """A plain nn.Embedding whose table is also the packed output head (tied weights): the rows come from the
+    head's PackedWeight, so the table is held once."""
+
+    def __init__(self, table: PackedWeight):
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids)

@@ -27,8 +27,9 @@ def unsupported(runner) -> str | None:
 
 
 def _dense(w) -> torch.Tensor | None:
-    """The contiguous fp32 [N, K] values `gemv` reads for a oneDNN-packed or plain weight; None for int4."""
-    dense = w.dense if isinstance(w, cpu_gemm.PackedWeight) else w
+    """The fp32 values `gemv` reads for a oneDNN-packed weight (its blocked bytes, else its dense copy) or a plain
+    one; None for int4."""
+    dense = (w.held if w.blocked is None else w.blocked) if isinstance(w, cpu_gemm.PackedWeight) else w
     return dense if isinstance(dense, torch.Tensor) and dense.is_contiguous() else None
 
 
@@ -149,6 +150,5 @@ class DecodeStep:
             x = self.each_layer(x, caches, slots, cos, sin, shared)
         norm = r.model.norm
         h = ops.rms_norm(x, norm.weight, norm.eps)
-        if r.weights == "dense" and gemv_takes(*h.shape) and r.output_weight.is_contiguous():
-            return ops.gemv(h, r.output_weight, None, None)
-        return r.head(h)
+        head = _dense(r._head_packed or r.output_weight) if r.weights == "dense" and gemv_takes(*h.shape) else None
+        return r.head(h) if head is None else ops.gemv(h, head, None, None)

@@ -40,6 +40,15 @@ def tune_host_allocator() -> bool:
     return _tuned
 
 
+def trim_heap() -> bool:
+    """Hand the heap's free pages back to the system (malloc_trim), once loading dropped copies it no longer needs;
+    True where glibc did."""
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):  # musl and other libcs
+        return False
+
+
 def release_openmp_threads() -> bool:
     """Hand back the OpenMP worker threads the calling thread started; True when the runtime did.
 

@@ -14,7 +14,7 @@ import torch
 from kvtool.config import FORWARDS
 from kvtool.errors import ModelLoadError
 from kvtool.models import gguf, ollama
-from kvtool.models.host import page_out_files, tune_host_allocator
+from kvtool.models.host import page_out_files, trim_heap, tune_host_allocator
 from kvtool.models.runner import ModelRunner
 from kvtool.models.spec import ModelSpec
 from kvtool.models.text import ModelText, TextModel
@@ -190,7 +190,8 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device, dtype: torch.dtype, progress=True,
-                 weights: str = "dense", packed: bool = True, forward: str = "auto") -> ModelRunner:
+                 weights: str = "dense", packed: bool = True, forward: str = "auto",
+                 dense_copies: bool = False) -> ModelRunner:
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -221,6 +222,7 @@ def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device,
         if tensor.shape != expected[key].shape:
             raise ModelLoadError(f"weight {key} has shape {tuple(tensor.shape)}, config says {tuple(expected[key].shape)}")
     runner.load_state_dict(state, strict=False, assign=True)
+    state.clear()  # the module holds what it needs: fuse() and packing may then free what they replace
     runner.set_rope(hf_config, device)
     runner.requires_grad_(False)
     runner.eval()
@@ -232,7 +234,9 @@ def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device,
             raise ModelLoadError(f"cannot pack {folder.name} in int4: {exc}") from None
     elif device.type == "cpu" and packed:
         try:
-            runner.pack_cpu_gemm()  # oneDNN's packed GEMM where it runs (fp32); plain F.linear otherwise
+            # oneDNN's packed GEMM where it runs (fp32; plain F.linear otherwise), and only its copy of each weight
+            if runner.pack_cpu_gemm() is None and not dense_copies:
+                runner.hold_weights_once()
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None
     if device.type == "cpu":
@@ -244,4 +248,5 @@ def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device,
             raise ModelLoadError(f"forward cpu-ops: the C++ CPU ops cannot run this model: {reason} (--forward auto "
                                  "falls back to the reference forward)")
         page_out_files(files, keep=runner.state_dict().values())  # the pages of weights it dropped (unfused)
+        trim_heap()  # and the dense copies hold_weights_once() let go
     return runner

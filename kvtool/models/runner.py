@@ -41,11 +41,12 @@ class ModelRunner(nn.Module):
         self._head_packed: cpu_gemm.PackedWeight | None = None  # after pack_cpu_gemm()
         self._cpu_step: cpu_step.DecodeStep | None = None  # after use_cpu_decode()
         self._cpu_prefill: cpu_prefill.PrefillPass | None = None  # after use_cpu_decode() or use_cpu_prefill()
+        self.held_once = False  # whether hold_weights_once() dropped dense copies
         self.register_load_state_dict_post_hook(lambda module, _keys: module._repack_cpu_gemm())
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.norm.weight.dtype
 
     @property
     def weights(self) -> str:
@@ -60,10 +61,13 @@ class ModelRunner(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     @property
     def output_weight(self) -> torch.Tensor:
+        """The head's [V, hidden] values (made anew, exactly, where hold_weights_once() dropped them)."""
+        if self._head_packed is not None and self._head_packed.held is None:
+            return self._head_packed.dense
         return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
 
     def fuse(self) -> None:
@@ -78,6 +82,9 @@ class ModelRunner(nn.Module):
             self._cpu_step = cpu_step.DecodeStep(self)
 
     def _apply(self, fn, *args, **kwargs):
+        if self.held_once:
+            raise ValueError("this runner holds its packed weights once (hold_weights_once()), so it cannot be moved "
+                             "or converted; load the model again with the device and dtype wanted")
         out = super()._apply(fn, *args, **kwargs)
         self._weights_replaced()
         return out
@@ -100,7 +107,7 @@ class ModelRunner(nn.Module):
             gate_up = [mlp._wgu] if mlp._wgu is not None else [mlp.gate_proj.weight, mlp.up_proj.weight]
             outs = [getattr(m, "packed", m.weight) for m in (attn.o_proj, mlp.down_proj)]  # Int4Linear.packed
             total += sum(w.nbytes for w in (*qkv, *gate_up, *outs))
-        head = self._head_bf16 if self._head_bf16 is not None else self.output_weight
+        head = self._head_bf16 if self._head_bf16 is not None else (self._head_packed or self.output_weight)
         return total + head.nbytes
 
     @torch.inference_mode()
@@ -197,6 +204,33 @@ class ModelRunner(nn.Module):
     def forward_path(self) -> str:  # "cpu-ops" where the C++ ops run this runner's steps (use_cpu_decode)
         return "cpu-ops" if self.cpu_decode or self.cpu_prefill else "reference"
 
+    @torch.inference_mode()
+    def hold_weights_once(self) -> int:
+        """Drop the dense copy of every packed weight whose oneDNN bytes the decode gemv reads as well
+        (kvtool.kernels.cpu_gemm): the HF-named parameters they back leave the module (a tied embedding reads
+        the head's rows) and `dense` values are made on demand. The runner can no longer be moved or take a
+        state dict. Returns the bytes let go; kvtool.load calls it after pack_cpu_gemm()."""
+        freed = 0
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for weight, modules in ((attn._wqkv, (attn.q_proj, attn.k_proj, attn.v_proj)), (mlp._wgu, (
+                    mlp.gate_proj, mlp.up_proj)), *((getattr(m, "packed", None), (m,)) for m in (attn.o_proj,
+                                                                                             mlp.down_proj))):
+                if isinstance(weight, cpu_gemm.PackedWeight) and weight.drop_dense():
+                    freed += weight.nbytes
+                    for module in modules:
+                        module.weight = None
+        head, tied = self._head_packed, self.spec.tie_word_embeddings
+        if head is not None and (not tied or type(self.model.embed_tokens) is nn.Embedding) and head.drop_dense():
+            freed += head.nbytes
+            if tied:
+                self.model.embed_tokens = cpu_gemm.PackedEmbedding(head)
+            else:
+                self.lm_head.weight = None
+        self.held_once = freed > 0
+        self._weights_replaced()
+        return freed
+
     def _packed_weights(self) -> list[cpu_gemm.PackedWeight]:
         found = [self._head_packed] if self._head_packed is not None else []
         for layer in self.model.layers:
@@ -208,6 +242,8 @@ class ModelRunner(nn.Module):
     @torch.inference_mode()
     def _repack_cpu_gemm(self) -> None:
         """load_state_dict() copied new values into the dense weights: the packed copies follow."""
+        if self.held_once:
+            raise ValueError("this runner holds its packed weights once (hold_weights_once()); load the model anew")
         for weight in self._packed_weights():
             weight.packed = cpu_gemm.pack(weight.dense).packed
 

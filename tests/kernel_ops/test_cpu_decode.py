@@ -267,7 +267,7 @@ def test_decode_steps_see_new_weights_and_swapped_ones(tmp_path):
     """The layers op's arguments are gathered once: load_state_dict() copies into the same tensors, and
     packing in int4 afterwards swaps the weight objects, which starts a new gathering."""
     tiny_checkpoint("qwen2", tmp_path)
-    runner = tiny_runner("qwen2", tmp_path)
+    runner = tiny_runner("qwen2", tmp_path, dense_copies=True)
     prompt = list(range(3, 30))
     before = decode(runner, prompt, 4, True)[1]
     state = {k: v * 1.5 if k.endswith("proj.weight") else v for k, v in runner.state_dict().items()}
@@ -398,6 +398,9 @@ def test_real_models_decode_the_same_tokens_through_the_ops(request, name, steps
     model = request.getfixturevalue(name)
     runner = model.runner
     assert runner.cpu_decode and describe(model)["decode_steps"] == "C++ ops (kvtool.kernels.cpu_decode)"
+    # each projection and the head held once, in oneDNN's layout, wherever gemv can read it (AVX2, AVX-512)
+    assert runner.held_once == (runner.model.layers[0].mlp._wgu.blocked is not None)
+    assert describe(model)["parameters"] == {"smollm2": 134_515_008, "qwen25": 630_167_424}[name]
     prompt = list(range(200, 300))
     try:
         fast = decode(runner, prompt, steps, True)
@@ -406,3 +409,21 @@ def test_real_models_decode_the_same_tokens_through_the_ops(request, name, steps
         runner.use_cpu_decode(True)
     assert fast[0] == ref[0]
     torch.testing.assert_close(fast[1], ref[1], atol=1e-3, rtol=1e-4)
+
+
+def test_gemv_reads_blocked_weights_in_one_order_at_any_row_count(ops):
+    """oneDNN's packed layout, [N / 64, K, 64], which the runner's gemv reads so that no dense copy is held:
+    each output sums four quarters of K, each in one FMA chain, whatever the rows, vector width or thread."""
+    gen = torch.Generator().manual_seed(11)
+    w, x = torch.randn(320, 896, generator=gen), torch.randn(4, 896, generator=gen)
+    bias, residual = torch.randn(320, generator=gen), torch.randn(4, 320, generator=gen)
+    blocked = w.view(5, 64, 896).transpose(1, 2).contiguous()
+    alone = torch.cat([ops.gemv(x[i : i + 1], blocked, None, None) for i in range(4)])
+    for rows in (2, 3, 4):
+        assert torch.equal(ops.gemv(x[:rows], blocked, None, None), alone[:rows])
+    torch.testing.assert_close(alone, F.linear(x.double(), w.double()).float(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ops.gemv(x, blocked, bias, residual), alone + bias + residual, atol=1e-5, rtol=0)
+    with pytest.raises(RuntimeError, match="blocked weight takes up to 4 rows"):
+        ops.gemv(torch.randn(5, 896), blocked, None, None)
+    with pytest.raises(RuntimeError, match="w must be contiguous fp32 or bf16"):
+        ops.gemv(x, w.view(10, 896, 32), None, None)

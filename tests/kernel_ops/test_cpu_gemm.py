@@ -55,10 +55,10 @@ def test_what_cannot_be_packed_says_why(monkeypatch):
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama"])
 def pair(request, tmp_path_factory):
-    """(packed runner, plain runner) of one tiny family, same checkpoint."""
+    """(packed runner keeping its dense copies, plain runner) of one tiny family, same checkpoint."""
     folder = tmp_path_factory.mktemp(request.param)
     tiny_checkpoint(request.param, folder)
-    packed = tiny_runner(request.param, folder)
+    packed = tiny_runner(request.param, folder, dense_copies=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(cpu_gemm.ENV, "0")
         plain = tiny_runner(request.param, folder)
@@ -158,3 +158,50 @@ def test_a_real_model_loaded_unpacked_holds_one_copy_and_matches_the_packed_one(
     assert "mkldnn::_linear_pointwise" not in ops_of(lambda: plain.prefill(ids, plain.new_cache()))
     got, want = plain.prefill(ids, plain.new_cache()), smollm2.runner.prefill(ids, smollm2.runner.new_cache())
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_packed_weight_whose_layout_gemv_reads_can_drop_its_dense_copy():
+    """oneDNN lays fp32 weights out as [N / 64, K, 64] on AVX2 and AVX-512; `blocked` is that view, checked value
+    for value, and it stands in for the dense copy exactly. Other shapes keep theirs."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(192, 96, generator=gen)
+    packed = cpu_gemm.pack(weight.clone())
+    if packed.blocked is None:
+        pytest.skip("oneDNN picked another layout on this CPU; the dense copies stay")
+    assert torch.equal(packed.blocked, weight.view(3, 64, 96).transpose(1, 2))
+    ids = torch.tensor([0, 63, 64, 191, 5])
+    assert packed.drop_dense() and packed.held is None
+    assert torch.equal(packed.dense, weight) and torch.equal(packed.rows(ids), weight[ids])
+    odd = cpu_gemm.pack(torch.randn(100, 96, generator=gen))  # 100 rows: not whole blocks
+    assert odd.blocked is None and not odd.drop_dense() and odd.held is not None
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "gemma3"])
+def test_loaded_runners_hold_each_packed_weight_once_with_the_same_bits(tmp_path, family):
+    """kvtool.load keeps only oneDNN's copy of every projection and of the head (its rows are the tied
+    embedding's; Gemma 3 scales its embedding and keeps that table): prefill, decode steps and the values
+    made on demand have the bits of a runner that keeps the dense copies, which can still move and load."""
+    tiny_checkpoint(family, tmp_path)
+    once, copies = tiny_runner(family, tmp_path), tiny_runner(family, tmp_path, dense_copies=True)
+    if once.model.layers[0].mlp._wgu.blocked is None:
+        pytest.skip("oneDNN picked another layout on this CPU; the dense copies stay")
+    assert once.held_once and not copies.held_once
+    assert not [k for k in once.state_dict() if k.endswith("proj.weight")]
+    assert ("model.embed_tokens.weight" in once.state_dict()) == (family != "qwen3")  # untied, or scaled
+    assert "lm_head.weight" not in once.state_dict()
+    assert [k for k in copies.state_dict() if k.endswith("proj.weight")]
+    for mine, theirs in zip(once._packed_weights(), copies._packed_weights()):
+        assert (mine.held is None) != (family == "gemma3" and mine is once._head_packed)
+        assert torch.equal(mine.dense, theirs.dense)
+    assert torch.equal(once.output_weight, copies.output_weight)
+    assert once.decode_weight_bytes() == copies.decode_weight_bytes()
+    ids = torch.randint(0, once.spec.vocab_size, (30,), generator=torch.Generator().manual_seed(1))
+    caches = once.new_cache(), copies.new_cache()
+    assert torch.equal(once.prefill(ids, caches[0], logits="all"), copies.prefill(ids, caches[1], logits="all"))
+    for token in (3, 17, 5):
+        assert torch.equal(once(torch.tensor([token]), caches[0]), copies(torch.tensor([token]), caches[1]))
+    with pytest.raises(ValueError, match="holds its packed weights once"):
+        once.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="holds its packed weights once"):
+        once.load_state_dict(once.state_dict())
+    assert copies.to(torch.float64).dtype == torch.float64

@@ -230,7 +230,7 @@ def test_batched_prefill_and_taps(tmp_path):
 
 def test_bf16_and_the_env_switch_keep_the_reference_prefill(tmp_path, monkeypatch):
     tiny_checkpoint("llama", tmp_path)
-    runner = tiny_runner("llama", tmp_path)
+    runner = tiny_runner("llama", tmp_path, dense_copies=True)
     assert "fp32 on the CPU" in runner.to(torch.bfloat16).use_cpu_prefill()
     assert not runner.cpu_prefill
     monkeypatch.setenv(cpu_decode.ENV, "0")
