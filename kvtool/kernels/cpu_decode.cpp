@@ -342,7 +342,7 @@ inline __m256 dot16(const Codes16& q, const int16_t* xg) {
 #endif
 
 // How far ahead gemv_q4 prefetches its codes (and its scales and zeros, half that): one row is too little.
-constexpr int64_t PREFETCH_BYTES = 1;
+constexpr int64_t PREFETCH_BYTES = 4096;
 
 // out[t] = sum over groups g of scale_g * xscale[t, g] * (q . xq[t]) for one 4-bit weight row (codes cr [K/2]:
 // byte 16g + i holds column 32g + i in its low nibble and column 32g + 16 + i in its high one; sz: the row's

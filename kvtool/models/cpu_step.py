@@ -150,5 +150,7 @@ class DecodeStep:
             x = self.each_layer(x, caches, slots, cos, sin, shared)
         norm = r.model.norm
         h = ops.rms_norm(x, norm.weight, norm.eps)
-        head = _dense(r._head_packed or r.output_weight) if r.weights == "dense" and gemv_takes(*h.shape) else None
+        head = None
+        if r.weights == "dense" and gemv_takes(*h.shape):
+            head = _dense(r._head_packed if r._head_packed is not None else r.output_weight)
         return r.head(h) if head is None else ops.gemv(h, head, None, None)

@@ -107,8 +107,8 @@ class ModelRunner(nn.Module):
             gate_up = [mlp._wgu] if mlp._wgu is not None else [mlp.gate_proj.weight, mlp.up_proj.weight]
             outs = [getattr(m, "packed", m.weight) for m in (attn.o_proj, mlp.down_proj)]  # Int4Linear.packed
             total += sum(w.nbytes for w in (*qkv, *gate_up, *outs))
-        head = self._head_bf16 if self._head_bf16 is not None else (self._head_packed or self.output_weight)
-        return total + head.nbytes
+        head = self._head_bf16 if self._head_bf16 is not None else self._head_packed
+        return total + (self.output_weight if head is None else head).nbytes
 
     @torch.inference_mode()
     def quantize_int4(self) -> None:
@@ -211,15 +211,11 @@ class ModelRunner(nn.Module):
         the head's rows) and `dense` values are made on demand. The runner can no longer be moved or take a
         state dict. Returns the bytes let go; kvtool.load calls it after pack_cpu_gemm()."""
         freed = 0
-        for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for weight, modules in ((attn._wqkv, (attn.q_proj, attn.k_proj, attn.v_proj)), (mlp._wgu, (
-                    mlp.gate_proj, mlp.up_proj)), *((getattr(m, "packed", None), (m,)) for m in (attn.o_proj,
-                                                                                             mlp.down_proj))):
-                if isinstance(weight, cpu_gemm.PackedWeight) and weight.drop_dense():
-                    freed += weight.nbytes
-                    for module in modules:
-                        module.weight = None
+        for weight, modules in self._weight_slots():
+            if isinstance(weight, cpu_gemm.PackedWeight) and weight.drop_dense():
+                freed += weight.nbytes
+                for module in modules:
+                    module.weight = None
         head, tied = self._head_packed, self.spec.tie_word_embeddings
         if head is not None and (not tied or type(self.model.embed_tokens) is nn.Embedding) and head.drop_dense():
             freed += head.nbytes
@@ -231,13 +227,18 @@ class ModelRunner(nn.Module):
         self._weights_replaced()
         return freed
 
-    def _packed_weights(self) -> list[cpu_gemm.PackedWeight]:
-        found = [self._head_packed] if self._head_packed is not None else []
+    def _weight_slots(self):
+        """(weight, the modules whose HF-named parameter it backs) for each layer's fused and output projections."""
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            outs = (getattr(attn.o_proj, "packed", None), getattr(mlp.down_proj, "packed", None))
-            found += [w for w in (attn._wqkv, mlp._wgu, *outs) if isinstance(w, cpu_gemm.PackedWeight)]
-        return found
+            yield attn._wqkv, (attn.q_proj, attn.k_proj, attn.v_proj)
+            yield mlp._wgu, (mlp.gate_proj, mlp.up_proj)
+            yield getattr(attn.o_proj, "packed", None), (attn.o_proj,)
+            yield getattr(mlp.down_proj, "packed", None), (mlp.down_proj,)
+
+    def _packed_weights(self) -> list[cpu_gemm.PackedWeight]:
+        found = [self._head_packed] if self._head_packed is not None else []
+        return found + [w for w, _ in self._weight_slots() if isinstance(w, cpu_gemm.PackedWeight)]
 
     @torch.inference_mode()
     def _repack_cpu_gemm(self) -> None:
