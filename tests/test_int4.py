@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtool import SamplingParams
-from kvtool.bench.decode import int4_fidelity
+from kvtool.bench.decode import weights_fidelity
 from kvtool.config import EngineConfig
 from kvtool.engine import Engine
 from kvtool.engine.static import StaticDecoder
@@ -134,7 +134,7 @@ def smollm2_int4():
 @pytest.mark.real_model
 def test_smollm2_int4_stays_close_to_the_dense_model(smollm2, smollm2_int4):
     prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "Name three rivers in Europe."}]))
-    fid = int4_fidelity(smollm2.runner, smollm2_int4.runner, prompt, 32)
+    fid = weights_fidelity(smollm2.runner, smollm2_int4.runner, prompt, 32)
     assert fid["top1_agreement"] >= 0.9 and fid["kl_mean"] <= 0.005, fid
     assert fid["kl_mean"] > 0  # the packed model is not the dense one
 

@@ -3,8 +3,9 @@
     kvtool bench decode                                    # default model (SmolLM2 offline)
     kvtool bench decode --shape qwen3-0.6b --ttft-lengths 512 4096   # random weights, GPU targets
 
-On a CPU it also times a copy of the model with int4 projections (`--weights int4`) in the same
-runs, and records how far its next-token distributions move from the dense model's.
+On a CPU it also times copies of the model with int4 projections (`--weights int4`, decode) and with bf16
+weights (`--weights bf16`, decode and TTFT) in the same runs, and records how far each copy's next tokens move
+from the dense model's (for bf16 also over one prefill of the prompt and the dense model's greedy tokens).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class DecodeBenchConfig:
     prefill_chunk: int = EngineConfig.prefill_chunk
     baseline: bool = True  # also time transformers
     int4: bool = True  # on CPU, also time an int4-projection copy of a dense model (and its fidelity)
+    bf16: bool = True  # on CPU, also time a bf16-weight copy (decode and TTFT; its fidelity) where oneDNN runs bf16
     seed: int = 0
     out: str | None = None
 
@@ -57,12 +59,13 @@ def add_args(p) -> None:
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the transformers baseline")
     p.add_argument("--no-int4", dest="int4", action="store_false",
                    help="skip the int4-projection copy (timed on CPU only)")
+    p.add_argument("--no-bf16", dest="bf16", action="store_false", help="skip the bf16-weight copy (CPU only)")
     p.add_argument("--out", default=c.out, help="also write the JSON record here")
 
 
 def config_from_args(args) -> DecodeBenchConfig:
     return DecodeBenchConfig(decode_tokens=args.decode_tokens, ttft_lengths=args.ttft_lengths, repeats=args.repeats,
-                             baseline=args.baseline, int4=args.int4, out=args.out)
+                             baseline=args.baseline, int4=args.int4, bf16=args.bf16, out=args.out)
 
 
 def kvtool_decode(runner, prompt: list[int], n: int, decoder=None) -> float:
@@ -103,7 +106,7 @@ def kvtool_ttft(runner, prompt: list[int], chunk: int, decoder=None) -> float:
 
 
 # a record's metric is a base name plus at most one of these suffixes, naming the kvtool variant it measures
-VARIANTS = {"_fast": "kvtool fast path", "_int4": "kvtool int4 projections"}
+VARIANTS = {"_fast": "kvtool fast path", "_int4": "kvtool int4 projections", "_bf16": "kvtool bf16 weights"}
 
 
 def variant_of(metric: str) -> tuple[str, str | None]:
@@ -114,35 +117,45 @@ def variant_of(metric: str) -> tuple[str, str | None]:
     return metric, None
 
 
-def int4_copy(bm):
-    """The bench model's runner rebuilt from its folder with int4 projections, or None where that does not apply."""
+def weights_copy(bm, weights: str):
+    """The bench model's runner rebuilt from its folder with int4 or bf16 weights, or None where that does not apply."""
+    from kvtool.kernels import cpu_gemm, quant
     from kvtool.models.loading import build_runner
-    from kvtool.kernels.quant import unsupported
 
     runner = bm.runner
-    if runner.device.type != "cpu" or runner.weights != "dense" or unsupported(runner.output_weight):
+    if runner.device.type != "cpu" or runner.weights != "dense" or runner.dtype != torch.float32:
+        return None
+    if (quant.unsupported if weights == "int4" else cpu_gemm.unsupported)(runner.output_weight, *(
+            () if weights == "int4" else (torch.bfloat16,))):
         return None
     return build_runner(runner.spec, bm.model.hf_config, bm.model.folder, runner.device, runner.dtype,
-                        progress=False, weights="int4")
+                        progress=False, weights=weights)
 
 
 @torch.inference_mode()
-def int4_fidelity(dense, packed, prompt: list[int], n: int) -> dict:
-    """Next-token KL(dense || int4), max |logprob diff| and top-1 agreement over n greedy decode steps of the
-    dense model, the int4 copy fed the same tokens one at a time (so every step runs its int4 kernel)."""
+def weights_fidelity(dense, packed, prompt: list[int], n: int, prefill: bool = False) -> dict:
+    """Next-token KL(dense || copy), max |logprob diff| and top-1 agreement over n greedy decode steps of the
+    dense model, the int4 or bf16 copy fed the same tokens one at a time (so every step runs its decode kernel);
+    with `prefill`, also the top-1 agreement at every position of one prefill of the prompt and those tokens."""
     caches = dense.new_cache(len(prompt) + n + 1), packed.new_cache(len(prompt) + n + 1)
     p = dense.prefill(prompt, caches[0]).log_softmax(-1)
     q = packed.prefill(prompt, caches[1]).log_softmax(-1)
-    kl, diff, agree = [], [], 0
+    kl, diff, agree, tokens = [], [], 0, []
     for _ in range(n):
         token = int(p.argmax(-1))
+        tokens.append(token)
         kl.append(float((p.exp() * (p - q)).sum()))
         diff.append(float((p - q).abs().max()))
         agree += int(q.argmax(-1)) == token
         p = dense(torch.tensor([token]), caches[0]).log_softmax(-1)
         q = packed(torch.tensor([token]), caches[1]).log_softmax(-1)
-    return {"steps": n, "kl_mean": sum(kl) / n, "kl_max": max(kl), "max_abs_logprob_diff": max(diff),
-            "top1_agreement": agree / n}
+    out = {"steps": n, "kl_mean": sum(kl) / n, "kl_max": max(kl), "max_abs_logprob_diff": max(diff),
+           "top1_agreement": agree / n}
+    if prefill:
+        ids = prompt + tokens
+        rows = [r.prefill(ids, r.new_cache(len(ids) + 1), logits="all").argmax(-1) for r in (dense, packed)]
+        out["prefill_top1_agreement"] = float((rows[0] == rows[1]).float().mean())
+    return out
 
 
 def hf_generate(hf, prompt: list[int], n: int, streamer=None) -> None:
@@ -195,31 +208,39 @@ def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
            "transformers": lambda: hf_decode_rate(hf, prompt, n),
            "kvtool fast path": lambda: kvtool_decode(runner, prompt, n, decoder)}
     labels = [*engines, "kvtool fast path"]
-    packed = int4_copy(bm) if cfg.int4 else None
-    if packed is not None:
-        log("int4 copy: projections in 4 bits, timed in the same runs")
-        fns["kvtool int4"] = lambda: kvtool_decode(packed, prompt, n)
-        labels.append("kvtool int4")
+    packed = weights_copy(bm, "int4") if cfg.int4 else None
+    half = weights_copy(bm, "bf16") if cfg.bf16 else None
+    for copy, name, what in ((packed, "int4", "projections in 4 bits"), (half, "bf16", "weights rounded to bf16")):
+        if copy is not None:
+            log(f"{name} copy: {what}, timed in the same runs")
+            fns[f"kvtool {name}"] = lambda copy=copy: kvtool_decode(copy, prompt, n)
+            labels.append(f"kvtool {name}")
     decode = measure_side_by_side({e: fns[e] for e in labels}, cfg.repeats, cfg.warmup, device)
     rows = {"decode_tok_s": {e: decode[e] for e in engines},
             "decode_tok_s_fast": {"kvtool": decode["kvtool fast path"]}}
-    fidelity = None
+    fidelity = {}
     if packed is not None:
         rows["decode_tok_s_int4"] = {"kvtool": decode["kvtool int4"]}
-        fidelity = int4_fidelity(runner, packed, prompt, n)
+        fidelity["int4_fidelity"] = weights_fidelity(runner, packed, prompt, n)
         del packed
+    if half is not None:
+        rows["decode_tok_s_bf16"] = {"kvtool": decode["kvtool bf16"]}
+        fidelity["bf16_fidelity"] = weights_fidelity(runner, half, prompt, n, prefill=True)
     prefiller = StaticDecoder(runner, max(cfg.ttft_lengths) + 1)
     for length in cfg.ttft_lengths:
         ids = torch.randint(lo, vocab - lo, (length,), generator=gen).tolist()
         log(f"cold TTFT at {length} tokens (ms)")
         fns = {"kvtool": lambda: kvtool_ttft(runner, ids, cfg.prefill_chunk),
                "transformers": lambda: hf_generate(hf, ids, 1),
-               "kvtool fast path": lambda: kvtool_ttft(runner, ids, cfg.prefill_chunk, prefiller)}
-        ttft = measure_side_by_side({e: fns[e] for e in [*engines, "kvtool fast path"]}, cfg.repeats, cfg.warmup,
-                                    device)
+               "kvtool fast path": lambda: kvtool_ttft(runner, ids, cfg.prefill_chunk, prefiller),
+               "kvtool bf16": lambda: kvtool_ttft(half, ids, cfg.prefill_chunk)}
+        timed = [*engines, "kvtool fast path", *(["kvtool bf16"] if half is not None else [])]
+        ttft = measure_side_by_side({e: fns[e] for e in timed}, cfg.repeats, cfg.warmup, device)
         rows[f"ttft_ms_{length}"] = {e: ttft[e] for e in engines}
         rows[f"ttft_ms_{length}_fast"] = {"kvtool": ttft["kvtool fast path"]}
-    del prefiller
+        if half is not None:
+            rows[f"ttft_ms_{length}_bf16"] = {"kvtool": ttft["kvtool bf16"]}
+    del prefiller, half
     ratios, paired = {}, {}
     for metric, row in rows.items():
         base = rows[variant_of(metric)[0]]
@@ -227,7 +248,8 @@ def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
             k, t = row["kvtool"]["median"], base["transformers"]["median"]
             ratios[metric] = round(k / t if metric.startswith("decode") else t / k, 3)  # >1: kvtool is faster
             paired[metric] = paired_speedup(row["kvtool"], base["transformers"], rate=metric.startswith("decode"))
-    measured = {metric: row["kvtool"]["median"] for metric, row in rows.items() if not metric.endswith("_int4")}
+    measured = {metric: row["kvtool"]["median"] for metric, row in rows.items()
+                if not metric.endswith(("_int4", "_bf16"))}
     # the engine prefills and decodes through the fast path where it is on by default (CUDA); targets check that
     if device.type == "cuda":
         measured.update({m.removesuffix("_fast"): v for m, v in measured.items() if m.endswith("_fast")})
@@ -235,7 +257,7 @@ def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
             "dtype": bm.dtype, "decode_tokens": n, "config": asdict(cfg), "results": rows,
             "speedup_vs_transformers": ratios, "paired_speedup_vs_transformers": paired,
             "target_checks": check_all(TARGETS, measured, device.type),
-            **({"int4_fidelity": fidelity} if fidelity else {}), "versions": versions()}
+            **fidelity, "versions": versions()}
 
 
 def paired_text(pair: dict | None) -> str:
@@ -253,10 +275,12 @@ def format_table(record: dict) -> str:
         lines.append(f"{metric:<18}{row['kvtool']['median']:>12.2f}"
                      + (f"{t['median']:>14.2f}" if t else f"{'-':>14}") + (f"{ratio:>7.2f}x" if ratio else f"{'-':>8}")
                      + (f"   {paired_text(pair)}" if pair else ""))
-    fid = record.get("int4_fidelity")
-    if fid:
-        lines.append(f"int4 vs dense over {fid['steps']} greedy steps: top-1 agreement {fid['top1_agreement']:.3f}, "
-                     f"KL mean {fid['kl_mean']:.5f} (max {fid['kl_max']:.5f})")
+    for name in ("int4", "bf16"):
+        if fid := record.get(f"{name}_fidelity"):
+            lines.append(f"{name} vs dense over {fid['steps']} greedy steps: top-1 agreement "
+                         f"{fid['top1_agreement']:.3f}, KL mean {fid['kl_mean']:.5f} (max {fid['kl_max']:.5f})"
+                         + (f"; in one prefill {fid['prefill_top1_agreement']:.3f}" if "prefill_top1_agreement" in fid
+                            else ""))
     return "\n".join(lines)
 
 

@@ -45,10 +45,12 @@ def _decode_md(records: dict) -> list[str]:
              f"{c['repeats']} runs after {c['warmup']} warm-up, the engines alternating run by run. Ratio > 1: kvtool "
              "is faster; run by run: each kvtool run against the baseline run beside it.", "",
              *_table(["metric", "kvtool", "transformers", "kvtool vs transformers", "run by run"], rows)]
-    fid = rec.get("int4_fidelity")
-    if fid:
-        lines += ["", f"int4 projections vs the dense model over {fid['steps']} greedy steps: top-1 agreement "
-                      f"{fid['top1_agreement']:.3f}, next-token KL mean {fid['kl_mean']:.5f} (max {fid['kl_max']:.5f})."]
+    for name, what in (("int4", "int4 projections"), ("bf16", "bf16 weights")):
+        if fid := rec.get(f"{name}_fidelity"):
+            lines += ["", f"{what} vs the dense model over {fid['steps']} greedy steps: top-1 agreement "
+                          f"{fid['top1_agreement']:.3f}, next-token KL mean {fid['kl_mean']:.5f} (max {fid['kl_max']:.5f})"
+                          + (f"; top-1 agreement over one prefill of the prompt and those tokens "
+                             f"{fid['prefill_top1_agreement']:.3f}" if "prefill_top1_agreement" in fid else "") + "."]
     return lines
 
 

@@ -45,8 +45,10 @@ def _decode(r):
     res, sp = r["results"], r["speedup_vs_transformers"]
     out = (f"bs=1 decode {_n(res['decode_tok_s']['kvtool']['median'], 'tok/s')} "
            f"({_x(sp.get('decode_tok_s'))} transformers)")
-    if "decode_tok_s_int4" in res:
-        out += f", int4 {_n(res['decode_tok_s_int4']['kvtool']['median'], 'tok/s')} ({_x(sp.get('decode_tok_s_int4'))})"
+    for name in ("int4", "bf16"):
+        if f"decode_tok_s_{name}" in res:
+            out += f", {name} {_n(res[f'decode_tok_s_{name}']['kvtool']['median'], 'tok/s')} " \
+                   f"({_x(sp.get(f'decode_tok_s_{name}'))})"
     ttft = [m for m in res if m.startswith("ttft_ms_") and m.count("_") == 2]
     return out + "; cold TTFT " + ", ".join(f"@{m[8:]} {_n(res[m]['kvtool']['median'], 'ms')} ({_x(sp.get(m))})"
                                             for m in ttft)

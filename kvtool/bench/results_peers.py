@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvtool.bench.peers.rounds import figure
 
-PEER_COLUMNS = ("kvtool", "kvtool-int4", "llama.cpp", "vllm", "transformers")
+PEER_COLUMNS = ("kvtool", "kvtool-int4", "kvtool-bf16", "llama.cpp", "vllm", "transformers")
 VLLM_BENCH_ROWS = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT median (ms)"),
                    ("p99_ttft_ms", "TTFT p99 (ms)"), ("median_tpot_ms", "TPOT median (ms)"),
                    ("p99_tpot_ms", "TPOT p99 (ms)"))

@@ -46,8 +46,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=ENGINE.device, help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", default=ENGINE.dtype, help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16")
     p.add_argument("--weights", default=ENGINE.weights, choices=WEIGHTS,
-                   help="int4: 4-bit projections and a bf16 output head for about 2x CPU decode "
-                        "(CPU only; prefill unchanged)")
+                   help="int4: 4-bit projections and a bf16 output head for about 2x CPU decode (prefill unchanged); "
+                        "bf16: projections and head rounded to bf16 for bf16 GEMMs (AMX: several x prefill and "
+                        "batches). CPU only")
     p.add_argument("--forward", default=ENGINE.forward, choices=FORWARDS,
                    help="the path of each step: auto (the C++ CPU ops where they build), reference (the reference "
                         "PyTorch forward only, as the parity tests hold the ops to), cpu-ops (an error where they "

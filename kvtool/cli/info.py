@@ -17,7 +17,7 @@ def register(subparsers) -> None:
 
 def describe(model) -> dict:
     s = model.spec
-    held_once = [w for w in model.runner._packed_weights() if w.held is None]  # no longer module parameters
+    held_once = [w for w in model.runner._packed_weights() if w.held is None or w.half]  # not module parameters
     params = sum(p.numel() for p in model.runner.parameters()) + sum(w.shape.numel() for w in held_once)
     return {
         "model": model.name, "folder": str(model.folder), "family": s.model_type,
@@ -38,6 +38,9 @@ def matmul_path(runner) -> str:
     from kvtool.kernels.quant import MAX_ROWS
 
     dense = "oneDNN packed" if runner.cpu_gemm_packed else "torch F.linear"
+    if runner.weights == "bf16":
+        return "oneDNN packed bf16 (x and products rounded to bf16); bf16 weights widened exactly in the C++ gemv " \
+               "for few rows"
     kernel = "C++ gemv_q4" if cpu_decode.loaded() else "torch's int4 kernel"
     return dense if runner.weights == "dense" else f"int4 ({kernel}) up to {MAX_ROWS} rows, {dense} above"
 

@@ -14,6 +14,9 @@ and AVX-512), `blocked` views them as a plain tensor, which the decode gemv read
 (kvtool.kernels.cpu_decode). The runner can then drop the dense copy (ModelRunner.hold_weights_once,
 which kvtool.load calls): `dense` is remade from the blocked bytes when something asks for it, and the
 weights are held once. Otherwise packing costs one more copy of the projection and head weights.
+`weights="bf16"` (kvtool.load) packs bf16 copies instead: products of more rows than the decode gemv takes
+run on oneDNN's bf16 kernels (AMX or AVX-512 BF16 where the CPU has them), x and the output rounded to bf16,
+and the gemv reads the bf16 values, widened exactly. Its top-1 agreement with fp32 is in `kvtool bench decode`.
 It is on by default on x86_64, where it was measured. `KVTOOL_CPU_GEMM=0` keeps plain F.linear (to
 compare, or where oneDNN misbehaves); `KVTOOL_CPU_GEMM=1` turns it on elsewhere too (arm64, where
 F.linear may already be fast).
@@ -30,13 +33,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvtool.kernels import cpu_decode
+
 HINT_ROWS = 8  # the row count oneDNN picks its weight layout for; 1-64 rows all ran within 5% of their best
 ENV = "KVTOOL_CPU_GEMM"
 
 
 class PackedWeight:
-    """A [N, K] fp32 weight in oneDNN's packed layout (`packed`, opaque, for packed_linear), its bytes as
-    [N / 64, K, 64] (`blocked`) where oneDNN laid them out so, and the dense values until drop_dense()."""
+    """A [N, K] fp32 or bf16 weight in oneDNN's packed layout (`packed`, opaque, for packed_linear), its fp32 bytes
+    as [N / 64, K, 64] (`blocked`) where oneDNN laid them out so, and the dense values until drop_dense()."""
 
     def __init__(self, dense: torch.Tensor, packed: torch.Tensor):
         self.held: torch.Tensor | None = dense
@@ -52,26 +57,30 @@ class PackedWeight:
         self._packed, self.blocked = value, blocked_view(value, self.held)
 
     @property
+    def half(self) -> bool:
+        return self.held is not None and self.held.dtype == torch.bfloat16
+
+    @property
     def dense(self) -> torch.Tensor:
-        """The [N, K] values: the held copy, or a new one made from the blocked bytes (exact)."""
+        """The [N, K] fp32 values: the held copy (widened from bf16), or a new one made from the blocked bytes."""
         if self.held is not None:
-            return self.held
+            return self.held.float()
         return self.blocked.transpose(1, 2).reshape(self.shape)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the weight (an embedding lookup), from whichever copy is held."""
-        return self.held[ids] if self.held is not None else self.blocked[ids // BLOCK, :, ids % BLOCK]
+        """Rows `ids` of the weight in fp32 (an embedding lookup), from whichever copy is held."""
+        return self.held[ids].float() if self.held is not None else self.blocked[ids // BLOCK, :, ids % BLOCK]
 
     def drop_dense(self) -> bool:
-        """Let go of the dense copy where the blocked bytes can stand in for it; whether they could."""
+        """Let go of the dense fp32 copy where the blocked bytes can stand in for it; whether none is held now."""
         if self.blocked is not None:
             self.held = None
-        return self.held is None
+        return self.held is None or self.half
 
     @property
     def nbytes(self) -> int:
         """Bytes one product reads."""
-        return self.shape.numel() * 4
+        return self.shape.numel() * (2 if self.half else 4)
 
 
 BLOCK = 64  # output rows per block of the packed layout the decode gemv reads (cpu_decode.cpp's BLOCK)
@@ -80,7 +89,7 @@ BLOCK = 64  # output rows per block of the packed layout the decode gemv reads (
 def blocked_view(packed: torch.Tensor, dense: torch.Tensor | None) -> torch.Tensor | None:
     """oneDNN's bytes of `packed` as a [N / 64, K, 64] fp32 tensor (no copy; valid while `packed` lives) when they
     hold exactly `dense` in that layout, else None."""
-    if dense is None or dense.dim() != 2 or dense.shape[0] % BLOCK or dense.shape[1] % 4:
+    if dense is None or dense.dtype != torch.float32 or dense.dim() != 2 or dense.shape[0] % BLOCK or dense.shape[1] % 4:
         return None
     n, k = dense.shape
     try:
@@ -94,24 +103,25 @@ def blocked_view(packed: torch.Tensor, dense: torch.Tensor | None) -> torch.Tens
 
 
 @functools.cache
-def _op_works() -> str | None:
-    """None when this torch build's oneDNN linear runs and agrees with F.linear, else why not."""
+def _op_works(dtype: torch.dtype = torch.float32) -> str | None:
+    """None when this torch build's oneDNN linear runs in `dtype` and agrees with F.linear, else why not."""
     if not torch.backends.mkldnn.is_available():
         return f"torch {torch.__version__} was built without oneDNN"
     try:
         gen = torch.Generator().manual_seed(0)
-        w, x = torch.randn(48, 32, generator=gen), torch.randn(3, 32, generator=gen)
+        w, x = torch.randn(48, 32, generator=gen).to(dtype), torch.randn(3, 32, generator=gen).to(dtype)
         y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, HINT_ROWS), None,
                                                "none", [], "")
     except (RuntimeError, AttributeError) as exc:
-        return f"oneDNN linear is unavailable here: {str(exc).splitlines()[0]}"
-    if not torch.allclose(y, F.linear(x, w), atol=1e-4, rtol=1e-4):
-        return "oneDNN linear disagrees with F.linear on this machine"
+        return f"oneDNN {str(dtype).replace('torch.', '')} linear is unavailable here: {str(exc).splitlines()[0]}"
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    if not torch.allclose(y.float(), F.linear(x.float(), w.float()), atol=tol * 10, rtol=tol):
+        return f"oneDNN {str(dtype).replace('torch.', '')} linear disagrees with F.linear on this machine"
     return None
 
 
-def unsupported(weight: torch.Tensor) -> str | None:
-    """None when `weight` can be packed here, else why not; ValueError for a malformed KVTOOL_CPU_GEMM."""
+def unsupported(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> str | None:
+    """None when `weight` can be packed here in `dtype`, else why not; ValueError for a malformed KVTOOL_CPU_GEMM."""
     mode = os.environ.get(ENV, "auto")
     if mode not in ("auto", "0", "1"):
         raise ValueError(f"{ENV} must be 0, 1 or unset; got {mode!r}")
@@ -122,26 +132,40 @@ def unsupported(weight: torch.Tensor) -> str | None:
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
         return f"oneDNN packing takes 2-D fp32 CPU weights; got {weight.dtype} {tuple(weight.shape)} on " \
                f"{weight.device.type}"
-    return _op_works()
+    return _op_works(dtype)
 
 
-def pack(weight: torch.Tensor) -> PackedWeight:
-    reason = unsupported(weight)
+def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> PackedWeight:
+    """`weight` (fp32) packed for oneDNN in `dtype` (fp32, or bf16: a rounded copy)."""
+    reason = unsupported(weight, dtype)
     if reason:
         raise ValueError(reason)
-    dense = weight.detach()
+    dense = weight.detach().to(dtype).contiguous()
     return PackedWeight(dense, torch.ops.mkldnn._reorder_linear_weight(dense, HINT_ROWS))
 
 
-def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W.T + bias through oneDNN; other dtypes, and inputs that need gradients, take the reference."""
+def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T + bias (+ residual) through oneDNN (a bf16 weight: x and the product rounded to bf16, bias and
+    residual added in fp32; up to GEMV_MAX_ROWS rows, once the C++ ops are loaded, their gemv: fp32 x and sums over
+    the weight widened exactly); other dtypes, and inputs that need gradients, take the reference."""
     if x.dtype != torch.float32 or (x.requires_grad and torch.is_grad_enabled()) or x.shape[-1] != w.shape[1]:
-        return F.linear(x, w.dense, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, w.packed, bias, "none", [], "")
+        y = F.linear(x, w.dense.to(x.dtype), bias)
+    elif w.half and cpu_decode.loaded() and x.numel() <= cpu_decode.GEMV_MAX_ROWS * x.shape[-1]:
+        y = torch.ops.kvtool_cpu.gemv(x.reshape(-1, x.shape[-1]).contiguous(), w.held, bias, None)
+        y = y.reshape(*x.shape[:-1], w.shape[0])
+    elif w.half:
+        y = torch.ops.mkldnn._linear_pointwise(x.bfloat16(), w.packed, None, "none", [], "").float()
+        y = y if bias is None else y + bias
+    elif residual is not None:  # one oneDNN call: the residual as a binary post-op
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w.packed, bias, "add")
+    else:
+        return torch.ops.mkldnn._linear_pointwise(x, w.packed, bias, "none", [], "")
+    return y if residual is None else y + residual
 
 
 def packed_linear_reference(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The same product through F.linear over the dense values."""
+    """The same product through F.linear over the dense values (fp32)."""
     return F.linear(x, w.dense, bias)
 
 

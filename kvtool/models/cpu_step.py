@@ -27,8 +27,8 @@ def unsupported(runner) -> str | None:
 
 
 def _dense(w) -> torch.Tensor | None:
-    """The fp32 values `gemv` reads for a oneDNN-packed weight (its blocked bytes, else its dense copy) or a plain
-    one; None for int4."""
+    """The values `gemv` reads for a oneDNN-packed weight (its blocked bytes, else its dense fp32 or bf16 copy) or a
+    plain one; None for int4."""
     dense = (w.held if w.blocked is None else w.blocked) if isinstance(w, cpu_gemm.PackedWeight) else w
     return dense if isinstance(dense, torch.Tensor) and dense.is_contiguous() else None
 
@@ -40,9 +40,7 @@ def _product(x: torch.Tensor, w, bias: torch.Tensor | None = None, residual: tor
     if dense is not None and gemv_takes(x.shape[0], x.shape[1]):
         return torch.ops.kvtool_cpu.gemv(x, dense, bias, residual)
     if isinstance(w, cpu_gemm.PackedWeight):
-        if residual is not None:  # one oneDNN call: the residual as a binary post-op
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w.packed, None, "add")
-        return torch.ops.mkldnn._linear_pointwise(x, w.packed, bias, "none", [], "")
+        return cpu_gemm.packed_linear(x, w, bias, residual)
     y = linear(x, w, bias)
     return y if residual is None else y + residual
 
@@ -151,6 +149,6 @@ class DecodeStep:
         norm = r.model.norm
         h = ops.rms_norm(x, norm.weight, norm.eps)
         head = None
-        if r.weights == "dense" and gemv_takes(*h.shape):
+        if r.weights != "int4" and gemv_takes(*h.shape):
             head = _dense(r._head_packed if r._head_packed is not None else r.output_weight)
         return r.head(h) if head is None else ops.gemv(h, head, None, None)

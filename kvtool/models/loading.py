@@ -19,7 +19,8 @@ from kvtool.models.runner import ModelRunner
 from kvtool.models.spec import ModelSpec
 from kvtool.models.text import ModelText, TextModel
 
-WEIGHTS = ("dense", "int4")  # int4: 4-bit projections and a bf16 head for CPU decode (kvtool.kernels.quant)
+WEIGHTS = ("dense", "int4", "bf16")  # int4: 4-bit projections, bf16 head for CPU decode (kvtool.kernels.quant);
+# bf16: projections and head rounded to bf16 for oneDNN's bf16 GEMMs and the decode gemv (kvtool.kernels.cpu_gemm)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model"]
@@ -129,7 +130,8 @@ def load(model: str | None = None, device: str = "auto", dtype: str = "auto", pr
     steps take (auto | reference | cpu-ops, as kvtool.config.EngineConfig.forward says).
 
     weights="int4" packs the projections in 4 bits and copies the head to bf16 for CPU decode
-    (about 2x the decode tokens/s on two cores; see kvtool.kernels.quant). packed=False leaves out the
+    (about 2x the decode tokens/s on two cores; see kvtool.kernels.quant). weights="bf16" rounds them to bf16 for
+    oneDNN's bf16 GEMMs (AMX) and the decode gemv (kvtool.kernels.cpu_gemm). packed=False leaves out the
     oneDNN-packed copy of the fp32 weights on the CPU (kvtool.kernels.cpu_gemm): half the weight memory, the
     prefill matmuls through F.linear."""
     from kvtool.config import DEFAULT_MODEL
@@ -173,8 +175,8 @@ def check_weights(weights: str, device: torch.device, forward: str = "auto") -> 
                              "the CPU only)")
     if weights not in WEIGHTS:
         raise ModelLoadError(f"unknown weights {weights!r}; use one of {', '.join(WEIGHTS)}")
-    if weights == "int4" and device.type != "cpu":
-        raise ModelLoadError(f"int4 weights run on the CPU only; got device {device.type} (use --device cpu "
+    if weights != "dense" and device.type != "cpu":
+        raise ModelLoadError(f"{weights} weights run on the CPU only; got device {device.type} (use --device cpu "
                              "or --weights dense)")
 
 
@@ -232,10 +234,13 @@ def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device,
             runner.quantize_int4()
         except ValueError as exc:
             raise ModelLoadError(f"cannot pack {folder.name} in int4: {exc}") from None
-    elif device.type == "cpu" and packed:
+    elif device.type == "cpu" and (packed or weights == "bf16"):
         try:
             # oneDNN's packed GEMM where it runs (fp32; plain F.linear otherwise), and only its copy of each weight
-            if runner.pack_cpu_gemm() is None and not dense_copies:
+            reason = runner.pack_cpu_gemm(torch.bfloat16 if weights == "bf16" else torch.float32)
+            if reason is not None and weights == "bf16":
+                raise ValueError(f"cannot pack {folder.name} in bf16: {reason}")
+            if reason is None and (weights == "bf16" or not dense_copies):
                 runner.hold_weights_once()
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None

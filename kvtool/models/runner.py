@@ -50,12 +50,14 @@ class ModelRunner(nn.Module):
 
     @property
     def weights(self) -> str:
-        """"int4" once quantize_int4() packed the projections, else "dense"."""
-        return "dense" if self._head_bf16 is None else "int4"
+        """"int4" once quantize_int4() packed the projections, "bf16" once pack_cpu_gemm(bf16) did, else "dense"."""
+        if self._head_bf16 is not None:
+            return "int4"
+        return "bf16" if self._head_packed is not None and self._head_packed.half else "dense"
 
     @property
     def precision(self) -> str:
-        """The dtype, plus "/int4" once quantize_int4() packed the weights: what the KV computed here depends on."""
+        """The dtype, plus "/int4" or "/bf16" for packed projections: what the KV computed here depends on."""
         dtype = str(self.dtype).replace("torch.", "")
         return dtype if self.weights == "dense" else f"{dtype}/{self.weights}"
 
@@ -66,7 +68,7 @@ class ModelRunner(nn.Module):
     @property
     def output_weight(self) -> torch.Tensor:
         """The head's [V, hidden] values (made anew, exactly, where hold_weights_once() dropped them)."""
-        if self._head_packed is not None and self._head_packed.held is None:
+        if self._head_packed is not None and (self._head_packed.held is None or self._head_packed.half):
             return self._head_packed.dense
         return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
 
@@ -155,8 +157,9 @@ class ModelRunner(nn.Module):
         return self._head_packed is not None
 
     @torch.inference_mode()
-    def pack_cpu_gemm(self) -> str | None:
-        """Give every fused projection and the head a oneDNN-packed copy for CPU matmuls (kvtool.kernels.cpu_gemm).
+    def pack_cpu_gemm(self, dtype: torch.dtype = torch.float32) -> str | None:
+        """Give every fused projection and the head a oneDNN-packed copy for CPU matmuls (kvtool.kernels.cpu_gemm),
+        in fp32 or in bf16 (rounded copies: `weights` then says "bf16"; hold_weights_once() drops the fp32 ones).
 
         Needs fuse() and dense fp32 weights on the CPU; returns None once packed, else why it was not
         (the model then runs plain F.linear, as before). The dense weights stay as they are."""
@@ -167,13 +170,13 @@ class ModelRunner(nn.Module):
         pairs = [(layer.self_attn, layer.mlp) for layer in self.model.layers]
         if any(attn._wqkv is None or mlp._wgu is None for attn, mlp in pairs):
             return "the projections are not fused (call fuse() first)"
-        if reason := cpu_gemm.unsupported(self.output_weight):
+        if reason := cpu_gemm.unsupported(self.output_weight, dtype):
             return reason
         for attn, mlp in pairs:
-            attn._wqkv, mlp._wgu = cpu_gemm.pack(attn._wqkv), cpu_gemm.pack(mlp._wgu)
-            attn.o_proj = cpu_gemm.PackedLinear(attn.o_proj, cpu_gemm.pack(attn.o_proj.weight))
-            mlp.down_proj = cpu_gemm.PackedLinear(mlp.down_proj, cpu_gemm.pack(mlp.down_proj.weight))
-        self._head_packed = cpu_gemm.pack(self.output_weight)
+            attn._wqkv, mlp._wgu = cpu_gemm.pack(attn._wqkv, dtype), cpu_gemm.pack(mlp._wgu, dtype)
+            attn.o_proj = cpu_gemm.PackedLinear(attn.o_proj, cpu_gemm.pack(attn.o_proj.weight, dtype))
+            mlp.down_proj = cpu_gemm.PackedLinear(mlp.down_proj, cpu_gemm.pack(mlp.down_proj.weight, dtype))
+        self._head_packed = cpu_gemm.pack(self.output_weight, dtype)
         self._weights_replaced()
         return None
 
@@ -243,8 +246,9 @@ class ModelRunner(nn.Module):
     @torch.inference_mode()
     def _repack_cpu_gemm(self) -> None:
         """load_state_dict() copied new values into the dense weights: the packed copies follow."""
-        if self.held_once:
-            raise ValueError("this runner holds its packed weights once (hold_weights_once()); load the model anew")
+        if self.held_once or self.weights == "bf16":
+            raise ValueError(f"this runner holds its packed weights once{' in bf16' * (self.weights == 'bf16')} "
+                             "(hold_weights_once()); load the model anew")
         for weight in self._packed_weights():
             weight.packed = cpu_gemm.pack(weight.dense).packed
 

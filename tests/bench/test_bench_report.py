@@ -16,6 +16,7 @@ from kvtool.bench.skills import SkillsBenchConfig, run_skills_bench
 from kvtool.bench.targets import Target
 from kvtool.cli import build_parser, main
 from kvtool.errors import InvalidParameterError
+from kvtool.kernels import cpu_gemm
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -42,8 +43,18 @@ def test_targets_apply_only_on_their_device_and_to_measured_values():
 def test_decode_record_ratios_come_from_the_measured_medians(tiny_bench):
     cfg = DecodeBenchConfig(decode_tokens=4, ttft_lengths=[16, 32], prompt_tokens=8, repeats=2, warmup=0)
     rec = run_decode_bench(tiny_bench, cfg, log=lambda s: None)
-    assert list(rec["results"]) == ["decode_tok_s", "decode_tok_s_fast", "decode_tok_s_int4", "ttft_ms_16",
-                                    "ttft_ms_16_fast", "ttft_ms_32", "ttft_ms_32_fast"]
+    half = cpu_gemm._op_works(torch.bfloat16) is None  # oneDNN's bf16 path runs on this CPU
+    assert list(rec["results"]) == [
+        "decode_tok_s", "decode_tok_s_fast", "decode_tok_s_int4", *["decode_tok_s_bf16"][:half], "ttft_ms_16",
+        "ttft_ms_16_fast", *["ttft_ms_16_bf16"][:half], "ttft_ms_32", "ttft_ms_32_fast", *["ttft_ms_32_bf16"][:half]]
+    assert ("bf16_fidelity" in rec) == half
+    # and, where it runs, a bf16-weight copy, decode and TTFT, with its fidelity (decode steps and one prefill)
+    fid = rec.get("bf16_fidelity", {"steps": 4, "top1_agreement": 1, "prefill_top1_agreement": 1})
+    assert fid["steps"] == 4 and 0 <= fid["top1_agreement"] <= 1 and 0 <= fid["prefill_top1_agreement"] <= 1
+    for metric in ("decode_tok_s_bf16", "ttft_ms_16_bf16", "ttft_ms_32_bf16")[:3 * half]:
+        copy, t = rec["results"].pop(metric)["kvtool"], rec["results"][metric[:-5]]["transformers"]["median"]
+        want = copy["median"] / t if metric.startswith("decode") else t / copy["median"]
+        assert copy["n"] == 2 and rec["speedup_vs_transformers"][metric] == pytest.approx(want, abs=1e-3)
     # on CPU an int4 copy of the model is timed in the same runs, with its fidelity to the dense model
     packed, t = rec["results"].pop("decode_tok_s_int4")["kvtool"], rec["results"]["decode_tok_s"]["transformers"]
     assert packed["n"] == 2 and rec["speedup_vs_transformers"]["decode_tok_s_int4"] == pytest.approx(

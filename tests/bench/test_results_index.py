@@ -58,16 +58,16 @@ def test_the_readme_shows_the_latest_quiet_record_per_model_and_workload(tmp_pat
 
     index = (results / "README.md").read_text()
     assert "[peers-smollm2/report.json](peers-smollm2/report.json)" in index
-    assert "| 42.0 (41.0-44.0) | 42.0 (41.0-44.0) | missing |" in index  # beside kvtool-int4 and llama.cpp
+    assert "| 42.0 (41.0-44.0) | 42.0 (41.0-44.0) | not run | missing |" in index  # kvtool-int4, -bf16, llama.cpp
     assert index.count("noisy (not in the project README)") == 2  # quiet: false, and no quiet field at all
     assert "quick" not in index
     body = readme.read_text()
     assert body.startswith("# x\n\nbefore\n") and body.endswith(f"{END}\nafter\n") and "stale" not in body
     table = body.split(BEGIN)[1].split(END)[0]
     # decode from the newest quiet record; the other workloads only the older quiet record ran
-    assert "|  | decode bs=1, 256 tokens (tok/s) | 42.0 (41.0-44.0) | 42.0 (41.0-44.0) | missing |" in table
+    assert "|  | decode bs=1, 256 tokens (tok/s) | 42.0 (41.0-44.0) | 42.0 (41.0-44.0) | not run | missing |" in table
     assert "| SmolLM2 | RSS after one request (MiB) | 700 (690-720) |" in table
-    assert "| cold TTFT @512 (ms) | 900 | 900 | missing |" in table and "10.0 (9.00-12.0)" not in table
+    assert "| cold TTFT @512 (ms) | 900 | 900 | not run | missing |" in table and "10.0 (9.00-12.0)" not in table
     assert "99.0" not in table and "77.0" not in table  # noisy records stay out
     assert "`kvtool bench peers --model smollm2 --decode-tokens 42`" in table
     assert "`kvtool bench peers --model smollm2 --decode-tokens 10`" in table
@@ -87,7 +87,7 @@ def test_a_record_of_other_stream_counts_keeps_the_older_counts_in_the_readme(tm
     readme.write_text(f"{BEGIN}\n{END}\n")
     update(results, readme)
     table = readme.read_text()
-    assert "| 8 streams x 128 (tok/s) | 90.0 | 90.0 | missing | not run | not run | [peers-8]" in table
+    assert "| 8 streams x 128 (tok/s) | 90.0 | 90.0 | not run | missing | not run | not run | [peers-8]" in table
     assert "|  | 16 streams x 128 (tok/s) | 70.0 |" in table and "|  | 64 streams x 128 (tok/s) | 85.0 |" in table
 
 

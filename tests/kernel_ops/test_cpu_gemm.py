@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvtool.errors import ModelLoadError
-from kvtool.kernels import cpu_gemm, quant
+from kvtool.kernels import cpu_decode, cpu_gemm, quant
 from kvtool.testing.ops import ops_of
 from kvtool.testing.tiny import tiny_checkpoint, tiny_runner
 
@@ -205,3 +205,108 @@ def test_loaded_runners_hold_each_packed_weight_once_with_the_same_bits(tmp_path
     with pytest.raises(ValueError, match="holds its packed weights once"):
         once.load_state_dict(once.state_dict())
     assert copies.to(torch.float64).dtype == torch.float64
+
+
+bf16_runs = pytest.mark.skipif(cpu_gemm._op_works(torch.bfloat16) is not None,
+                               reason=f"{cpu_gemm._op_works(torch.bfloat16)}")
+
+
+@bf16_runs
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_a_bf16_packed_product_rounds_x_and_its_output_to_bf16(rows):
+    """weights="bf16": the weight is held as its bf16 rounding; oneDNN multiplies x rounded to bf16 and rounds the
+    product to bf16; bias and residual are added in fp32. Few rows, with the C++ ops loaded: their gemv, in fp32
+    over the exact weight values (the logits of a prompt's last token, decode steps)."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    x, residual = torch.randn(rows, 64, generator=gen), torch.randn(rows, 96, generator=gen)
+    half = cpu_gemm.pack(weight, torch.bfloat16)
+    assert half.half and half.held.dtype == torch.bfloat16 and half.blocked is None and half.nbytes == 96 * 64 * 2
+    assert torch.equal(half.dense, weight.bfloat16().float()) and half.dense.dtype == torch.float32
+    ids = torch.tensor([0, 95, 7])
+    assert torch.equal(half.rows(ids), weight.bfloat16().float()[ids])
+    assert half.drop_dense() and half.held is not None  # nothing in fp32 to let go; the bf16 values stay
+    got = cpu_gemm.packed_linear(x, half, bias, residual)
+    assert got.dtype == torch.float32
+    if rows <= cpu_decode.GEMV_MAX_ROWS and cpu_decode.unavailable() is None:
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, half.dense, bias) + residual)
+        return
+    product = torch.nn.functional.linear(x.bfloat16().float(), half.dense)
+    # the product was rounded to bf16 (2^-8 of itself at most) before bias and residual joined in fp32
+    torch.testing.assert_close(got - bias - residual, product, atol=1e-4, rtol=2 ** -8)
+    assert torch.equal(cpu_gemm.packed_linear(x, half), cpu_gemm.packed_linear(x, half).bfloat16().float())
+
+
+def _bf16_checkpoint(family: str, folder):
+    """A tiny checkpoint whose weights are all bf16 values, so a dense runner holds exactly what a bf16 one does."""
+    from safetensors.torch import load_file, save_file
+
+    tiny_checkpoint(family, folder)
+    for file in folder.glob("*.safetensors"):
+        save_file({k: v.bfloat16().float() for k, v in load_file(str(file)).items()}, str(file),
+                  metadata={"format": "pt"})
+
+
+@bf16_runs
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+def test_bf16_runners_hold_bf16_weights_once_and_follow_the_dense_model(tmp_path, family):
+    """kvtool.load(weights="bf16"): each projection and the head held once, in bf16 (oneDNN's copy for 5+ rows, the
+    plain bf16 values the decode gemv widens exactly); decode steps agree with a dense runner on the same values
+    to fp32 rounding, prefill (x rounded to bf16) to bf16's; the runner says so and refuses to move or reload."""
+    _bf16_checkpoint(family, tmp_path)
+    half, dense = tiny_runner(family, tmp_path, weights="bf16"), tiny_runner(family, tmp_path)
+    assert half.weights == "bf16" and half.precision == "float32/bf16" and half.held_once
+    assert dense.weights == "dense" and dense.precision == "float32"
+    assert not [k for k in half.state_dict() if k.endswith("proj.weight") or k == "lm_head.weight"]
+    assert all(w.half for w in half._packed_weights())
+    assert half.decode_weight_bytes() * 2 == dense.decode_weight_bytes()
+    assert torch.equal(half.output_weight, dense.output_weight)
+    ids = torch.randint(0, half.spec.vocab_size, (40,), generator=torch.Generator().manual_seed(2))
+    caches = half.new_cache(), dense.new_cache()
+    got, want = half.prefill(ids, caches[0], logits="all"), dense.prefill(ids, caches[1], logits="all")
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    caches = half.new_cache(), dense.new_cache()
+    half.prefill(ids, caches[0], chunk=1), dense.prefill(ids, caches[1], chunk=1)  # one row at a time: the gemv
+    for token in (3, 17, 5):
+        torch.testing.assert_close(half(torch.tensor([token]), caches[0]), dense(torch.tensor([token]), caches[1]),
+                                   atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="holds its packed weights once"):
+        half.to(torch.float64)
+    with pytest.raises(ValueError, match="in bf16"):
+        half.load_state_dict(half.state_dict())
+
+
+def test_bf16_weights_are_refused_off_the_cpu_and_where_onednn_cannot_pack_them(tmp_path, monkeypatch):
+    from kvtool.models.loading import check_weights
+
+    with pytest.raises(ModelLoadError, match="bf16 weights run on the CPU only; got device cuda"):
+        check_weights("bf16", torch.device("cuda"))
+    tiny_checkpoint("qwen3", tmp_path)
+    monkeypatch.setenv(cpu_gemm.ENV, "0")
+    with pytest.raises(ModelLoadError, match=f"cannot pack .* in bf16: {cpu_gemm.ENV}=0"):
+        tiny_runner("qwen3", tmp_path, weights="bf16")
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16():
+    import kvtool
+    from kvtool.testing.models import smollm2_gguf
+
+    return kvtool.load(str(smollm2_gguf()), device="cpu", dtype="float32", progress=False, weights="bf16")
+
+
+@bf16_runs
+def test_the_real_model_in_bf16_keeps_the_fp32_models_tokens(smollm2, smollm2_bf16):
+    """SmolLM2 with weights="bf16": top-1 agreement with fp32 over 32 greedy decode steps and over one prefill of
+    the prompt and those tokens (the bf16 GEMMs), what `kvtool bench decode` reports; half the weight bytes."""
+    from kvtool.bench.decode import weights_fidelity
+    from kvtool.cli.info import describe
+
+    runner = smollm2_bf16.runner
+    assert runner.weights == "bf16" and runner.held_once and runner.forward_path == "cpu-ops"
+    assert runner.decode_weight_bytes() * 2 == smollm2.runner.decode_weight_bytes()
+    assert describe(smollm2_bf16)["parameters"] == describe(smollm2)["parameters"]
+    prompt = smollm2.encode("The three primary colors are")
+    fid = weights_fidelity(smollm2.runner, runner, prompt, 32, prefill=True)
+    assert fid["top1_agreement"] >= 0.9 and fid["prefill_top1_agreement"] >= 0.9 and fid["kl_mean"] < 0.05

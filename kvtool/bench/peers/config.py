@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from kvtool.errors import InvalidParameterError
 
-ENGINE_NAMES = ("kvtool", "kvtool-int4", "llama.cpp", "vllm", "transformers")
+ENGINE_NAMES = ("kvtool", "kvtool-int4", "kvtool-bf16", "llama.cpp", "vllm", "transformers")
 WORKLOAD_NAMES = ("memory", "decode", "ttft", "prefix", "streams", "layouts", "vllm-bench")
 
 

@@ -178,6 +178,8 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
          _kvtool_budgets),
     Peer("kvtool-int4", "kvtool serve --weights int4", lambda f, o: "int4 projections, bf16 head", _kvtool("int4"),
          _kvtool_budgets),
+    Peer("kvtool-bf16", "kvtool serve --weights bf16", lambda f, o: "bf16 projections and head, bf16 GEMMs",
+         _kvtool("bf16"), _kvtool_budgets),
     Peer("llama.cpp", "llama-server", lambda f, o: f"GGUF {f.gguf_type or '(none)'}", _llama, _llama_budgets),
     Peer("vllm", "vLLM OpenAI server", lambda f, o: o.vllm_dtype, _vllm, _vllm_budgets, startup_s=900.0),
 )}

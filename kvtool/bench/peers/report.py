@@ -11,7 +11,7 @@ from kvtool.bench.peers.rounds import figure
 from kvtool.bench.protocol import emit, portable
 from kvtool.bench.report_md import _num, _ratio, _stat, _table
 
-KVTOOL = ("kvtool", "kvtool-int4")
+KVTOOL = ("kvtool", "kvtool-int4", "kvtool-bf16")
 
 
 def metrics(results: dict) -> dict[str, tuple[float, bool]]:
