@@ -39,8 +39,7 @@ def matmul_path(runner) -> str:
 
     dense = "oneDNN packed" if runner.cpu_gemm_packed else "torch F.linear"
     if runner.weights == "bf16":
-        return "oneDNN packed bf16 (x and products rounded to bf16); bf16 weights widened exactly in the C++ gemv " \
-               "for few rows"
+        return "oneDNN packed bf16 (x and products rounded to bf16); the head's few rows in the C++ gemv (fp32 x)"
     kernel = "C++ gemv_q4" if cpu_decode.loaded() else "torch's int4 kernel"
     return dense if runner.weights == "dense" else f"int4 ({kernel}) up to {MAX_ROWS} rows, {dense} above"
 

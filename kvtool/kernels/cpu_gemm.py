@@ -14,9 +14,10 @@ and AVX-512), `blocked` views them as a plain tensor, which the decode gemv read
 (kvtool.kernels.cpu_decode). The runner can then drop the dense copy (ModelRunner.hold_weights_once,
 which kvtool.load calls): `dense` is remade from the blocked bytes when something asks for it, and the
 weights are held once. Otherwise packing costs one more copy of the projection and head weights.
-`weights="bf16"` (kvtool.load) packs bf16 copies instead: products of more rows than the decode gemv takes
-run on oneDNN's bf16 kernels (AMX or AVX-512 BF16 where the CPU has them), x and the output rounded to bf16,
-and the gemv reads the bf16 values, widened exactly. Its top-1 agreement with fp32 is in `kvtool bench decode`.
+`weights="bf16"` (kvtool.load) packs bf16 copies instead: every projection runs on oneDNN's bf16 kernels (AMX
+or AVX-512 BF16 where the CPU has them), x and the output rounded to bf16, and the head's products of a few rows
+(decode steps, a prompt's last token) run the C++ gemv over its bf16 values, widened exactly, so the logits
+keep fp32's resolution. Its top-1 agreement with fp32 is in `kvtool bench decode`.
 It is on by default on x86_64, where it was measured. `KVTOOL_CPU_GEMM=0` keeps plain F.linear (to
 compare, or where oneDNN misbehaves); `KVTOOL_CPU_GEMM=1` turns it on elsewhere too (arm64, where
 F.linear may already be fast).
@@ -145,13 +146,14 @@ def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> PackedWeig
 
 
 def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, exact_rows: int = 0) -> torch.Tensor:
     """x [..., K] @ W.T + bias (+ residual) through oneDNN (a bf16 weight: x and the product rounded to bf16, bias and
-    residual added in fp32; up to GEMV_MAX_ROWS rows, once the C++ ops are loaded, their gemv: fp32 x and sums over
-    the weight widened exactly); other dtypes, and inputs that need gradients, take the reference."""
+    residual added in fp32; with `exact_rows`, up to that many rows through the C++ ops' gemv once they are loaded:
+    fp32 x and sums over the weight widened exactly); other dtypes, and inputs that need gradients, take the
+    reference."""
     if x.dtype != torch.float32 or (x.requires_grad and torch.is_grad_enabled()) or x.shape[-1] != w.shape[1]:
         y = F.linear(x, w.dense.to(x.dtype), bias)
-    elif w.half and cpu_decode.loaded() and x.numel() <= cpu_decode.GEMV_MAX_ROWS * x.shape[-1]:
+    elif w.half and cpu_decode.loaded() and x.numel() <= exact_rows * x.shape[-1]:
         y = torch.ops.kvtool_cpu.gemv(x.reshape(-1, x.shape[-1]).contiguous(), w.held, bias, None)
         y = y.reshape(*x.shape[:-1], w.shape[0])
     elif w.half:

@@ -27,8 +27,10 @@ def unsupported(runner) -> str | None:
 
 
 def _dense(w) -> torch.Tensor | None:
-    """The values `gemv` reads for a oneDNN-packed weight (its blocked bytes, else its dense fp32 or bf16 copy) or a
-    plain one; None for int4."""
+    """The fp32 values `gemv` reads for a oneDNN-packed weight (its blocked bytes, else its dense copy) or a plain one;
+    None for int4 and bf16."""
+    if isinstance(w, cpu_gemm.PackedWeight) and w.half:
+        return None  # oneDNN's bf16 GEMM at any row count (the head: ModelRunner.head)
     dense = (w.held if w.blocked is None else w.blocked) if isinstance(w, cpu_gemm.PackedWeight) else w
     return dense if isinstance(dense, torch.Tensor) and dense.is_contiguous() else None
 

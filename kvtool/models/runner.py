@@ -16,6 +16,7 @@ from kvtool.cache.kv import KVCache
 from kvtool.config import is_whole
 from kvtool.errors import InvalidParameterError
 from kvtool.kernels import cpu_gemm, quant
+from kvtool.kernels.cpu_decode import GEMV_MAX_ROWS
 from kvtool.models import cpu_prefill, cpu_step
 from kvtool.models.gemma3 import GemmaBackbone, is_gemma
 from kvtool.models.layers import AttentionTap, Backbone, RMSNorm, Tap
@@ -95,8 +96,8 @@ class ModelRunner(nn.Module):
         """Logits (fp32) of final hidden states h [..., hidden]."""
         if self._head_bf16 is not None:
             return quant.head_logits(h, self.output_weight, self._head_bf16, self._head_packed)
-        if self._head_packed is not None:
-            return cpu_gemm.packed_linear(h, self._head_packed).float()
+        if self._head_packed is not None:  # bf16: few rows in fp32 through the C++ gemv
+            return cpu_gemm.packed_linear(h, self._head_packed, exact_rows=GEMV_MAX_ROWS).float()
         return F.linear(h, self.output_weight).float()
 
     def decode_weight_bytes(self) -> int:

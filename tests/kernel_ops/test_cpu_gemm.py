@@ -215,8 +215,8 @@ bf16_runs = pytest.mark.skipif(cpu_gemm._op_works(torch.bfloat16) is not None,
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_a_bf16_packed_product_rounds_x_and_its_output_to_bf16(rows):
     """weights="bf16": the weight is held as its bf16 rounding; oneDNN multiplies x rounded to bf16 and rounds the
-    product to bf16; bias and residual are added in fp32. Few rows, with the C++ ops loaded: their gemv, in fp32
-    over the exact weight values (the logits of a prompt's last token, decode steps)."""
+    product to bf16; bias and residual are added in fp32. `exact_rows` (the head's few rows), with the C++ ops
+    loaded: their gemv, in fp32 over the exact weight values."""
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
     x, residual = torch.randn(rows, 64, generator=gen), torch.randn(rows, 96, generator=gen)
@@ -226,11 +226,11 @@ def test_a_bf16_packed_product_rounds_x_and_its_output_to_bf16(rows):
     ids = torch.tensor([0, 95, 7])
     assert torch.equal(half.rows(ids), weight.bfloat16().float()[ids])
     assert half.drop_dense() and half.held is not None  # nothing in fp32 to let go; the bf16 values stay
+    if rows <= cpu_decode.GEMV_MAX_ROWS and cpu_decode.unavailable() is None:  # the head's few rows: fp32
+        exact = cpu_gemm.packed_linear(x, half, bias, residual, exact_rows=rows)
+        torch.testing.assert_close(exact, torch.nn.functional.linear(x, half.dense, bias) + residual)
     got = cpu_gemm.packed_linear(x, half, bias, residual)
     assert got.dtype == torch.float32
-    if rows <= cpu_decode.GEMV_MAX_ROWS and cpu_decode.unavailable() is None:
-        torch.testing.assert_close(got, torch.nn.functional.linear(x, half.dense, bias) + residual)
-        return
     product = torch.nn.functional.linear(x.bfloat16().float(), half.dense)
     # the product was rounded to bf16 (2^-8 of itself at most) before bias and residual joined in fp32
     torch.testing.assert_close(got - bias - residual, product, atol=1e-4, rtol=2 ** -8)
@@ -250,9 +250,10 @@ def _bf16_checkpoint(family: str, folder):
 @bf16_runs
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
 def test_bf16_runners_hold_bf16_weights_once_and_follow_the_dense_model(tmp_path, family):
-    """kvtool.load(weights="bf16"): each projection and the head held once, in bf16 (oneDNN's copy for 5+ rows, the
-    plain bf16 values the decode gemv widens exactly); decode steps agree with a dense runner on the same values
-    to fp32 rounding, prefill (x rounded to bf16) to bf16's; the runner says so and refuses to move or reload."""
+    """kvtool.load(weights="bf16"): each projection and the head held once, in bf16 (oneDNN's copy, and the plain
+    bf16 values the head's gemv widens exactly); prefill and decode steps (x rounded to bf16) agree with a dense
+    runner on the same values to bf16's rounding, the head of a few rows to fp32's; the runner says so and refuses
+    to move or reload."""
     _bf16_checkpoint(family, tmp_path)
     half, dense = tiny_runner(family, tmp_path, weights="bf16"), tiny_runner(family, tmp_path)
     assert half.weights == "bf16" and half.precision == "float32/bf16" and half.held_once
@@ -266,11 +267,11 @@ def test_bf16_runners_hold_bf16_weights_once_and_follow_the_dense_model(tmp_path
     got, want = half.prefill(ids, caches[0], logits="all"), dense.prefill(ids, caches[1], logits="all")
     torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
-    caches = half.new_cache(), dense.new_cache()
-    half.prefill(ids, caches[0], chunk=1), dense.prefill(ids, caches[1], chunk=1)  # one row at a time: the gemv
-    for token in (3, 17, 5):
+    for token in (3, 17, 5):  # decode steps: the projections in bf16 too
         torch.testing.assert_close(half(torch.tensor([token]), caches[0]), dense(torch.tensor([token]), caches[1]),
-                                   atol=1e-4, rtol=1e-4)
+                                   atol=0.05, rtol=0.05)
+    h = torch.randn(2, half.spec.hidden_size, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(half.head(h), dense.head(h), atol=1e-4, rtol=1e-4)  # the head's few rows: fp32
     with pytest.raises(ValueError, match="holds its packed weights once"):
         half.to(torch.float64)
     with pytest.raises(ValueError, match="in bf16"):
