@@ -125,8 +125,8 @@ def weights_copy(bm, weights: str):
     runner = bm.runner
     if runner.device.type != "cpu" or runner.weights != "dense" or runner.dtype != torch.float32:
         return None
-    if (quant.unsupported if weights == "int4" else cpu_gemm.unsupported)(runner.output_weight, *(
-            () if weights == "int4" else (torch.bfloat16,))):
+    weight = runner.output_weight
+    if quant.unsupported(weight) if weights == "int4" else cpu_gemm.unsupported(weight, torch.bfloat16):
         return None
     return build_runner(runner.spec, bm.model.hf_config, bm.model.folder, runner.device, runner.dtype,
                         progress=False, weights=weights)
