@@ -1,6 +1,7 @@
 """--weights int4: projections in 4 bits for CPU decode, tested against the dense model they stand for."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -11,8 +12,8 @@ from kvtool.config import EngineConfig
 from kvtool.engine import Engine
 from kvtool.engine.static import StaticDecoder
 from kvtool.errors import ModelLoadError
-from kvtool.kernels import cpu_decode
-from kvtool.kernels.quant import MAX_ROWS
+from kvtool.kernels import cpu_decode, cpu_gemm
+from kvtool.kernels.quant import BF16_WIDE_MAX_ROWS, MAX_ROWS
 from kvtool.kernels.quant import Int4Linear, Int4Weight
 from kvtool.models.loading import check_weights
 from kvtool.testing.tiny import tiny_checkpoint, tiny_runner
@@ -29,15 +30,21 @@ def pair(request, tmp_path_factory):
     """(int4 runner, dense runner holding the int4 runner's grid values) of one tiny family."""
     folder = tmp_path_factory.mktemp(request.param)
     tiny_checkpoint(request.param, folder)
-    packed = tiny_runner(request.param, folder, weights="int4")
+    packed = tiny_runner(request.param, folder, weights="int4", dense_copies=True)
     dense = tiny_runner(request.param, folder, dense_copies=True)
     dense.load_state_dict(packed.state_dict())
     return packed, dense
 
 
+def wide_in_bf16(runner) -> bool:
+    """Whether the runner's products of many rows run on oneDNN's bf16 GEMM (where this CPU has it)."""
+    return runner.model.layers[0].mlp._wgu.wide is not None and runner.model.layers[0].mlp._wgu.wide.half
+
+
 def test_every_projection_is_packed_and_the_hf_names_stay_views_of_it(pair):
     packed, _ = pair
-    assert packed.weights == "int4" and packed.precision == "float32/int4"
+    assert wide_in_bf16(packed) == (cpu_gemm._op_works(torch.bfloat16) is None)
+    assert packed.weights == "int4" and packed.precision == "float32/int4" + "+bf16" * wide_in_bf16(packed)
     for layer in packed.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         assert isinstance(attn._wqkv, Int4Weight) and isinstance(mlp._wgu, Int4Weight)
@@ -63,11 +70,30 @@ def test_decode_weight_bytes_count_what_a_step_reads(pair):
 
 
 def test_prefill_is_the_dense_model_of_the_grid_values(pair):
+    """Exactly with an fp32 copy for the products of many rows; within bf16's rounding with a bf16 one."""
     packed, dense = pair
     ids = random_ids(packed, 40)
     got = packed.prefill(ids, packed.new_cache(), logits="all")
     want = dense.prefill(ids, dense.new_cache(), logits="all")
-    assert torch.equal(got, want)
+    if wide_in_bf16(packed):
+        assert not torch.equal(got, want) and (got - want).abs().max() <= 0.03 * want.abs().max()
+    else:
+        assert torch.equal(got, want)
+
+
+def test_without_onednn_bf16_the_wide_products_are_the_grid_values_exactly(tmp_path, monkeypatch):
+    """On CPUs whose oneDNN has no bf16 GEMM (AVX2) the copy for many rows is fp32: prefill is the dense grid model."""
+    monkeypatch.setattr(cpu_gemm, "_op_works", lambda dtype=torch.float32: None if dtype == torch.float32 else "no")
+    tiny_checkpoint("qwen2", tmp_path)
+    packed = tiny_runner("qwen2", tmp_path, weights="int4", dense_copies=True)
+    dense = tiny_runner("qwen2", tmp_path, dense_copies=True)
+    dense.load_state_dict(packed.state_dict())
+    assert not wide_in_bf16(packed) and packed.precision == "float32/int4"
+    wqkv = packed.model.layers[0].self_attn._wqkv
+    assert wqkv.wide.dense.data_ptr() == wqkv.dense.data_ptr()  # the fp32 copy is the dense values themselves
+    ids = random_ids(packed, 40)
+    assert torch.equal(packed.prefill(ids, packed.new_cache(), logits="all"),
+                       dense.prefill(ids, dense.new_cache(), logits="all"))
 
 
 def test_decode_steps_run_the_int4_kernel_close_to_the_dense_grid_model(pair):
@@ -95,6 +121,32 @@ def test_static_fast_path_matches_the_reference_path_with_int4(pair):
         assert (fast - ref).abs().max() <= 0.03 * ref.abs().max(), f"step {step}"
         tok = int(ref.argmax(-1))
     dec.store(cache)
+
+
+@pytest.mark.parametrize("half", [True, False], ids=["bf16-wide", "fp32-wide"])
+def test_held_once_the_codes_stand_for_the_dense_values(tmp_path, monkeypatch, half):
+    """kvtool.load keeps no dense fp32 projections beside an int4 runner's oneDNN copies: `dense` is made from the
+    codes bit for bit, and the runner computes exactly what one holding its dense copies does."""
+    if not half:
+        monkeypatch.setattr(cpu_gemm, "_op_works", lambda dtype=torch.float32: None if dtype == torch.float32 else "no")
+    elif cpu_gemm._op_works(torch.bfloat16) is not None:
+        pytest.skip("oneDNN's bf16 GEMM does not run on this CPU")
+    tiny_checkpoint("qwen3", tmp_path)
+    once = tiny_runner("qwen3", tmp_path, weights="int4")
+    copies = tiny_runner("qwen3", tmp_path, weights="int4", dense_copies=True)
+    assert once.held_once and not copies.held_once and wide_in_bf16(once) == half
+    for a, b in zip(once.model.layers, copies.model.layers):
+        assert a.self_attn._wqkv.held is None and a.mlp.down_proj.packed.held is None
+        assert a.self_attn.q_proj.weight is None and a.mlp.down_proj.weight is None  # no HF-named fp32 copies
+        assert torch.equal(a.mlp._wgu.dense, b.mlp._wgu.dense) and torch.equal(a.self_attn._wqkv.dense,
+                                                                                 b.self_attn._wqkv.dense)
+    ids = random_ids(once, 30, seed=4)
+    caches = once.new_cache(), copies.new_cache()
+    assert torch.equal(once.prefill(ids, caches[0], logits="all"), copies.prefill(ids, caches[1], logits="all"))
+    for token in random_ids(once, 4, seed=5):
+        assert torch.equal(once(torch.tensor([token]), caches[0]), copies(torch.tensor([token]), caches[1]))
+    with pytest.raises(ValueError, match="cannot be moved"):
+        once.to(torch.float64)
 
 
 def test_packing_twice_is_a_no_op_and_unfused_runners_are_refused(tmp_path, monkeypatch):
@@ -134,8 +186,9 @@ def smollm2_int4():
 @pytest.mark.real_model
 def test_smollm2_int4_stays_close_to_the_dense_model(smollm2, smollm2_int4):
     prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "Name three rivers in Europe."}]))
-    fid = weights_fidelity(smollm2.runner, smollm2_int4.runner, prompt, 32)
+    fid = weights_fidelity(smollm2.runner, smollm2_int4.runner, prompt, 32, prefill=True)
     assert fid["top1_agreement"] >= 0.9 and fid["kl_mean"] <= 0.005, fid
+    assert fid["prefill_top1_agreement"] >= 0.9, fid  # the products of many rows (oneDNN's copy, bf16 on AMX)
     assert fid["kl_mean"] > 0  # the packed model is not the dense one
 
 
@@ -176,10 +229,10 @@ def test_blocks_and_fingerprints_tell_int4_from_dense(smollm2, smollm2_int4):
     from kvtool.skills.block import compile_ids, setup_of
 
     dense_setup, packed_setup = setup_of(smollm2), setup_of(smollm2_int4)
-    assert dense_setup["dtype"] == "float32" and packed_setup["dtype"] == "float32/int4"
+    int4 = smollm2_int4.runner.precision
+    assert dense_setup["dtype"] == "float32" and packed_setup["dtype"] == int4 and int4.startswith("float32/int4")
     block = compile_ids(smollm2.runner, smollm2.encode("A short skill."), dense_setup, "short")
-    with pytest.raises(CacheFormatError, match=r"dtype: block has 'float32', this model has "
-                                               r"'float32/int4'"):
+    with pytest.raises(CacheFormatError, match=re.escape(f"dtype: block has 'float32', this model has '{int4}'")):
         block.check_setup(packed_setup)
 
 
@@ -192,7 +245,9 @@ def test_cli_info_and_generate_take_weights_int4(capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["weights"] == "int4" and 100e6 < info["decode_weight_bytes"] < 150e6  # dense: 538 MB
     kernel = "C++ gemv_q4" if cpu_decode.unavailable() is None else "torch's int4 kernel"
-    assert info["matmuls"] == f"int4 ({kernel}) up to {MAX_ROWS} rows, oneDNN packed above"
+    half = cpu_gemm._op_works(torch.bfloat16) is None
+    most = BF16_WIDE_MAX_ROWS if half else MAX_ROWS
+    assert info["matmuls"] == f"int4 ({kernel}) up to {most} rows, oneDNN packed{' bf16' * half} above"
     assert main(["info", "--model", str(smollm2_gguf()), "--weights", "int4", "--forward", "reference", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["decode_steps"] == "reference forward"
     assert main(["generate", "Rivers of Europe:", "--model", str(smollm2_gguf()), "--weights", "int4",
@@ -210,7 +265,7 @@ def test_server_runs_int4_and_says_so(smollm2_int4):
     srv = BackgroundServer(create_app(smollm2_int4, server_config=ServerConfig())).start()
     try:
         with httpx.Client(base_url=srv.base_url, timeout=120) as client:
-            assert client.get("/v1/models").json()["data"][0]["precision"] == "float32/int4"
+            assert client.get("/v1/models").json()["data"][0]["precision"].startswith("float32/int4")
             r = client.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "What is the capital of France?"}],
                 "temperature": 0, "max_tokens": 24}).json()

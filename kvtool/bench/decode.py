@@ -221,7 +221,7 @@ def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
     fidelity = {}
     if packed is not None:
         rows["decode_tok_s_int4"] = {"kvtool": decode["kvtool int4"]}
-        fidelity["int4_fidelity"] = weights_fidelity(runner, packed, prompt, n)
+        fidelity["int4_fidelity"] = weights_fidelity(runner, packed, prompt, n, prefill=True)
         del packed
     if half is not None:
         rows["decode_tok_s_bf16"] = {"kvtool": decode["kvtool bf16"]}

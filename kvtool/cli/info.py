@@ -17,7 +17,11 @@ def register(subparsers) -> None:
 
 def describe(model) -> dict:
     s = model.spec
-    held_once = [w for w in model.runner._packed_weights() if w.held is None or w.half]  # not module parameters
+    from kvtool.kernels.quant import Int4Weight
+
+    runner, bf16 = model.runner, model.runner.weights == "bf16"
+    held_once = [w for w in runner._packed_weights() if w.held is None or bf16]  # not module parameters
+    held_once += [w for w, _ in runner._weight_slots() if isinstance(w, Int4Weight) and w.held is None]
     params = sum(p.numel() for p in model.runner.parameters()) + sum(w.shape.numel() for w in held_once)
     return {
         "model": model.name, "folder": str(model.folder), "family": s.model_type,
@@ -35,13 +39,15 @@ def describe(model) -> dict:
 
 def matmul_path(runner) -> str:
     from kvtool.kernels import cpu_decode
-    from kvtool.kernels.quant import MAX_ROWS
+    from kvtool.kernels.quant import BF16_WIDE_MAX_ROWS, MAX_ROWS
 
-    dense = "oneDNN packed" if runner.cpu_gemm_packed else "torch F.linear"
+    half = runner.cpu_gemm_packed and runner._head_packed.half
+    dense = ("oneDNN packed" + " bf16" * half) if runner.cpu_gemm_packed else "torch F.linear"
     if runner.weights == "bf16":
         return "oneDNN packed bf16 (x and products rounded to bf16); the head's few rows in the C++ gemv (fp32 x)"
     kernel = "C++ gemv_q4" if cpu_decode.loaded() else "torch's int4 kernel"
-    return dense if runner.weights == "dense" else f"int4 ({kernel}) up to {MAX_ROWS} rows, {dense} above"
+    most = BF16_WIDE_MAX_ROWS if half else MAX_ROWS
+    return dense if runner.weights == "dense" else f"int4 ({kernel}) up to {most} rows, {dense} above"
 
 
 def run(args) -> int:

@@ -46,7 +46,7 @@ class PackedWeight:
 
     def __init__(self, dense: torch.Tensor, packed: torch.Tensor):
         self.held: torch.Tensor | None = dense
-        self.shape = dense.shape
+        self.shape, self.dtype = dense.shape, dense.dtype
         self.packed = packed
 
     @property
@@ -59,13 +59,15 @@ class PackedWeight:
 
     @property
     def half(self) -> bool:
-        return self.held is not None and self.held.dtype == torch.bfloat16
+        return self.dtype == torch.bfloat16
 
     @property
     def dense(self) -> torch.Tensor:
         """The [N, K] fp32 values: the held copy (widened from bf16), or a new one made from the blocked bytes."""
         if self.held is not None:
             return self.held.float()
+        if self.blocked is None:
+            raise ValueError("this packed weight holds only oneDNN's opaque copy; its values are kept elsewhere")
         return self.blocked.transpose(1, 2).reshape(self.shape)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

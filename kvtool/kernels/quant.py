@@ -12,10 +12,15 @@ The codes come from round-to-nearest between the group's min and max, then scale
 refit by least squares and rounded to bf16. GGUF Q4_0/Q4_1 weights already sit on such a grid, so
 for them the re-quantization only rounds scale and zero to bf16. Against SmolLM2's Q4_1 weights that
 moves a weight by 0.17% of its norm (min/max alone: 0.39%). GGUF Q5_0/Q6_K weights lose real
-precision. Every packed weight keeps `dense`, the exact values it stands for, in the model's dtype.
-Calls with more than MAX_ROWS rows (prefill, many streams) multiply by it, through `wide` (the same
-values packed for oneDNN, kvtool.kernels.cpu_gemm) when ModelRunner.quantize_int4 made one; the
-fp32 reference multiplies by `dense` too.
+precision. Every packed weight stands for `dense`, the exact values of its grid, in the model's dtype
+(held, or made from the codes once ModelRunner.hold_weights_once dropped them). Calls with more than
+MAX_ROWS rows (prefill, many streams; BF16_WIDE_MAX_ROWS with a bf16 `wide`) multiply by `wide`, the
+same values packed for oneDNN (kvtool.kernels.cpu_gemm) when ModelRunner.quantize_int4 made one, else
+by `dense`; the fp32 reference multiplies by `dense`. `wide` is in bf16 where oneDNN's bf16 GEMM runs
+(AMX or AVX-512 BF16; wide_dtype), as `weights="bf16"` is: x, the weights and the product rounded to
+bf16, so prefill and batched decode run ~2x faster and the copy is half the size; in fp32 elsewhere
+(AVX2), where it multiplies by the grid values exactly. The runner's precision then reads
+"float32/int4+bf16", so KV computed either way is never mixed.
 
 Two kernels take the products of up to MAX_ROWS rows. Once the C++ decode ops are loaded
 (kvtool.kernels.cpu_decode; kvtool.load loads them for CPU models), `gemv_q4`: x goes in at 16 bits
@@ -52,6 +57,10 @@ GROUP = 32
 # on two, in Qwen2.5's and SmolLM2's shapes; at 5 rows 0.82-1.17x; at 6 and 8 rows 0.64-1.11x, mostly ~0.8x.
 # An older measure over SmolLM2 on two cores had them even at 8 rows).
 MAX_ROWS = 4
+# Against oneDNN's bf16 GEMM (AMX), where `wide` is bf16, gemv_q4 wins up to 3 rows: Qwen2.5's four shapes, six
+# distinct weights each, one thread (two): 0.44 (0.38-0.43) of its time at 1 row, 0.72-0.78 (0.66-0.76) at 2,
+# 0.97-1.04 (0.90-1.01) at 3, 1.25-1.28 (1.12-1.19) at 4. Three rows stay with the int4 kernel, in one C++ call.
+BF16_WIDE_MAX_ROWS = 3
 EXACT_TOP = 64  # head logits recomputed in fp32 per row
 # torch's bf16 head pass reads the whole head once per row on AVX2 (no bf16 dot instructions), so with a
 # oneDNN-packed dense head at hand it only pays at one row: SmolLM2's head took 4.7 ms against 5.3 dense
@@ -61,22 +70,51 @@ HALF_HEAD_MAX_ROWS = 1
 
 @dataclass
 class Int4Weight:
-    """dense [N, K] in the model's dtype; packed [N, K/2] uint8 in torch's tiled layout and scales_zeros
-    [K/32, N, 2] bf16 for torch's kernel; the same codes row by row (codes [N, K/2]: byte 16g + i holds
-    column 32g + i in its low nibble, column 32g + 16 + i in its high one) and scale_zero [N, 2, K/32] bf16
-    for the C++ decode ops' gemv_q4 (kvtool.kernels.cpu_decode)."""
+    """held: the dense [N, K] values in the model's dtype (None once ModelRunner.hold_weights_once dropped them:
+    `dense` then makes them anew from the codes, exactly); packed [N, K/2] uint8 in torch's tiled layout and
+    scales_zeros [K/32, N, 2] bf16 for torch's kernel; the same codes row by row (codes [N, K/2]: byte 16g + i
+    holds column 32g + i in its low nibble, column 32g + 16 + i in its high one) and scale_zero [N, 2, K/32]
+    bf16 for the C++ decode ops' gemv_q4 (kvtool.kernels.cpu_decode)."""
 
-    dense: torch.Tensor
+    held: torch.Tensor | None
     packed: torch.Tensor
     scales_zeros: torch.Tensor
     codes: torch.Tensor
     scale_zero: torch.Tensor
-    wide: cpu_gemm.PackedWeight | None = None  # dense, packed for oneDNN: the product above MAX_ROWS rows
+    wide: cpu_gemm.PackedWeight | None = None  # dense, packed for oneDNN (fp32 or bf16): the products of many rows
+
+    @property
+    def dense(self) -> torch.Tensor:
+        """The [N, K] values the grid stands for: the held copy, or fp32 values made from the codes."""
+        return self.held if self.held is not None else unpack(self.codes, self.scale_zero)
+
+    @dense.setter
+    def dense(self, value: torch.Tensor) -> None:
+        self.held = value
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.codes.shape[0], self.codes.shape[1] * 2))
 
     @property
     def nbytes(self) -> int:
         """Bytes one small-batch product reads."""
         return self.packed.numel() + self.scales_zeros.numel() * 2
+
+
+def unpack(codes: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """The fp32 [N, K] values of codes [N, K/2] and scale_zero [N, 2, K/32]: (q - 8) * scale + zero, computed as
+    quantize_int4 computed them, so bit for bit the values it packed."""
+    n, groups = codes.shape[0], scale_zero.shape[-1]
+    pairs = codes.reshape(n, groups, GROUP // 2)
+    q = torch.cat([pairs & 15, pairs >> 4], -1).float()  # [N, K/32, 32]
+    scale, zero = scale_zero.float().unbind(1)  # [N, K/32] each
+    return ((q - 8) * scale[..., None] + zero[..., None]).reshape(n, groups * GROUP)
+
+
+def kernel_takes(w: Int4Weight, rows: int) -> bool:
+    """Whether a product of `rows` rows runs an int4 kernel (else `wide`, or `dense`)."""
+    return rows <= (BF16_WIDE_MAX_ROWS if w.wide is not None and w.wide.half else MAX_ROWS)
 
 
 def unsupported(weight: torch.Tensor) -> str | None:
@@ -88,6 +126,14 @@ def unsupported(weight: torch.Tensor) -> str | None:
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return f"torch {torch.__version__} has no CPU int4 kernel (_weight_int4pack_mm_for_cpu)"
     return None
+
+
+def wide_dtype(weight: torch.Tensor) -> torch.dtype | None:
+    """The dtype of the oneDNN copy for products of more than MAX_ROWS rows: bf16 where oneDNN's bf16 GEMM runs,
+    else fp32 where its fp32 one does, else None (F.linear over `dense`)."""
+    if cpu_gemm.unsupported(weight) is not None:
+        return None
+    return torch.bfloat16 if cpu_gemm.unsupported(weight, torch.bfloat16) is None else torch.float32
 
 
 def quantize_int4(weight: torch.Tensor) -> Int4Weight:
@@ -117,18 +163,20 @@ def quantize_int4(weight: torch.Tensor) -> Int4Weight:
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W.T + bias in x's dtype: for up to MAX_ROWS rows an int4 kernel, for more the dense
-    values. The kernel is the C++ ops' gemv_q4 once they are loaded (x in 16 bits per group of 32, sums in
-    fp32), else torch's (x rounded to bf16, sums in fp32, output rounded to bf16)."""
+    """x [..., K] @ W.T + bias in x's dtype: for up to MAX_ROWS rows (BF16_WIDE_MAX_ROWS with a bf16 `wide`)
+    an int4 kernel, for more the dense values. The kernel is the C++ ops' gemv_q4 once they are loaded (x in
+    16 bits per group of 32, sums in fp32), else torch's (x rounded to bf16, sums in fp32, output in bf16)."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] > MAX_ROWS:
-        return F.linear(x, w.dense, bias) if w.wide is None else cpu_gemm.packed_linear(x, w.wide, bias)
+    if not kernel_takes(w, rows.shape[0]):
+        if w.wide is None or x.dtype != torch.float32 or (x.requires_grad and torch.is_grad_enabled()):
+            return F.linear(x, w.dense.to(x.dtype), bias)
+        return cpu_gemm.packed_linear(x, w.wide, bias)
     if cpu_decode.loaded():
         y = torch.ops.kvtool_cpu.gemv_q4(rows.float().contiguous(), w.codes, w.scale_zero,
                                          None if bias is None else bias.float(), None)
-        return y.to(x.dtype).reshape(*x.shape[:-1], w.dense.shape[0])
+        return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.bfloat16(), w.packed, GROUP, w.scales_zeros)
-    y = y.to(x.dtype).reshape(*x.shape[:-1], w.dense.shape[0])
+    y = y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
     return y if bias is None else y + bias
 
 

@@ -75,7 +75,7 @@ class DecodeStep:
     def layer_args(self, rows: int) -> tuple | None:
         """(norms, mats, qkv_bias, qk_norms, eps, qk_eps, q4) for ops.layers, which runs every layer in one call,
         when each product of `rows` rows runs in C++ (every weight dense and taken by gemv_takes, or every
-        weight int4 and rows <= quant.MAX_ROWS) and the layers share their RMSNorm eps; else None."""
+        weight int4 and quant.kernel_takes it) and the layers share their RMSNorm eps; else None."""
         kind = (min(rows, GEMV_MAX_ROWS + 1), rows <= quant.MAX_ROWS)
         if kind not in self._layer_args:
             self._layer_args[kind] = self._gather_layer_args(rows)
@@ -86,7 +86,7 @@ class DecodeStep:
         for layer in self.runner.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             weights = (attn._wqkv, _weight(attn.o_proj), mlp._wgu, _weight(mlp.down_proj))
-            if all(isinstance(w, quant.Int4Weight) for w in weights) and rows <= quant.MAX_ROWS:
+            if all(isinstance(w, quant.Int4Weight) and quant.kernel_takes(w, rows) for w in weights):
                 kinds.add("q4")
                 mats += [t for w in weights for t in (w.codes, w.scale_zero)]
             else:

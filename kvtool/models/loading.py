@@ -234,6 +234,8 @@ def build_runner(spec: ModelSpec, hf_config, folder: Path, device: torch.device,
             runner.quantize_int4()
         except ValueError as exc:
             raise ModelLoadError(f"cannot pack {folder.name} in int4: {exc}") from None
+        if not dense_copies:
+            runner.hold_weights_once()  # the codes stand for the dense values
     elif device.type == "cpu" and (packed or weights == "bf16"):
         try:
             # oneDNN's packed GEMM where it runs (fp32; plain F.linear otherwise), and only its copy of each weight

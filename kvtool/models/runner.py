@@ -58,9 +58,11 @@ class ModelRunner(nn.Module):
 
     @property
     def precision(self) -> str:
-        """The dtype, plus "/int4" or "/bf16" for packed projections: what the KV computed here depends on."""
+        """The dtype, plus "/int4" or "/bf16" for packed projections ("/int4+bf16" where int4's products of many
+        rows run in bf16): what the KV computed here depends on."""
         dtype = str(self.dtype).replace("torch.", "")
-        return dtype if self.weights == "dense" else f"{dtype}/{self.weights}"
+        wide = "+bf16" if self.weights == "int4" and self._head_packed is not None and self._head_packed.half else ""
+        return dtype if self.weights == "dense" else f"{dtype}/{self.weights}{wide}"
 
     @property
     def device(self) -> torch.device:
@@ -69,7 +71,7 @@ class ModelRunner(nn.Module):
     @property
     def output_weight(self) -> torch.Tensor:
         """The head's [V, hidden] values (made anew, exactly, where hold_weights_once() dropped them)."""
-        if self._head_packed is not None and (self._head_packed.held is None or self._head_packed.half):
+        if self._head_packed is not None and (self._head_packed.held is None or self.weights == "bf16"):
             return self._head_packed.dense
         return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
 
@@ -118,10 +120,10 @@ class ModelRunner(nn.Module):
         """Pack every projection in 4 bits and copy the head to bf16 for CPU decode (kvtool.kernels.quant).
 
         Needs fuse() first. Each dense weight is overwritten in place with the values its 4-bit grid
-        stands for, so prefill (dense GEMMs) and decode (int4 kernel) multiply by the same weights
-        and the HF-named parameters stay views of them. The dense head stays as it is; decode's
-        highest logits are recomputed from it. Where oneDNN runs (kvtool.kernels.cpu_gemm), products of
-        more than quant.MAX_ROWS rows go through packed copies of the dense values and head.
+        stands for, so prefill and decode multiply by the same weights and the HF-named parameters stay
+        views of them. The dense head stays as it is; decode's highest logits are recomputed from it. Where
+        oneDNN runs (kvtool.kernels.cpu_gemm), products of more than quant.MAX_ROWS rows go through packed
+        copies of those values and of the head, in bf16 where oneDNN's bf16 GEMM runs (quant.wide_dtype).
         """
         if self.weights == "int4":
             return
@@ -136,21 +138,24 @@ class ModelRunner(nn.Module):
                 if reason:
                     raise ValueError(reason)
 
-        wide = cpu_gemm.unsupported(self.output_weight) is None  # oneDNN for the products of many rows
+        wide = quant.wide_dtype(self.output_weight)  # oneDNN's, for the products of many rows
 
         def snap(weight: torch.Tensor) -> quant.Int4Weight:
             packed = quant.quantize_int4(weight)
             weight.copy_(packed.dense)
             packed.dense = weight
-            packed.wide = cpu_gemm.pack(weight) if wide else None
+            packed.wide = cpu_gemm.pack(weight, wide) if wide else None
+            if packed.wide is not None and packed.wide.half:
+                packed.wide.held = None  # oneDNN's bf16 copy is all the product needs; `dense` keeps the values
             return packed
 
         for attn, mlp in pairs:
             attn._wqkv, mlp._wgu = snap(attn._wqkv), snap(mlp._wgu)
             attn.o_proj = quant.Int4Linear(attn.o_proj, snap(attn.o_proj.weight))
             mlp.down_proj = quant.Int4Linear(mlp.down_proj, snap(mlp.down_proj.weight))
-        self._head_bf16 = self.output_weight.detach().bfloat16().contiguous()
-        self._head_packed = cpu_gemm.pack(self.output_weight) if wide else None
+        self._head_packed = cpu_gemm.pack(self.output_weight, wide) if wide else None
+        half = self._head_packed is not None and self._head_packed.half  # then its bf16 values serve few rows too
+        self._head_bf16 = self._head_packed.held if half else self.output_weight.detach().bfloat16().contiguous()
         self._weights_replaced()
 
     @property
@@ -211,16 +216,25 @@ class ModelRunner(nn.Module):
     @torch.inference_mode()
     def hold_weights_once(self) -> int:
         """Drop the dense copy of every packed weight whose oneDNN bytes the decode gemv reads as well
-        (kvtool.kernels.cpu_gemm): the HF-named parameters they back leave the module (a tied embedding reads
-        the head's rows) and `dense` values are made on demand. The runner can no longer be moved or take a
-        state dict. Returns the bytes let go; kvtool.load calls it after pack_cpu_gemm()."""
+        (kvtool.kernels.cpu_gemm), and of every int4 projection with a oneDNN copy for its wide products (its
+        codes stand for the values exactly): the HF-named parameters they back leave the module (a tied
+        embedding reads the head's rows) and `dense` values are made on demand. The runner can no longer be
+        moved or take a state dict. Returns the bytes let go; kvtool.load calls it after packing."""
         freed = 0
         for weight, modules in self._weight_slots():
-            if isinstance(weight, cpu_gemm.PackedWeight) and weight.drop_dense():
-                freed += weight.nbytes
-                for module in modules:
-                    module.weight = None
+            if isinstance(weight, quant.Int4Weight):  # its values are made from the codes once no oneDNN copy holds them
+                drop = weight.held is not None and weight.wide is not None and (
+                    weight.wide.held is None or weight.wide.drop_dense())
+                freed += weight.held.numel() * weight.held.element_size() if drop else 0
+                weight.held = None if drop else weight.held
+            else:
+                drop = isinstance(weight, cpu_gemm.PackedWeight) and weight.drop_dense()
+                freed += weight.nbytes if drop else 0
+            for module in modules if drop else ():
+                module.weight = None
         head, tied = self._head_packed, self.spec.tie_word_embeddings
+        if self.weights == "int4":  # the dense head stays: decode's top logits and the embedding read it
+            head = None
         if head is not None and (not tied or type(self.model.embed_tokens) is nn.Embedding) and head.drop_dense():
             freed += head.nbytes
             if tied:
@@ -247,6 +261,8 @@ class ModelRunner(nn.Module):
     @torch.inference_mode()
     def _repack_cpu_gemm(self) -> None:
         """load_state_dict() copied new values into the dense weights: the packed copies follow."""
+        if self.weights == "int4":  # the codes and oneDNN copies would keep the old values
+            raise ValueError("this runner's projections are packed in int4; load the model anew")
         if self.held_once or self.weights == "bf16":
             raise ValueError(f"this runner holds its packed weights once{' in bf16' * (self.weights == 'bf16')} "
                              "(hold_weights_once()); load the model anew")

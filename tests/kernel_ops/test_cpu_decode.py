@@ -375,7 +375,9 @@ def test_plain_and_int4_matmuls_decode_through_the_ops_and_bf16_says_why_not(tmp
         torch.testing.assert_close(fast[1], ref[1], atol=atol, rtol=1e-4)
         assert runner.use_cpu_decode(True) is None
         assert "kvtool_cpu::layers" in ops_of(lambda: runner.forward([5], fast[2]))
-    most = [int4.new_cache(8) for _ in range(quant.MAX_ROWS + 1)]  # gemv_q4 takes up to MAX_ROWS rows in one call
+    wgu = int4.model.layers[0].mlp._wgu  # gemv_q4 takes up to MAX_ROWS rows in one call (3 beside oneDNN's bf16)
+    limit = quant.BF16_WIDE_MAX_ROWS if wgu.wide is not None and wgu.wide.half else quant.MAX_ROWS
+    most = [int4.new_cache(8) for _ in range(limit + 1)]
     for cache in most:
         int4.prefill([3, 4], cache)
     assert "kvtool_cpu::layers" in ops_of(lambda: int4.forward_batch([([5], cache) for cache in most[1:]]))
