@@ -120,8 +120,8 @@ class ModelRunner(nn.Module):
         """Pack every projection in 4 bits and copy the head to bf16 for CPU decode (kvtool.kernels.quant).
 
         Needs fuse() first. Each dense weight is overwritten in place with the values its 4-bit grid
-        stands for, so prefill and decode multiply by the same weights and the HF-named parameters stay
-        views of them. The dense head stays as it is; decode's highest logits are recomputed from it. Where
+        stands for, so prefill and decode multiply by the same weights and the HF-named parameters are views
+        of them (until hold_weights_once()). The dense head stays; decode's top logits are made from it. Where
         oneDNN runs (kvtool.kernels.cpu_gemm), products of more than quant.MAX_ROWS rows go through packed
         copies of those values and of the head, in bf16 where oneDNN's bf16 GEMM runs (quant.wide_dtype).
         """
