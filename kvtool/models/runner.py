@@ -222,7 +222,7 @@ class ModelRunner(nn.Module):
         moved or take a state dict. Returns the bytes let go; kvtool.load calls it after packing."""
         freed = 0
         for weight, modules in self._weight_slots():
-            if isinstance(weight, quant.Int4Weight):  # its values are made from the codes once no oneDNN copy holds them
+            if isinstance(weight, quant.Int4Weight):  # its codes make its values once no oneDNN copy holds them
                 drop = weight.held is not None and weight.wide is not None and (
                     weight.wide.held is None or weight.wide.drop_dense())
                 freed += weight.held.numel() * weight.held.element_size() if drop else 0
