@@ -35,8 +35,8 @@ class EngineConfig:
     # long one step stalls running streams; a later chunk attends over all earlier keys
     max_running: int = 16  # requests the scheduler batches in each step (kvtool serve --max-active sets it)
     kv_bytes: int | None = None  # KV of the running requests; beyond it the newest is preempted (and recomputed
-    # later). None: a quarter of the memory available at first use, at most 16 GiB (kvtool.cache.manager)
-    cache_bytes: int | None = None  # prefix-cache byte budget; None = a fraction of free memory
+    # later). None: half the engine's KV memory budget (half the memory available, at most 32 GiB; Engine.memory)
+    cache_bytes: int | None = None  # the prefix cache's byte budget; None: the budget's other half
     prefix_block: int = 16  # tokens per prefix-cache block
     enable_prefix_cache: bool = True
     cache_file: str | None = None  # a .kvc file: the prefix cache is loaded from it (if it exists) and saved to it
@@ -44,7 +44,6 @@ class EngineConfig:
     # cpu-ops (refused where the ops cannot run); the model is loaded with it (kvtool.load(forward=...))
     fast_decode: str = "auto"  # static-shape decode (CUDA graphs on CUDA): auto (CUDA only) | on | off
     static_max_tokens: int = 8192  # the fast path's KV slots; longer requests take the reference path
-    static_kv_bytes: int | None = None  # batched fast path's K/V buffers; None: 25% of free device memory
     skills_dir: str | None = None  # a skills folder: compile its blocks and splice them into prompts
     skill_repair: str = "recompute_attended:ratio=0.1"  # how spliced blocks are repaired (kvtool.skills.repair)
     skill_preamble: str = "deep:tokens=2048"  # what blocks are compiled after (kvtool.skills.preamble)
@@ -58,8 +57,7 @@ class EngineConfig:
         for name, optional, least in (("prefill_chunk", False, 1), ("prefix_block", False, 1),
                                       ("max_running", False, 1), ("kv_bytes", True, 1),
                                       ("static_max_tokens", False, 1), ("cache_bytes", True, 0),
-                                      ("skill_min_tokens", False, 0),
-                                      ("static_kv_bytes", True, 1)):
+                                      ("skill_min_tokens", False, 0)):
             value = getattr(self, name)
             if not (optional and value is None) and not is_whole(value, least):
                 bad(name, f"must be an integer >= {least}" + (" or None" if optional else ""))

@@ -197,11 +197,11 @@ def test_static_kv_buffers_stay_inside_their_byte_budget(smollm2):
 
     s = smollm2.runner.spec
     per_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * 4  # fp32
-    engine = Engine(smollm2, EngineConfig(fast_decode="on", static_kv_bytes=4 * 700 * per_token))
+    engine = Engine(smollm2, EngineConfig(fast_decode="on", kv_bytes=4 * 700 * per_token))  # the running share
     dec = engine.batched_static_decoder(4)
     assert engine.batched_static_decoder(4) is dec  # kept: later schedulers reuse buffers and graphs
     assert dec.max_len == 512  # 700 tokens per slot, rounded down to whole 256-token buckets
     assert sum(k.numel() * k.element_size() for k in dec.k + dec.v) <= 4 * 700 * per_token
-    assert Engine(smollm2, EngineConfig(fast_decode="on", static_kv_bytes=per_token * 100)).batched_static_decoder(4) \
+    assert Engine(smollm2, EngineConfig(fast_decode="on", kv_bytes=per_token * 100)).batched_static_decoder(4) \
         is None
     assert Engine(smollm2, EngineConfig(fast_decode="off")).batched_static_decoder(4) is None

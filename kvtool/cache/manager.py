@@ -43,8 +43,8 @@ from kvtool.config import is_whole
 from kvtool.errors import InvalidParameterError, PrefixCacheWarning
 from kvtool.ids import as_token_ids
 
-DEFAULT_BUDGET_FRACTION = 0.25  # of available RAM (CPU, MPS) or free GPU memory (CUDA)
-DEFAULT_BUDGET_CAP = 16 << 30
+DEFAULT_BUDGET_FRACTION = 0.5  # of available RAM (CPU, MPS) or free GPU memory (CUDA): all of an engine's KV
+DEFAULT_BUDGET_CAP = 32 << 30
 FALLBACK_AVAILABLE = 4 << 30  # when available memory cannot be read
 
 
@@ -80,9 +80,13 @@ def available_memory(device: torch.device | str = "cpu") -> int:
         return FALLBACK_AVAILABLE
 
 
-def default_budget(device: torch.device | str = "cpu") -> int:
-    """The default ``--cache-bytes``: 25% of available memory on the device, at most 16 GiB."""
-    return int(min(DEFAULT_BUDGET_FRACTION * available_memory(device), DEFAULT_BUDGET_CAP))
+def memory_split(kv_bytes: int | None, cache_bytes: int | None, device: torch.device | str = "cpu") -> tuple[int, int]:
+    """The one split of an engine's KV memory budget (half the memory available on the device, at most 32 GiB, read
+    once): (running requests' bytes, prefix-cache bytes). A size given (EngineConfig.kv_bytes, cache_bytes) is kept;
+    a missing one is half the budget."""
+    total = 0 if kv_bytes is not None and cache_bytes is not None else int(
+        min(DEFAULT_BUDGET_FRACTION * available_memory(device), DEFAULT_BUDGET_CAP))
+    return (total // 2 if kv_bytes is None else kv_bytes), (total - total // 2 if cache_bytes is None else cache_bytes)
 
 
 class PrefixCache:
@@ -109,7 +113,7 @@ class PrefixCache:
                    eviction: str = "lru") -> "PrefixCache":
         """A cache shaped for ``runner``'s KV (layers, heads, dtype, device)."""
         s = runner.spec
-        budget = default_budget(runner.device) if budget_bytes is None else budget_bytes
+        budget = memory_split(None, None, runner.device)[1] if budget_bytes is None else budget_bytes
         return cls(s.num_layers, s.num_kv_heads, s.head_dim, budget_bytes=budget, block_size=block_size,
                    dtype=runner.dtype, device=runner.device, eviction=eviction, runner=runner)
 
@@ -388,7 +392,7 @@ def attach_prefix_cache(engine, budget_bytes: int | None = None, block_size: int
     if not cfg.enable_prefix_cache:
         engine.prefix_cache = None
         return None
-    budget = budget_bytes if budget_bytes is not None else cfg.cache_bytes
+    budget = budget_bytes if budget_bytes is not None else engine.memory[1]
     cache = PrefixCache.for_runner(engine.runner, budget, block_size or cfg.prefix_block, eviction)
     if cfg.cache_file is not None and os.path.exists(cfg.cache_file):
         cache.load(cfg.cache_file, engine.model)

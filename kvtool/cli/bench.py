@@ -61,7 +61,7 @@ def register(subparsers) -> None:
     t.add_argument("--tools", type=int, default=sc.tools, help="tool definitions (1-8)")
     t.add_argument("--window-turns", type=int, default=sc.window_turns, help="turns the sliding window keeps")
     t.add_argument("--cache-bytes", type=int, default=ENGINE.cache_bytes, help="prefix-cache budget (in-process; "
-                   "default: 25%% of available memory, at most 16 GiB)")
+                   "default: a quarter of available memory, at most 16 GiB)")
     t.add_argument("--block-size", type=int, default=ENGINE.prefix_block, help="tokens per cache block (in-process)")
     t.add_argument("--out", default=tc.out, help="JSON output path; the PNG chart goes next to it")
     t.add_argument("--png", default=None, help="chart path (default: --out with .png)")

@@ -41,10 +41,11 @@ def register(subparsers) -> None:
     p.add_argument("--tool-parser", default=SERVER.tool_parser, choices=sorted(TOOL_FORMATS),
                    help="tool-call format of the model's output")
     p.add_argument("--cache-bytes", type=int, default=ENGINE.cache_bytes,
-                   help="prefix-cache byte budget (default: a quarter of available memory)")
+                   help="prefix-cache byte budget (default: half the KV memory budget: a quarter of available "
+                        "memory, at most 16 GiB)")
     p.add_argument("--kv-bytes", type=int, default=SERVER.kv_bytes,
                    help="KV budget of the running requests; beyond it the newest is preempted and recomputed later "
-                        "(default: a quarter of available memory, at most 16 GiB)")
+                        "(default: the other half of the KV memory budget, a quarter of available memory)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn cross-request KV reuse off")
     p.add_argument("--cache-file", default=ENGINE.cache_file, metavar="PATH",
                    help="load the prefix cache from PATH at start (if it exists) and save it there at shutdown and on "

@@ -14,6 +14,7 @@ from collections import deque
 from typing import Iterator
 
 from kvtool.cache.hook import PrefixHook, checked_hook
+from kvtool.cache.manager import memory_split
 from kvtool.config import EngineConfig, SamplingParams, as_sampling_params
 from kvtool.engine.batch import BatchScheduler, generate_batch
 from kvtool.engine.output import Generation, TokenEvent, scores_prompt
@@ -36,6 +37,8 @@ class Engine:
                 f"forward={self.config.forward!r}, but this model's steps take the {self.runner.forward_path} path; "
                 f"load it with kvtool.load(..., forward={self.config.forward!r})")
         self.prefix_cache = prefix_cache  # optional: a PrefixHook (kvtool.cache.hook), checked by the setter
+        # (running requests' KV bytes, prefix-cache bytes): the engine's one memory budget, split once here
+        self.memory = memory_split(self.config.kv_bytes, self.config.cache_bytes, self.runner.device)
         self.end_of_turn = frozenset(model.end_of_turn_ids())
         self._scheduler: BatchScheduler | None = None
         self._batched: dict[int, object] = {}  # slots -> BatchedStaticDecoder, shared by this engine's schedulers
@@ -61,12 +64,10 @@ class Engine:
         return self._batched[slots]
 
     def _new_batched_decoder(self, slots: int):
-        from kvtool.cache.manager import default_budget
-
         bucket, per_token = 256, self.runner.spec.kv_bytes_per_token(self.runner.dtype.itemsize)
-        budget = self.config.static_kv_bytes or default_budget(self.runner.device)  # validate(): None or >= 1
-        # every slot gets the same whole buckets, plus its one scratch position
-        fit = (budget // (slots * per_token) - 1) // bucket * bucket
+        # its rows hold the running requests' KV: they take the running share; every slot gets the same whole
+        # buckets, plus its one scratch position
+        fit = (self.memory[0] // (slots * per_token) - 1) // bucket * bucket
         if fit < bucket:
             return None  # too little memory for a useful length: decode through forward_batch
         return BatchedStaticDecoder(self.runner, slots, min(self.config.static_max_tokens, self.model.context_window,
@@ -169,11 +170,9 @@ class Engine:
 
 
 def kv_budget_tokens(engine: Engine) -> int:
-    """The running requests' KV budget (EngineConfig.kv_bytes; None: a quarter of available memory, at most
-    16 GiB) in tokens of this model's KV."""
-    from kvtool.cache.manager import default_budget
-
-    budget = engine.config.kv_bytes if engine.config.kv_bytes is not None else default_budget(engine.runner.device)
+    """The running requests' KV budget (Engine.memory's first share: EngineConfig.kv_bytes, else half the engine's
+    memory budget) in tokens of this model's KV."""
+    budget = engine.memory[0]
     tokens = budget // engine.runner.spec.kv_bytes_per_token(engine.runner.dtype.itemsize)
     if tokens < engine.model.context_window:
         log.warning("the KV budget (%d bytes) holds %d tokens, less than the %d-token context window: a request "

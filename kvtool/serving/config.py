@@ -16,7 +16,7 @@ class ServerConfig:
     max_active: int = 16  # requests batched together in each decode step (continuous batching)
     max_queue: int = 64  # requests waiting beyond max_active; one more gets 429
     kv_bytes: int | None = None  # KV of the running requests; beyond it the newest is preempted (and recomputed
-    # later). None: a quarter of the memory available at start, at most 16 GiB (kvtool.cache.manager.default_budget)
+    # later). None: half the engine's KV memory budget, the prefix cache taking the other (Engine.memory)
     default_max_tokens: int | None = None  # when a request names none; None = up to the context window
     max_body_bytes: int = 16 << 20  # a larger request body gets 413 unread; far more than a context window holds
     cache_save_every: float | None = None  # seconds: save the prefix cache to EngineConfig.cache_file this often

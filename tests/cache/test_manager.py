@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvtool import SamplingParams
 from kvtool.cache.kv import KVCache
-from kvtool.cache.manager import PrefixCache, attach_prefix_cache, default_budget
+from kvtool.cache.manager import PrefixCache, attach_prefix_cache, memory_split
 from kvtool.config import EngineConfig
 from kvtool.engine import Engine
 from kvtool.errors import InvalidParameterError, PrefixCacheWarning
@@ -276,8 +276,25 @@ def test_changes_count_what_a_cache_file_would_hold(model):
     moved(False)
 
 
+def test_one_memory_budget_split_once_between_running_requests_and_the_prefix_cache(model, monkeypatch):
+    import kvtool.cache.manager as manager
+    from kvtool.engine.generate import kv_budget_tokens
+
+    reads = []
+    monkeypatch.setattr(manager, "available_memory", lambda device="cpu": reads.append(device) or 8 << 30)
+    engine = Engine(model, EngineConfig())  # half of 8 GiB is the budget: 2 GiB each
+    assert engine.memory == (2 << 30, 2 << 30) and len(reads) == 1
+    assert kv_budget_tokens(engine) == (2 << 30) // model.runner.spec.kv_bytes_per_token(4)  # fp32
+    assert attach_prefix_cache(engine).budget_bytes == 2 << 30 and len(reads) == 1  # the split, not a new read
+    assert Engine(model, EngineConfig(kv_bytes=1 << 20)).memory == (1 << 20, 2 << 30)
+    assert Engine(model, EngineConfig(kv_bytes=1 << 20, cache_bytes=0)).memory == (1 << 20, 0) and len(reads) == 2
+    assert PrefixCache.for_runner(model.runner).budget_bytes == 2 << 30  # without an engine: the same half
+    monkeypatch.setattr(manager, "available_memory", lambda device="cpu": 1 << 40)
+    assert Engine(model, EngineConfig()).memory == (16 << 30, 16 << 30)  # the budget stops at 32 GiB
+
+
 def test_budget_defaults_and_bad_values(model):
-    assert 0 < default_budget("cpu") <= 16 << 30
+    assert 0 < sum(memory_split(None, None, "cpu")) <= 32 << 30
     with pytest.raises(InvalidParameterError, match="budget"):
         PrefixCache.for_runner(model.runner, budget_bytes=-1)
     with pytest.raises(InvalidParameterError, match="block_size must be an integer >= 1 tokens, got 0"):
