@@ -6,7 +6,8 @@
 // scores S^T [keys, rows] = K Q^T (the queries transposed once per item, the keys read in place from the shared
 // blocks or the buffers), the online softmax down each column (eight rows per vector: no horizontal sums), then
 // O += P V. Keys past a row's own position get no weight. Each item runs on one thread in a fixed order, so the
-// result does not depend on the thread count.
+// result does not depend on the thread count, nor on the vector width (eight floats with AVX2, sixteen with
+// AVX-512): every lane does the same steps in the same order.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,95 +22,195 @@
 
 namespace {
 
-// Eight floats and the few operations the tiles need: AVX2 where the build has it, else plain loops.
+// The few vector operations the tiles need, W floats at a time: V8 (AVX2 where the build has it, else plain loops)
+// and, where the build has AVX-512, V16. KR keys per pass of the score kernel, NV vectors of dims per pass of the
+// value kernel (as many accumulators as the registers hold). Every lane does the same steps in the same order at
+// either width, so both give the same bits.
 #if defined(__AVX2__) && defined(__FMA__)
-using vec = __m256;
-inline vec load(const float* p) { return _mm256_loadu_ps(p); }
-inline void store(float* p, vec a) { _mm256_storeu_ps(p, a); }
-inline vec splat(float a) { return _mm256_set1_ps(a); }
-inline vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
-inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-// b where a > -inf, else 0
-inline vec keep_finite(vec a, vec b) { return _mm256_and_ps(b, _mm256_cmp_ps(a, splat(-INFINITY), _CMP_GT_OQ)); }
-inline vec vexp(vec x) { return kvtool_cpu::exp8(x); }  // for x <= 0 (cpu_simd.h)
+struct V8 {
+  using t = __m256;
+  static constexpr int W = 8, KR = 6, NV = 2;
+  static t load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, t a) { _mm256_storeu_ps(p, a); }
+  static t splat(float a) { return _mm256_set1_ps(a); }
+  static t fma(t a, t b, t c) { return _mm256_fmadd_ps(a, b, c); }
+  static t vmax(t a, t b) { return _mm256_max_ps(a, b); }
+  static t vsub(t a, t b) { return _mm256_sub_ps(a, b); }
+  static t vadd(t a, t b) { return _mm256_add_ps(a, b); }
+  // b where a > -inf, else 0
+  static t keep_finite(t a, t b) { return _mm256_and_ps(b, _mm256_cmp_ps(a, splat(-INFINITY), _CMP_GT_OQ)); }
+  static t vexp(t x) { return kvtool_cpu::exp8(x); }  // for x <= 0 (cpu_simd.h)
+};
 #else
-struct vec { float v[8]; };
-#define KVTOOL_EACH(expr) vec r; for (int i = 0; i < 8; ++i) r.v[i] = (expr); return r
-inline vec load(const float* p) { KVTOOL_EACH(p[i]); }
-inline void store(float* p, vec a) { for (int i = 0; i < 8; ++i) p[i] = a.v[i]; }
-inline vec splat(float a) { KVTOOL_EACH(a); }
-inline vec fma(vec a, vec b, vec c) { KVTOOL_EACH(a.v[i] * b.v[i] + c.v[i]); }
-inline vec vmax(vec a, vec b) { KVTOOL_EACH(std::max(a.v[i], b.v[i])); }
-inline vec vsub(vec a, vec b) { KVTOOL_EACH(a.v[i] - b.v[i]); }
-inline vec vadd(vec a, vec b) { KVTOOL_EACH(a.v[i] + b.v[i]); }
-inline vec keep_finite(vec a, vec b) { KVTOOL_EACH(a.v[i] > -INFINITY ? b.v[i] : 0.f); }
-inline vec vexp(vec x) { KVTOOL_EACH(std::exp(x.v[i])); }
+struct V8 {
+  struct t { float v[8]; };
+  static constexpr int W = 8, KR = 6, NV = 2;
+#define KVTOOL_EACH(expr) t r; for (int i = 0; i < 8; ++i) r.v[i] = (expr); return r
+  static t load(const float* p) { KVTOOL_EACH(p[i]); }
+  static void store(float* p, t a) { for (int i = 0; i < 8; ++i) p[i] = a.v[i]; }
+  static t splat(float a) { KVTOOL_EACH(a); }
+  static t fma(t a, t b, t c) { KVTOOL_EACH(a.v[i] * b.v[i] + c.v[i]); }
+  static t vmax(t a, t b) { KVTOOL_EACH(std::max(a.v[i], b.v[i])); }
+  static t vsub(t a, t b) { KVTOOL_EACH(a.v[i] - b.v[i]); }
+  static t vadd(t a, t b) { KVTOOL_EACH(a.v[i] + b.v[i]); }
+  static t keep_finite(t a, t b) { KVTOOL_EACH(a.v[i] > -INFINITY ? b.v[i] : 0.f); }
+  static t vexp(t x) { KVTOOL_EACH(std::exp(x.v[i])); }
 #undef KVTOOL_EACH
+};
+#endif
+#if defined(__AVX512F__)
+struct V16 {
+  using t = __m512;
+  static constexpr int W = 16, KR = 12, NV = 4;
+  static t load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, t a) { _mm512_storeu_ps(p, a); }
+  static t splat(float a) { return _mm512_set1_ps(a); }
+  static t fma(t a, t b, t c) { return _mm512_fmadd_ps(a, b, c); }
+  static t vmax(t a, t b) { return _mm512_max_ps(a, b); }
+  static t vsub(t a, t b) { return _mm512_sub_ps(a, b); }
+  static t vadd(t a, t b) { return _mm512_add_ps(a, b); }
+  static t keep_finite(t a, t b) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, splat(-INFINITY), _CMP_GT_OQ), b); }
+  static t vexp(t x) { return kvtool_cpu::exp16(x); }
+};
 #endif
 
 constexpr int64_t TILE = 64;  // keys per tile
-constexpr int64_t COLS = 16;  // query rows per pass of the score kernel (two vectors); rows are padded to it
+constexpr int ROWS = 6;  // query rows per pass of the value kernel
 
-// s [R, 16] (row stride ld) = the R keys k[0..R) (each d floats) against 16 transposed queries qt [d, ld].
-template <int R>
+// s [R, 2W] (row stride ld) = the R keys k[0..R) (each d floats) against 2W transposed queries qt [d, ld].
+template <class V, int R>
 inline void scores(const float* const* k, const float* qt, int64_t ld, int64_t d, float* s) {
-  vec acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = splat(0.f);
+  typename V::t acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V::splat(0.f);
   for (int64_t i = 0; i < d; ++i) {
-    const vec q0 = load(qt + i * ld), q1 = load(qt + i * ld + 8);
+    const typename V::t q0 = V::load(qt + i * ld), q1 = V::load(qt + i * ld + V::W);
     for (int r = 0; r < R; ++r) {
-      const vec kr = splat(k[r][i]);
-      acc[r][0] = fma(kr, q0, acc[r][0]);
-      acc[r][1] = fma(kr, q1, acc[r][1]);
+      const typename V::t kr = V::splat(k[r][i]);
+      acc[r][0] = V::fma(kr, q0, acc[r][0]);
+      acc[r][1] = V::fma(kr, q1, acc[r][1]);
     }
   }
-  for (int r = 0; r < R; ++r) store(s + r * ld, acc[r][0]), store(s + r * ld + 8, acc[r][1]);
+  for (int r = 0; r < R; ++r) V::store(s + r * ld, acc[r][0]), V::store(s + r * ld + V::W, acc[r][1]);
 }
 
-// o [R, 8 NV dims from c] (row stride d) += sum over the n keys of p [key, row] (row stride ld) * v[key][c..].
-template <int R, int NV>
+// o [R, W NV dims from c] (row stride d) += sum over the n keys of p [key, row] (row stride ld) * v[key][c..].
+template <class V, int R, int NV>
 inline void weigh(const float* p, int64_t ld, const float* const* v, int64_t n, int64_t c, int64_t d, float* o) {
-  vec acc[R][NV];
-  for (int r = 0; r < R; ++r) for (int j = 0; j < NV; ++j) acc[r][j] = load(o + r * d + c + 8 * j);
+  typename V::t acc[R][NV];
+  for (int r = 0; r < R; ++r) for (int j = 0; j < NV; ++j) acc[r][j] = V::load(o + r * d + c + V::W * j);
   for (int64_t t = 0; t < n; ++t) {
-    vec vt[NV];
-    for (int j = 0; j < NV; ++j) vt[j] = load(v[t] + c + 8 * j);
+    typename V::t vt[NV];
+    for (int j = 0; j < NV; ++j) vt[j] = V::load(v[t] + c + V::W * j);
     for (int r = 0; r < R; ++r) {
-      const vec w = splat(p[t * ld + r]);
-      for (int j = 0; j < NV; ++j) acc[r][j] = fma(w, vt[j], acc[r][j]);
+      const typename V::t w = V::splat(p[t * ld + r]);
+      for (int j = 0; j < NV; ++j) acc[r][j] = V::fma(w, vt[j], acc[r][j]);
     }
   }
-  for (int r = 0; r < R; ++r) for (int j = 0; j < NV; ++j) store(o + r * d + c + 8 * j, acc[r][j]);
+  for (int r = 0; r < R; ++r) for (int j = 0; j < NV; ++j) V::store(o + r * d + c + V::W * j, acc[r][j]);
 }
 
-template <int R>
+template <class V, int R>
 void scores_n(int rest, const float* const* k, const float* qt, int64_t ld, int64_t d, float* s) {
   if constexpr (R > 0) {
-    if (rest == R) return scores<R>(k, qt, ld, d, s);
-    scores_n<R - 1>(rest, k, qt, ld, d, s);
+    if (rest == R) return scores<V, R>(k, qt, ld, d, s);
+    scores_n<V, R - 1>(rest, k, qt, ld, d, s);
   }
 }
 
-template <int R, int NV>
+template <class V, int R, int NV>
 void weigh_n(int rest, const float* p, int64_t ld, const float* const* v, int64_t n, int64_t c, int64_t d, float* o) {
   if constexpr (R > 0) {
-    if (rest == R) return weigh<R, NV>(p, ld, v, n, c, d, o);
-    weigh_n<R - 1, NV>(rest, p, ld, v, n, c, d, o);
+    if (rest == R) return weigh<V, R, NV>(p, ld, v, n, c, d, o);
+    weigh_n<V, R - 1, NV>(rest, p, ld, v, n, c, d, o);
+  }
+}
+
+// The work items begin .. end - 1 of prefill_attention at W = V::W floats a vector; row(kv, g, pos) is the key
+// (kv 0) or value (kv 1) of KV head g at position pos.
+template <class V, class Row>
+void attend_items(int64_t begin, int64_t end, const Row& row, const float* qp, float* op, int64_t T, int64_t hq,
+                  int64_t d, int64_t group, int64_t per, int64_t blocks_of_t, int64_t slot) {
+  constexpr int64_t COLS = 2 * V::W;  // query rows per pass of the score kernel; rows are padded to it
+  const int64_t pad = (per * group + COLS - 1) / COLS * COLS;
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  std::vector<float> qt(d * pad), s(TILE * pad), o(pad * d), m(pad), l(pad), alpha(pad);
+  std::vector<const float*> kr(TILE), vr(TILE);
+  for (int64_t it = begin; it < end; ++it) {
+    // items of one KV head alternate between early and late blocks, so a thread's share of items is even
+    const int64_t g = it / blocks_of_t, k = it % blocks_of_t;
+    const int64_t blk = k % 2 ? blocks_of_t - 1 - k / 2 : k / 2;
+    const int64_t p0 = blk * per, np = std::min(per, T - p0), rows = np * group;
+    std::fill(qt.begin(), qt.end(), 0.f);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* src = qp + ((p0 + r / group) * hq + g * group + r % group) * d;
+      for (int64_t i = 0; i < d; ++i) qt[i * pad + r] = src[i] * scale;
+    }
+    std::fill(o.begin(), o.end(), 0.f);
+    std::fill(m.begin(), m.end(), -INFINITY);
+    std::fill(l.begin(), l.end(), 0.f);
+    const int64_t last = slot + p0 + np;  // keys 0 .. last - 1 reach some row
+    for (int64_t c0 = 0; c0 < last; c0 += TILE) {
+      const int64_t nk = std::min(TILE, last - c0);
+      for (int64_t t = 0; t < nk; ++t) kr[t] = row(0, g, c0 + t), vr[t] = row(1, g, c0 + t);
+      for (int64_t t = 0; t < nk; t += V::KR) {
+        const int rest = static_cast<int>(std::min<int64_t>(V::KR, nk - t));
+        for (int64_t r = 0; r < pad; r += COLS) scores_n<V, V::KR>(rest, kr.data() + t, qt.data() + r, pad, d,
+                                                                   s.data() + t * pad + r);
+      }
+      if (c0 + nk > slot + p0 + 1) {  // keys past some row's position: no weight for them
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t own = slot + p0 + r / group + 1 - c0;  // keys of the tile that row r sees
+          for (int64_t t = std::max<int64_t>(0, own); t < nk; ++t) s[t * pad + r] = -INFINITY;
+        }
+      }
+      for (int64_t r = 0; r < pad; r += V::W) {  // online softmax down the columns, W rows at a time
+        typename V::t mx = V::load(m.data() + r);
+        for (int64_t t = 0; t < nk; ++t) mx = V::vmax(mx, V::load(s.data() + t * pad + r));
+        typename V::t sum = V::splat(0.f);
+        for (int64_t t = 0; t < nk; ++t) {
+          const typename V::t x = V::load(s.data() + t * pad + r);
+          const typename V::t p = V::keep_finite(x, V::vexp(V::vsub(x, mx)));
+          V::store(s.data() + t * pad + r, p);
+          sum = V::vadd(sum, p);
+        }
+        const typename V::t a = V::keep_finite(V::load(m.data() + r), V::vexp(V::vsub(V::load(m.data() + r), mx)));
+        V::store(alpha.data() + r, a);
+        V::store(l.data() + r, V::fma(V::load(l.data() + r), a, sum));
+        V::store(m.data() + r, mx);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        if (alpha[r] != 1.f) {
+          for (int64_t i = 0; i < d; ++i) o[r * d + i] *= alpha[r];
+        }
+      }
+      for (int64_t r = 0; r < rows; r += ROWS) {
+        const int rest = static_cast<int>(std::min<int64_t>(ROWS, rows - r));
+        int64_t c = 0;
+        for (; c + V::NV * V::W <= d; c += V::NV * V::W)
+          weigh_n<V, ROWS, V::NV>(rest, s.data() + r, pad, vr.data(), nk, c, d, o.data() + r * d);
+        for (; c < d; c += V::W) weigh_n<V, ROWS, 1>(rest, s.data() + r, pad, vr.data(), nk, c, d, o.data() + r * d);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst = op + ((p0 + r / group) * hq + g * group + r % group) * d;
+      const float inv = 1.f / l[r];
+      for (int64_t i = 0; i < d; ++i) dst[i] = o[r * d + i] * inv;
+    }
   }
 }
 
 // Attention out [T, hq, d] of a chunk's T queries q [T, hq, d] at positions slot .. slot + T - 1. Keys and values
 // 0 .. base - 1 are in the shared blocks [2, L, hkv, B, d] (this layer's part; n B == base), base onwards in the
-// buffers keys/values [1, hkv, capacity, d] from their slot 0 (the chunk's own already written there).
+// buffers keys/values [1, hkv, capacity, d] from their slot 0 (the chunk's own already written there). width: 0
+// for the widest vectors the build has (sixteen floats with AVX-512 where d is a multiple of 16), 8 for eight.
 at::Tensor prefill_attention(const at::Tensor& q, at::TensorList blocks, int64_t layer, const at::Tensor& keys,
-                             const at::Tensor& values, int64_t base, int64_t slot) {
+                             const at::Tensor& values, int64_t base, int64_t slot, int64_t width) {
   TORCH_CHECK(q.is_contiguous() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.size(0) > 0,
               "prefill_attention: q must be contiguous fp32 [T, hq, d]");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.dim() == 4 && keys.sizes() == values.sizes() &&
                   keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
               "prefill_attention: keys and values must be contiguous fp32 [1, hkv, capacity, d]");
+  TORCH_CHECK(width == 0 || width == 8, "prefill_attention: width must be 0 (the widest) or 8, got ", width);
   const int64_t T = q.size(0), hq = q.size(1), d = q.size(2), hkv = keys.size(1), cap = keys.size(2);
   TORCH_CHECK(keys.size(3) == d && d % 8 == 0 && hkv > 0 && hq % hkv == 0,
               "prefill_attention: head_dim must match the buffers' and be a multiple of 8, hq a multiple of hkv");
@@ -125,82 +226,21 @@ at::Tensor prefill_attention(const at::Tensor& q, at::TensorList blocks, int64_t
   std::vector<const float*> block(n);
   for (int64_t i = 0; i < n; ++i) block[i] = blocks[i].data_ptr<float>();
   const float* own[2] = {keys.data_ptr<float>(), values.data_ptr<float>()};
-  // The key (kv 0) or value (kv 1) of KV head g at position pos.
   auto row = [&](int kv, int64_t g, int64_t pos) -> const float* {
     if (pos < base) return block[pos / bs] + (((kv * nl + layer) * hkv + g) * bs + pos % bs) * d;
     return own[kv] + (g * cap + pos - base) * d;
   };
   const int64_t group = hq / hkv, per = std::max<int64_t>(1, 96 / group);  // positions per item: ~96 query rows
   const int64_t blocks_of_t = (T + per - 1) / per, items = hkv * blocks_of_t;
-  const int64_t pad = (per * group + COLS - 1) / COLS * COLS;
-  const float scale = 1.f / std::sqrt(static_cast<float>(d));
   at::Tensor out = at::empty({T, hq, d}, q.options());
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qt(d * pad), s(TILE * pad), o(pad * d), m(pad), l(pad), alpha(pad);
-    std::vector<const float*> kr(TILE), vr(TILE);
-    for (int64_t it = begin; it < end; ++it) {
-      // items of one KV head alternate between early and late blocks, so a thread's share of items is even
-      const int64_t g = it / blocks_of_t, k = it % blocks_of_t;
-      const int64_t blk = k % 2 ? blocks_of_t - 1 - k / 2 : k / 2;
-      const int64_t p0 = blk * per, np = std::min(per, T - p0), rows = np * group;
-      std::fill(qt.begin(), qt.end(), 0.f);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* src = qp + ((p0 + r / group) * hq + g * group + r % group) * d;
-        for (int64_t i = 0; i < d; ++i) qt[i * pad + r] = src[i] * scale;
-      }
-      std::fill(o.begin(), o.end(), 0.f);
-      std::fill(m.begin(), m.end(), -INFINITY);
-      std::fill(l.begin(), l.end(), 0.f);
-      const int64_t last = slot + p0 + np;  // keys 0 .. last - 1 reach some row
-      for (int64_t c0 = 0; c0 < last; c0 += TILE) {
-        const int64_t nk = std::min(TILE, last - c0);
-        for (int64_t t = 0; t < nk; ++t) kr[t] = row(0, g, c0 + t), vr[t] = row(1, g, c0 + t);
-        for (int64_t t = 0; t < nk; t += 6) {
-          const int rest = static_cast<int>(std::min<int64_t>(6, nk - t));
-          for (int64_t r = 0; r < pad; r += COLS) scores_n<6>(rest, kr.data() + t, qt.data() + r, pad, d,
-                                                              s.data() + t * pad + r);
-        }
-        if (c0 + nk > slot + p0 + 1) {  // keys past some row's position: no weight for them
-          for (int64_t r = 0; r < rows; ++r) {
-            const int64_t own = slot + p0 + r / group + 1 - c0;  // keys of the tile that row r sees
-            for (int64_t t = std::max<int64_t>(0, own); t < nk; ++t) s[t * pad + r] = -INFINITY;
-          }
-        }
-        for (int64_t r = 0; r < pad; r += 8) {  // online softmax down the columns, eight rows at a time
-          vec mx = load(m.data() + r);
-          for (int64_t t = 0; t < nk; ++t) mx = vmax(mx, load(s.data() + t * pad + r));
-          vec sum = splat(0.f);
-          for (int64_t t = 0; t < nk; ++t) {
-            const vec x = load(s.data() + t * pad + r);
-            const vec p = keep_finite(x, vexp(vsub(x, mx)));
-            store(s.data() + t * pad + r, p);
-            sum = vadd(sum, p);
-          }
-          const vec a = keep_finite(load(m.data() + r), vexp(vsub(load(m.data() + r), mx)));
-          store(alpha.data() + r, a);
-          store(l.data() + r, fma(load(l.data() + r), a, sum));
-          store(m.data() + r, mx);
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          if (alpha[r] != 1.f) {
-            for (int64_t i = 0; i < d; ++i) o[r * d + i] *= alpha[r];
-          }
-        }
-        for (int64_t r = 0; r < rows; r += 6) {
-          const int rest = static_cast<int>(std::min<int64_t>(6, rows - r));
-          int64_t c = 0;
-          for (; c + 16 <= d; c += 16) weigh_n<6, 2>(rest, s.data() + r, pad, vr.data(), nk, c, d, o.data() + r * d);
-          if (c < d) weigh_n<6, 1>(rest, s.data() + r, pad, vr.data(), nk, c, d, o.data() + r * d);
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* dst = op + ((p0 + r / group) * hq + g * group + r % group) * d;
-        const float inv = 1.f / l[r];
-        for (int64_t i = 0; i < d; ++i) dst[i] = o[r * d + i] * inv;
-      }
-    }
+#if defined(__AVX512F__)
+    if (width == 0 && d % 16 == 0)
+      return attend_items<V16>(begin, end, row, qp, op, T, hq, d, group, per, blocks_of_t, slot);
+#endif
+    attend_items<V8>(begin, end, row, qp, op, T, hq, d, group, per, blocks_of_t, slot);
   });
   return out;
 }
@@ -208,8 +248,8 @@ at::Tensor prefill_attention(const at::Tensor& q, at::TensorList blocks, int64_t
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvtool_cpu, m) {
-  m.def("prefill_attention(Tensor q, Tensor[] blocks, int layer, Tensor keys, Tensor values, int base, int slot) "
-        "-> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor[] blocks, int layer, Tensor keys, Tensor values, int base, int slot, "
+        "int width=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvtool_cpu, CPU, m) { m.impl("prefill_attention", prefill_attention); }

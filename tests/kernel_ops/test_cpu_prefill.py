@@ -138,7 +138,7 @@ def test_rope_qkv_refuses_what_does_not_fit(ops):
 def test_prefill_attention_equals_masked_attention(ops, hq, hkv, d, t, slot, blocks):
     """prefill_attention (keys in tiles, each KV head's query group at once, no mask) against SDPA with the causal
     mask over the whole cache, with the first keys read from shared blocks of 16 in place; the same bits at any
-    thread count."""
+    thread count and at eight lanes (the AVX2 width) as at the widest vectors the build has (AVX-512's sixteen)."""
     from kvtool.models.layers import causal_mask
 
     gen = torch.Generator().manual_seed(t * slot + blocks)
@@ -148,6 +148,7 @@ def test_prefill_attention_equals_masked_attention(ops, hq, hkv, d, t, slot, blo
     q = torch.randn(t, hq, d, generator=gen) * 2
     outs = at_threads(lambda: ops.prefill_attention(q, shared, 1, own_k, own_v, base, slot))
     assert_same_bits(outs)
+    assert torch.equal(outs[0], ops.prefill_attention(q, shared, 1, own_k, own_v, base, slot, 8))
     keys, values = (torch.cat([*(b[kv, 1] for b in shared), mine[0, :, : slot + t - base]], 1)[None]
                     for kv, mine in ((0, own_k), (1, own_v)))
     want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values,
@@ -163,6 +164,8 @@ def test_prefill_attention_refuses_what_does_not_fit(ops):
         ops.prefill_attention(torch.zeros(4, 2, 12), [], 0, torch.zeros(1, 1, 8, 12), torch.zeros(1, 1, 8, 12), 0, 0)
     with pytest.raises(RuntimeError, match="blocks must be contiguous fp32"):
         ops.prefill_attention(q, [torch.zeros(2, 1, 1, 4, 16)], 1, keys, keys, 4, 4)
+    with pytest.raises(RuntimeError, match="width must be 0 .the widest. or 8, got 16"):
+        ops.prefill_attention(q, [], 0, keys, keys, 0, 0, 16)
 
 
 def prefill(runner, ids, on: bool, chunk: int, cache=None):
