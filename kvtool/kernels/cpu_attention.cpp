@@ -26,17 +26,21 @@ namespace {
 // and, where the build has AVX-512, V16. KR keys per pass of the score kernel, NV vectors of dims per pass of the
 // value kernel (as many accumulators as the registers hold). Every lane does the same steps in the same order at
 // either width, so both give the same bits.
+
+// The operations both widths spell alike, but for the intrinsics' prefix P.
+#define KVTOOL_VEC_OPS(P)                                                      \
+  static t load(const float* p) { return P##_loadu_ps(p); }                    \
+  static void store(float* p, t a) { P##_storeu_ps(p, a); }                    \
+  static t splat(float a) { return P##_set1_ps(a); }                           \
+  static t fma(t a, t b, t c) { return P##_fmadd_ps(a, b, c); }                \
+  static t vmax(t a, t b) { return P##_max_ps(a, b); }                         \
+  static t vsub(t a, t b) { return P##_sub_ps(a, b); }                         \
+  static t vadd(t a, t b) { return P##_add_ps(a, b); }
 #if defined(__AVX2__) && defined(__FMA__)
 struct V8 {
   using t = __m256;
   static constexpr int W = 8, KR = 6, NV = 2;
-  static t load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, t a) { _mm256_storeu_ps(p, a); }
-  static t splat(float a) { return _mm256_set1_ps(a); }
-  static t fma(t a, t b, t c) { return _mm256_fmadd_ps(a, b, c); }
-  static t vmax(t a, t b) { return _mm256_max_ps(a, b); }
-  static t vsub(t a, t b) { return _mm256_sub_ps(a, b); }
-  static t vadd(t a, t b) { return _mm256_add_ps(a, b); }
+  KVTOOL_VEC_OPS(_mm256)
   // b where a > -inf, else 0
   static t keep_finite(t a, t b) { return _mm256_and_ps(b, _mm256_cmp_ps(a, splat(-INFINITY), _CMP_GT_OQ)); }
   static t vexp(t x) { return kvtool_cpu::exp8(x); }  // for x <= 0 (cpu_simd.h)
@@ -62,17 +66,12 @@ struct V8 {
 struct V16 {
   using t = __m512;
   static constexpr int W = 16, KR = 12, NV = 4;
-  static t load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, t a) { _mm512_storeu_ps(p, a); }
-  static t splat(float a) { return _mm512_set1_ps(a); }
-  static t fma(t a, t b, t c) { return _mm512_fmadd_ps(a, b, c); }
-  static t vmax(t a, t b) { return _mm512_max_ps(a, b); }
-  static t vsub(t a, t b) { return _mm512_sub_ps(a, b); }
-  static t vadd(t a, t b) { return _mm512_add_ps(a, b); }
+  KVTOOL_VEC_OPS(_mm512)
   static t keep_finite(t a, t b) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, splat(-INFINITY), _CMP_GT_OQ), b); }
   static t vexp(t x) { return kvtool_cpu::exp16(x); }
 };
 #endif
+#undef KVTOOL_VEC_OPS
 
 constexpr int64_t TILE = 64;  // keys per tile
 constexpr int ROWS = 6;  // query rows per pass of the value kernel
