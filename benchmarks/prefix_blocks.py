@@ -1,4 +1,4 @@
-"""A prefix-cache hit on the C++ CPU path reading the cached blocks in place (KVCache.over_blocks) beside the same
+"""A prefix-cache hit on the C++ CPU path reading the cached blocks in place (KVCache.paged) beside the same
 hit copied into buffers the request owns (what every hit did before, and what the reference forward still gets),
 alternating run by run, on the model's own weights: the hit's TTFT (the lookup, then the prefill of the new
 tokens), a decode step of `--rows` requests that each hit the same prefix, and the KV bytes the requests hold
@@ -35,15 +35,6 @@ class WholeForks:
         self.prepare, self.publish, self.commit = cache.prepare, cache.publish, cache.commit
 
 
-class Copying:
-    """The runner as a prefix cache sees one whose forward cannot read blocks in place: every hit is copied."""
-
-    cpu_decode = False
-
-    def __init__(self, runner):
-        self.new_cache = runner.new_cache
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
@@ -72,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                         runner=runner)
     print(f"caching a {args.prefix}-token prefix", file=sys.stderr)
     cache.pin(prefix)
-    sides = {"in_place": runner, "copied": Copying(runner)}
+    sides = ("in_place", "copied")
     held: dict[str, list] = {}  # side -> the requests of its last run: (KVCache, next token, hold)
     own_bytes: dict[str, int] = {}
 
@@ -80,11 +71,17 @@ def main(argv: list[str] | None = None) -> int:
         for kv, _, handle in held.pop(side, []):
             cache.commit(handle, [], kv)
 
+    def open_hit(side: str, prompt: list[int]):  # (KVCache, hold): the blocks read in place, or copied first
+        kv, _, handle = cache.prepare(prompt, runner)
+        for layer in kv.layers if side == "copied" else ():
+            layer.materialize()
+        return kv, handle
+
     def hit(side: str):
         def run():
             release(side)
             t0 = time.perf_counter()
-            kv, n, handle = cache.prepare(prefix + suffixes[0], sides[side])
+            kv, handle = open_hit(side, prefix + suffixes[0])
             logits = runner.prefill(suffixes[0], kv)
             ms = 1e3 * (time.perf_counter() - t0)
             held[side] = [(kv, int(logits.argmax()), handle)]
@@ -96,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             release(side)
             rows = []
             for suffix in suffixes:
-                kv, n, handle = cache.prepare(prefix + suffix, sides[side])
+                kv, handle = open_hit(side, prefix + suffix)
                 rows.append((kv, int(runner.prefill(suffix, kv).argmax()), handle))
             held[side] = rows
             own_bytes[side] = sum(t.nbytes for kv, _, _ in rows for layer in kv.layers for t in layer.buffers)

@@ -20,20 +20,20 @@ ops = st.lists(st.one_of(
 
 
 def shared_start(blocks: int, filled: int) -> tuple[LayerKV, list[torch.Tensor], list[torch.Tensor]]:
-    """Layer 1 of a two-layer cache over `blocks` shared blocks of 3 tokens, then `filled` tokens of its own;
-    its tokens as [2, H, D] keys and values, and copies of the blocks (which must stay as they are)."""
+    """Layer 1 of a two-layer paged cache over `blocks` shared blocks of 3 tokens, then `filled` tokens of its
+    page; its tokens as [2, H, D] keys and values, and copies of the blocks (which must stay as they are)."""
     gen = torch.Generator().manual_seed(blocks * 10 + filled)
     shared = [torch.randn(2, 2, H, 3, D, generator=gen) for _ in range(blocks)]
-    own = torch.randn(2, 2, H, filled + 2, D, generator=gen)
-    cache = KVCache.over_blocks(shared, own, filled)
+    own = torch.randn(2, 2, H, 3, D, generator=gen)
+    cache = KVCache.paged(shared, own, filled, 3 * blocks)
     tokens = [blk[:, 1, :, i] for blk in shared for i in range(3)] + [own[:, 1, :, i] for i in range(filled)]
     return cache.layers[1], tokens, [blk.clone() for blk in shared]
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops, st.integers(0, 3), st.integers(0, 4))
+@given(ops, st.integers(0, 3), st.integers(0, 3))
 def test_layer_matches_a_plain_list_model(operations, blocks, filled):
-    """From empty buffers, or from shared blocks (KVCache.over_blocks) and some tokens of its own."""
+    """From empty buffers, or from shared blocks and some tokens of its own page (KVCache.paged)."""
     layer, model_k, kept = shared_start(blocks, filled) if blocks else (LayerKV(H, D, torch.float32, "cpu", capacity=4),
                                                                         [], [])
     shared = list(layer.blocks)
@@ -102,3 +102,26 @@ def test_broken_state_is_a_clear_error():
     state["layers.1.keys"] = state["layers.1.keys"][:, :, :2]
     with pytest.raises(CacheFormatError):
         KVCache.from_state(state)
+
+
+def test_a_paged_cache_moves_each_full_page_to_its_blocks():
+    """Tokens written as the C++ ops write them (at offset - base of the buffers, after reserve()) fill the page;
+    a full page becomes a block by reference when the next token needs room, and the cache reads in order."""
+    shared = [torch.randn(2, 2, H, 3, D)]
+    first = torch.randn(2, 2, H, 3, D)
+    cache = KVCache.paged(list(shared), first, 1, 3)
+    want = [shared[0][:, :, :, i] for i in range(3)] + [first[:, :, :, 0]]
+    for t in range(7):
+        cache.reserve(cache.offset + 1)
+        token = torch.full((2, 2, H, D), float(t))
+        for i, layer in enumerate(cache.layers):
+            slot = layer.offset - layer.base
+            layer.buffers[0][0, :, slot], layer.buffers[1][0, :, slot] = token[0, i], token[1, i]
+            layer.offset += 1
+        want.append(token)
+    blocks = cache.layers[1].blocks
+    assert len(blocks) == 3 and blocks[0] is shared[0] and blocks[1] is first and cache.layers[1].base == 9
+    assert cache.offset == 11 and cache.own_tokens == 8 and cache.layers[0].page is not first
+    keys, values = cache.stacked()
+    assert torch.equal(keys, torch.stack([w[0] for w in want], 2))
+    assert torch.equal(values, torch.stack([w[1] for w in want], 2))

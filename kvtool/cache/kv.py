@@ -4,10 +4,13 @@ LayerKV keeps keys (post-RoPE) and values in buffers shaped [1, H_kv, capacity, 
 that grow by doubling, so a decode step appends in place instead of re-concatenating.
 Slot i of every layer holds the token at sequence index i.
 
-A cache may start with shared blocks (KVCache.over_blocks): its first `base` tokens are the prefix cache's
-immutable [2, L, H, B, D] block tensors, by reference, and the buffers hold the tokens from `base` on (slot i:
-token base + i). The C++ CPU ops read the blocks in place (kvtool.models.cpu_step); `keys` and `values` join
-both parts in a copy, and any other writer first copies the blocks into the buffers (materialize()).
+A cache may start with blocks: its first `base` tokens are immutable [2, L, H, B, D] block
+tensors, by reference (the prefix cache's), and the buffers hold the tokens from `base` on (slot i: token
+base + i). A paged cache (KVCache.paged) holds every token in such blocks: its buffers are one more block's
+layer parts (its page), and reserve() moves a full page to the blocks and takes a fresh one, so the prefix
+cache can keep a request's full blocks without copying them. The C++ CPU ops read the blocks in place and write
+a prefill's K/V into them (kvtool.models.cpu_step, cpu_prefill); `keys` and `values` join both parts in a copy,
+and any other writer first copies the blocks into the buffers (materialize()).
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ MIN_CAPACITY = 256
 
 
 class LayerKV:
-    blocks: list[torch.Tensor] | tuple = ()  # shared [2, L, H, B, D] blocks holding tokens 0..base-1 (over_blocks)
-    layer = base = 0  # this layer's index in them, and the tokens they hold
+    blocks: list[torch.Tensor] | tuple = ()  # [2, L, H, B, D] blocks holding tokens 0..base-1 (KVCache.paged)
+    layer = base = shared = 0  # this layer's index in them, the tokens they hold, those the prefix cache holds
+    page: torch.Tensor | None = None  # a paged cache's block whose layer parts are the buffers
     def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
                  capacity: int = MIN_CAPACITY):
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
@@ -29,15 +33,6 @@ class LayerKV:
         self._k = torch.empty(1, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self._v = torch.empty_like(self._k)
         self.offset = 0  # tokens stored
-
-    @classmethod
-    def wrap(cls, k: torch.Tensor, v: torch.Tensor, offset: int) -> "LayerKV":
-        """Adopt existing buffers [1, H, capacity, D] whose first `offset` slots are filled (no copy)."""
-        layer = cls.__new__(cls)
-        layer.num_kv_heads, layer.head_dim = k.shape[1], k.shape[3]
-        layer.dtype, layer.device = k.dtype, k.device
-        layer._k, layer._v, layer.offset = k, v, offset
-        return layer
 
     @property
     def capacity(self) -> int:
@@ -71,10 +66,11 @@ class LayerKV:
         return self.span(0, self.offset)[1]
 
     def materialize(self) -> None:
-        """Copy the shared blocks' tokens into the buffers, which then hold every token from slot 0."""
-        if self.base:
+        """Copy the blocks' tokens into buffers of its own (a paged cache's page's too), which then hold every token
+        from slot 0."""
+        if self.base or self.page is not None:
             (k, v), capacity = self.span(0, self.offset), self.capacity
-            self.base, self.blocks, self.offset = 0, (), 0
+            self.base, self.blocks, self.offset, self.shared, self.page = 0, (), 0, 0, None
             self._k, self._v = self._k[:, :, :0], self._v[:, :, :0]
             self.reserve(capacity)  # the room it had: a prefill that follows need not grow it
             self.append(k, v)
@@ -146,11 +142,6 @@ class KVCache:
     def empty(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device, capacity: int = MIN_CAPACITY):
         return cls([LayerKV(num_kv_heads, head_dim, dtype, device, capacity) for _ in range(num_layers)])
 
-    @classmethod
-    def wrap(cls, kv: torch.Tensor, offset: int) -> "KVCache":
-        """Adopt a [2, L, H, capacity, D] buffer whose first `offset` slots are filled (no copy)."""
-        return cls([LayerKV.wrap(kv[0, i : i + 1], kv[1, i : i + 1], offset) for i in range(kv.shape[1])])
-
     def __len__(self) -> int:
         return len(self.layers)
 
@@ -162,10 +153,20 @@ class KVCache:
         return self.layers[0].offset if self.layers else 0
 
     @property
-    def own_tokens(self) -> int:  # in its buffers: all but those of the shared blocks it starts with
-        return self.offset - self.layers[0].base if self.layers else 0
+    def own_tokens(self) -> int:  # all but those of the prefix cache's blocks it starts with
+        return self.offset - self.layers[0].shared if self.layers else 0
 
     def reserve(self, total: int) -> None:
+        """Room for `total` tokens. A paged cache moves each full page to its blocks and takes a fresh page."""
+        first = self.layers[0] if self.layers else None
+        while first is not None and first.page is not None and total > first.capacity:
+            page = first.page
+            first.blocks.append(page)
+            with torch.inference_mode(False):  # made inside a forward, it stays writable outside one
+                fresh = torch.empty_like(page)
+            for i, layer in enumerate(self.layers):
+                if layer.page is page:
+                    layer.page, layer.base, layer._k, layer._v = fresh, layer.base + page.shape[3], *fresh[:, i : i + 1]
         for layer in self.layers:
             layer.reserve(total)
 
@@ -194,13 +195,15 @@ class KVCache:
         return torch.stack([k[0] for k, _ in spans]), torch.stack([v[0] for _, v in spans])
 
     @classmethod
-    def over_blocks(cls, blocks: list[torch.Tensor], own: torch.Tensor, filled: int) -> "KVCache":
-        """A cache whose first len(blocks) * B tokens are the shared [2, L, H, B, D] blocks (read in place, never
-        written) and whose next `filled` tokens are in `own` [2, L, H, capacity, D], which takes the rest."""
-        cache = cls.wrap(own, filled)
+    def paged(cls, blocks: list[torch.Tensor], page: torch.Tensor, filled: int, shared: int) -> "KVCache":
+        """A cache whose tokens are all in blocks [2, L, H, B, D]: the full ones (read in place and never written
+        again; the prefix cache holds the first `shared` tokens), then `page`, whose first `filled` tokens are
+        written and which takes the next ones (reserve() moves it to `blocks`, a list it appends to, when full)."""
+        base = len(blocks) * page.shape[3]
+        cache = cls.empty(page.shape[1], page.shape[2], page.shape[4], page.dtype, page.device, capacity=0)
         for i, layer in enumerate(cache.layers):
-            layer.blocks, layer.layer, layer.base = blocks, i, len(blocks) * blocks[0].shape[3] if blocks else 0
-            layer.offset += layer.base
+            layer.blocks, layer.layer, layer.base, layer.page, layer.shared = blocks, i, base, page, shared
+            layer._k, layer._v, layer.offset = page[0, i : i + 1], page[1, i : i + 1], base + filled
         return cache
 
     def state(self) -> dict[str, torch.Tensor]:

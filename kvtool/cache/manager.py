@@ -3,20 +3,21 @@
 It is the Engine's ``prefix_cache`` hook:
 - ``prepare(prompt_ids, runner)`` matches the longest cached chain of full blocks of
   ``prompt_ids[:-1]`` (the last token is always computed, for its logits) and, after it, the
-  leading tokens a cached block shares with the rest (PrefixIndex.match_tail), and holds them. On the
-  C++ CPU path the request's KVCache reads the full blocks in place (KVCache.over_blocks) and only the
-  partly reused block is copied; otherwise all of it is copied into a KVCache the request owns. Blocks
-  are immutable and a request writes only its own buffers, so two requests with one prefix cannot see
-  each other's suffix.
+  leading tokens a cached block shares with the rest (PrefixIndex.match_tail), and holds them. The
+  request's KVCache is paged (kvtool.cache.kv): it reads the full blocks in place and copies only the
+  partly reused block, into its page; on the C++ CPU path the ops write its new tokens into further
+  blocks, and any other writer copies all into buffers of its own first. Blocks are immutable and a
+  request writes only its own, so two requests with one prefix cannot see each other's suffix.
 - ``commit(handle, token_ids, cache)`` inserts the full blocks of what the request computed
-  (prompt and decoded tokens), stores the KV of the new blocks and drops the hold. It never
-  raises because of caching, and tolerates aborted requests and a reset() in between.
+  (prompt and decoded tokens), keeps a paged cache's new full blocks as they are (no copy; other
+  caches' KV is copied into new blocks) and drops the hold. It never raises because of caching, and
+  tolerates aborted requests and a reset() in between.
 - ``publish(handle, token_ids, cache)`` inserts the same way but keeps the hold: the batch
   scheduler calls it when a prompt's prefill ends, so requests that arrive while that one
   still decodes reuse its prompt (vLLM shares a block once it is full, too); commit() later
   adds only the blocks that are new by then.
 - ``fork(cache, token_ids, runner)`` (optional for a hook) copies a prefilled prompt's KV for each of its n
-  choices: on the C++ CPU path the copy reads the prompt's cached full blocks in place and holds them.
+  choices: on the C++ CPU path the copy reads the prompt's full blocks in place (and holds the cached ones).
 
 Memory: the store holds at most ``budget_bytes // bytes_per_block`` blocks; eviction is the
 index's (LRU by default). A request whose KV does not fit runs (partly) uncached, with a
@@ -131,21 +132,18 @@ class PrefixCache:
             tail = self.index.match_tail(prompt_ids[:-1], ids)  # (block, k): a slice of one more block
             held = ids + [tail[0]] if tail else ids  # held while read: no eviction under the reader
             self.index.acquire(held)
-            n = len(ids) * self.block_size + (tail[1] if tail else 0)
-            # the C++ CPU ops read full blocks in place; the rest is copied into a buffer the request owns
-            shared = ids if getattr(runner, "cpu_decode", False) else []
-            try:
-                kv = self.store.gather_padded(ids[len(shared):], len(prompt_ids) - n + 64, tail) if n else None
-                blocks = self.store.tensors(shared)
+            n, k = len(ids) * self.block_size + (tail[1] if tail else 0), tail[1] if tail else 0
+            try:  # a paged cache: the full blocks are read in place, the partly reused one is copied into its page
+                cache = KVCache.paged(self.store.tensors(ids), self.store.page(tail), k, len(ids) * self.block_size)
             except BaseException:
                 self.store.free(self.index.release(held))
                 raise
             self._queries += 1
             self._query_tokens += len(prompt_ids)
             self._hit_tokens += n
-            self._copied_tokens += (copied := n - len(shared) * self.block_size)  # into the request's buffer
-            handle = PrefixHandle(held, n, self._epoch)
-        return KVCache.over_blocks(blocks, kv, copied) if n else runner.new_cache(len(prompt_ids) + 64), n, handle
+            # the C++ CPU ops read and write the blocks; any other writer first copies them into its own buffers
+            self._copied_tokens += k if getattr(runner, "cpu_decode", False) else n
+        return cache, n, PrefixHandle(held, n, self._epoch)
 
     def commit(self, handle: PrefixHandle | None, token_ids: Sequence[int], cache: KVCache) -> None:
         """Cache the KV a request computed and release its hold. Idempotent per handle."""
@@ -165,19 +163,19 @@ class PrefixCache:
         with self._lock:
             self._insert_safely(handle, token_ids, cache, final=False)
 
-    def fork(self, cache: KVCache, token_ids: Sequence[int], runner) -> tuple[KVCache, PrefixHandle]:
+    def fork(self, cache: KVCache, token_ids: Sequence[int], runner) -> tuple[KVCache, PrefixHandle | None]:
         """(a copy of `cache`, which holds the KV of `token_ids`, for one of the n choices of that prompt, a handle):
-        on the C++ CPU path the copy reads the tokens' cached full blocks in place (held until commit(), as a hit's)
-        and owns only the tokens after them; elsewhere it owns all."""
-        tokens = list(token_ids)[: cache.offset]
+        from a paged cache (the C++ CPU path) one that reads the same full blocks in place (the cached ones held
+        until commit(), as a hit's) and copies only the page; from any other a whole copy."""
+        first = cache.layers[0]
+        if first.page is None:
+            return cache.clone(), None
         with self._lock:
-            ids = self.index.match(tokens, record=False) if getattr(runner, "cpu_decode", False) else []
+            ids = self.index.match(list(token_ids)[: first.base], record=False)
             self.index.acquire(ids)
             blocks, shared = self.store.tensors(ids), len(ids) * self.block_size
-        keys, values = cache.stacked(shared, len(tokens))
-        own = keys.new_empty(2, *keys.shape[:2], keys.shape[2] + 64, keys.shape[3])  # + room to decode
-        own[0, :, :, : keys.shape[2]], own[1, :, :, : keys.shape[2]] = keys, values
-        return KVCache.over_blocks(blocks, own, keys.shape[2]), PrefixHandle(ids, shared, self._epoch)
+        kv = KVCache.paged(blocks + first.blocks[len(ids) :], first.page.clone(), cache.offset - first.base, shared)
+        return kv, PrefixHandle(ids, shared, self._epoch)
 
     def _insert_safely(self, handle: PrefixHandle, token_ids: Sequence[int], cache: KVCache, final: bool) -> None:
         try:
@@ -193,17 +191,19 @@ class PrefixCache:
         a shortfall counts as one over-budget request (a request that publishes first counts at commit)."""
         bs = self.block_size
         n = min((layer.offset for layer in cache.layers), default=0)  # an aborted prefill may leave layers uneven
-        tokens = tokens[:n]
+        tokens, page = tokens[:n], cache.layers[0].page if cache.layers else None
+        paged = page is not None and all(layer.page is page for layer in cache.layers)
+        if paged:
+            cache.reserve(cache.offset + 1)  # a full page joins the blocks
         result = self.index.insert(tokens)
         self.store.free(result.evicted)  # before put(): the store never holds more than the budget
         self._changes += 1  # new blocks, or known ones moved to the back of the eviction order
-        if result.new:
-            # New blocks are always the tail of the chain: one copy out of the cache for all of them.
-            first = result.new[0][0]
-            keys, values = cache.stacked(first * bs, (result.new[-1][0] + 1) * bs)
-            for i, block_id in result.new:
-                s = (i - first) * bs
-                self.store.put(block_id, keys[:, :, s : s + bs], values[:, :, s : s + bs])
+        own = cache.layers[0].blocks if paged else []  # kept as they are: commit copies none of them
+        for i, block_id in result.new:
+            if i < len(own):
+                self.store.adopt(block_id, own[i])
+            else:
+                self.store.put(block_id, *cache.stacked(i * bs, (i + 1) * bs))
         cached = len(result.block_ids) * bs
         if cached < len(tokens) // bs * bs and count:
             self._over_budget += 1
@@ -240,9 +240,7 @@ class PrefixCache:
                     raise InvalidParameterError("pin: the prefix is not cached and this PrefixCache has no runner "
                                                 "to compute it; build it with PrefixCache.for_runner()")
                 with self._lock:
-                    keys, values = self.store.gather(ids)
-                cache = self.runner.new_cache(full + 1)
-                cache.append_all(keys, values)
+                    cache = KVCache.paged(self.store.tensors(ids), self.store.page(None), 0, done)
                 self.runner.prefill(tokens[done:full], cache, logits="none")
             with self._lock:
                 if cache is not None and epoch == self._epoch:

@@ -1,9 +1,9 @@
 """KV storage for prefix-cache blocks, addressed by the ids PrefixIndex hands out.
 
 The index decides which blocks exist; this store only holds their tensors. Each block is one
-contiguous allocation shaped [2, L, H, B, D] (keys then values), written once by put() and
-immutable afterwards, so a block can be shared by any number of requests without copies
-until gather() concatenates a prefix for a cache hit.
+contiguous allocation shaped [2, L, H, B, D] (keys then values), written once by put() (or by
+the request whose block adopt() keeps) and immutable afterwards, so a block can be shared by
+any number of requests without copies until gather() concatenates a prefix for a cache hit.
 """
 
 from __future__ import annotations
@@ -55,8 +55,6 @@ class BlockStore:
 
     def put(self, block_id: int, keys: BlockKV, values: BlockKV) -> None:
         """Store one block's KV (cast to the store's dtype/device). Ids are write-once."""
-        if block_id in self._blocks:
-            raise ValueError(f"BlockStore.put: block {block_id} is already stored; free it first")
         block = torch.empty(self.block_shape, dtype=self.dtype, device=self.device)
         for i, (name, kv) in enumerate([("keys", keys), ("values", values)]):
             if isinstance(kv, torch.Tensor) and tuple(kv.shape) == self.block_shape[1:]:
@@ -69,7 +67,17 @@ class BlockStore:
                                  f"[H={self.num_kv_heads}, B={self.block_size}, D={self.head_dim}], got {got}")
             for layer, t in enumerate(per_layer):
                 block[i, layer].copy_(t)
-        self._blocks[block_id] = block
+        self.adopt(block_id, block)
+
+    def adopt(self, block_id: int, block: torch.Tensor) -> None:
+        """Store a block [2, L, H, B, D] by reference, without a copy: its writer (a paged KVCache, whose full
+        blocks these are) never writes it again."""
+        if block_id in self._blocks:
+            raise ValueError(f"BlockStore: block {block_id} is already stored; free it first")
+        if tuple(block.shape) != self.block_shape or (block.dtype, block.device) != (self.dtype, self.device):
+            raise ValueError(f"BlockStore.adopt: block {block_id} must be {self.dtype} {list(self.block_shape)} on "
+                             f"{self.device}, got {block.dtype} {list(block.shape)} on {block.device}")
+        self._blocks[block_id] = block.contiguous()
 
     def gather(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """KV of a chain of blocks: (keys, values), each [L, H, len(block_ids) * B, D]."""
@@ -82,22 +90,16 @@ class BlockStore:
         kv = torch.cat([self._blocks[i] for i in block_ids], dim=3)  # [2, L, H, n*B, D]
         return kv[0], kv[1]
 
-    def gather_padded(self, block_ids: Sequence[int], extra: int,
-                      tail: tuple[int, int] | None = None) -> torch.Tensor:
-        """[2, L, H, n*B + k + extra, D]: the chain's KV, then the first k tokens of block ``tail`` = (id, k),
-        then `extra` free slots, in one copy."""
-        tail_id, k = tail if tail is not None else (None, 0)
-        missing = [i for i in [*block_ids, *([tail_id] if tail else [])] if i not in self._blocks]
-        if missing:
-            raise KeyError(f"BlockStore.gather_padded: blocks {missing} are not stored (freed or never put)")
-        b, n = self.block_size, len(block_ids) * self.block_size
-        if not 0 <= k < b:
-            raise ValueError(f"BlockStore.gather_padded: a tail reads 0..{b - 1} tokens of its block, not {k}")
-        out = torch.empty(self.block_shape[:3] + (n + k + extra, self.head_dim), dtype=self.dtype, device=self.device)
-        for j, block_id in enumerate(block_ids):
-            out[:, :, :, j * b : (j + 1) * b] = self._blocks[block_id]
-        if k:
-            out[:, :, :, n : n + k] = self._blocks[tail_id][:, :, :, :k]
+    def page(self, tail: tuple[int, int] | None) -> torch.Tensor:
+        """A new block [2, L, H, B, D] for a request to write (a paged KVCache's page), whose first k tokens are a
+        copy of those of block ``tail`` = (id, k), if given: a partly reused block."""
+        out = torch.empty(self.block_shape, dtype=self.dtype, device=self.device)
+        if tail is not None:
+            if tail[0] not in self._blocks:
+                raise KeyError(f"BlockStore.page: block {tail[0]} is not stored (freed or never put)")
+            if not 0 <= tail[1] < self.block_size:
+                raise ValueError(f"BlockStore.page: a tail reads 0..{self.block_size - 1} tokens of a block, not {tail[1]}")
+            out[:, :, :, : tail[1]] = self._blocks[tail[0]][:, :, :, : tail[1]]
         return out
 
     def tensors(self, block_ids: Sequence[int]) -> list[torch.Tensor]:

@@ -20,6 +20,11 @@
 
 #include "cpu_simd.h"
 
+namespace kvtool_cpu {
+std::vector<float*> block_pointers(at::TensorList blocks, int64_t layer, int64_t hkv, int64_t d, int64_t& bs,
+                                   int64_t& nl, const char* what);  // cpu_decode.cpp
+}  // namespace kvtool_cpu
+
 namespace {
 
 // The few vector operations the tiles need, W floats at a time: V8 (AVX2 where the build has it, else plain loops)
@@ -199,8 +204,8 @@ void attend_items(int64_t begin, int64_t end, const Row& row, const float* qp, f
 }
 
 // Attention out [T, hq, d] of a chunk's T queries q [T, hq, d] at positions slot .. slot + T - 1. Keys and values
-// 0 .. base - 1 are in the shared blocks [2, L, hkv, B, d] (this layer's part; n B == base), base onwards in the
-// buffers keys/values [1, hkv, capacity, d] from their slot 0 (the chunk's own already written there). width: 0
+// 0 .. base - 1 are in the blocks [2, L, hkv, B, d] (this layer's part; n B == base), base onwards in the
+// buffers keys/values [1, hkv, capacity, d] from their slot 0; the chunk's own are already written to either. width: 0
 // for the widest vectors the build has (sixteen floats with AVX-512 where d is a multiple of 16), 8 for eight.
 at::Tensor prefill_attention(const at::Tensor& q, at::TensorList blocks, int64_t layer, const at::Tensor& keys,
                              const at::Tensor& values, int64_t base, int64_t slot, int64_t width) {
@@ -213,22 +218,27 @@ at::Tensor prefill_attention(const at::Tensor& q, at::TensorList blocks, int64_t
   const int64_t T = q.size(0), hq = q.size(1), d = q.size(2), hkv = keys.size(1), cap = keys.size(2);
   TORCH_CHECK(keys.size(3) == d && d % 8 == 0 && hkv > 0 && hq % hkv == 0,
               "prefill_attention: head_dim must match the buffers' and be a multiple of 8, hq a multiple of hkv");
-  const int64_t n = static_cast<int64_t>(blocks.size()), bs = n ? blocks[0].size(3) : 1, nl = n ? blocks[0].size(1) : 0;
-  TORCH_CHECK(base == n * (n ? bs : 0) && slot >= base && slot + T - base <= cap,
+  int64_t bs = 1, nl = 0;
+  const std::vector<float*> block = kvtool_cpu::block_pointers(blocks, layer, hkv, d, bs, nl, "prefill_attention");
+  const int64_t n = static_cast<int64_t>(block.size());
+  TORCH_CHECK(base == n * (n ? bs : 0) && slot >= 0 && slot + T - base <= cap,
               "prefill_attention: positions ", slot, "..", slot + T - 1, " do not fit ", n, " blocks (", base,
               " tokens) and buffers of ", cap);
-  for (const at::Tensor& b : blocks) {
-    TORCH_CHECK(b.is_contiguous() && b.scalar_type() == at::kFloat && b.dim() == 5 && b.size(0) == 2 &&
-                    b.size(1) == nl && b.size(2) == hkv && b.size(3) == bs && b.size(4) == d && 0 <= layer &&
-                    layer < nl, "prefill_attention: blocks must be contiguous fp32 [2, L, hkv, B, d] alike, L > layer");
-  }
-  std::vector<const float*> block(n);
-  for (int64_t i = 0; i < n; ++i) block[i] = blocks[i].data_ptr<float>();
   const float* own[2] = {keys.data_ptr<float>(), values.data_ptr<float>()};
-  auto row = [&](int kv, int64_t g, int64_t pos) -> const float* {
-    if (pos < base) return block[pos / bs] + (((kv * nl + layer) * hkv + g) * bs + pos % bs) * d;
-    return own[kv] + (g * cap + pos - base) * d;
-  };
+  // where the key (kv 0) or value (kv 1) of KV head g at position pos is, for every pos a query sees: looked up,
+  // not divided out per key (a division per key and tile took ~5% of a 2,048-token prefill's attention)
+  const int64_t total = slot + T;
+  std::vector<const float*> at(2 * hkv * total);
+  for (int64_t kv = 0; kv < 2; ++kv) {
+    for (int64_t g = 0; g < hkv; ++g) {
+      const float** dst = at.data() + (kv * hkv + g) * total;
+      for (int64_t pos = 0; pos < std::min(base, total); ++pos) {
+        dst[pos] = block[pos / bs] + (((kv * nl + layer) * hkv + g) * bs + pos % bs) * d;
+      }
+      for (int64_t pos = base; pos < total; ++pos) dst[pos] = own[kv] + (g * cap + pos - base) * d;
+    }
+  }
+  auto row = [&](int kv, int64_t g, int64_t pos) -> const float* { return at[(kv * hkv + g) * total + pos]; };
   const int64_t group = hq / hkv, per = std::max<int64_t>(1, 96 / group);  // positions per item: ~96 query rows
   const int64_t blocks_of_t = (T + per - 1) / per, items = hkv * blocks_of_t;
   at::Tensor out = at::empty({T, hq, d}, q.options());

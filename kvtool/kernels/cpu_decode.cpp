@@ -38,6 +38,23 @@ float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// The data of a sequence's blocks [2, L, hkv, B, d] (keys then values of L layers), checked to be contiguous fp32
+// alike, with L > layer; bs and nl get B and L (1 and 0 without blocks). `what` names the op in errors.
+std::vector<float*> block_pointers(at::TensorList blocks, int64_t layer, int64_t hkv, int64_t d, int64_t& bs,
+                                   int64_t& nl, const char* what) {
+  std::vector<float*> out(blocks.size());
+  const bool some = !blocks.empty() && blocks[0].dim() == 5;
+  bs = some ? blocks[0].size(3) : 1, nl = some ? blocks[0].size(1) : 0;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const at::Tensor& b = blocks[i];
+    TORCH_CHECK(b.is_contiguous() && b.scalar_type() == at::kFloat && b.dim() == 5 && b.size(0) == 2 &&
+                    b.size(1) == nl && b.size(2) == hkv && b.size(3) == bs && b.size(4) == d && 0 <= layer &&
+                    layer < nl, what, ": blocks must be contiguous fp32 [2, L, hkv, B, d] alike, L > layer");
+    out[i] = b.data_ptr<float>();
+  }
+  return out;
+}
+
 }  // namespace kvtool_cpu
 
 namespace {
@@ -610,21 +627,13 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
   TORCH_CHECK(prefix_count.empty() || static_cast<int64_t>(prefix_count.size()) == rows,
               "attend: prefix_count needs one entry per row of qkv, or none");
   std::vector<int64_t> first_block(rows + 1, 0), shared(rows, 0);  // row r: its first block, its shared tokens
-  std::vector<const float*> block(prefix.size());
-  int64_t bs = 1, nl = 1;
   for (int64_t r = 0; r < rows; ++r) {
     first_block[r + 1] = first_block[r] + (prefix_count.empty() ? 0 : prefix_count[r]);
   }
   TORCH_CHECK(first_block[rows] == static_cast<int64_t>(prefix.size()), "attend: prefix_count does not add up to "
               "the blocks given");
-  for (size_t i = 0; i < prefix.size(); ++i) {
-    const at::Tensor& b = prefix[i];
-    if (i == 0) bs = b.dim() == 5 ? b.size(3) : 0, nl = b.dim() == 5 ? b.size(1) : 0;
-    TORCH_CHECK(b.is_contiguous() && b.scalar_type() == at::kFloat && b.dim() == 5 && b.size(0) == 2 &&
-                    b.size(1) == nl && b.size(2) == hkv && b.size(3) == bs && b.size(4) == d && layer >= 0 &&
-                    layer < nl, "attend: shared blocks must be contiguous fp32 [2, L, hkv, B, d] alike, L > layer");
-    block[i] = b.data_ptr<float>();
-  }
+  int64_t bs = 1, nl = 0;
+  const std::vector<float*> block = kvtool_cpu::block_pointers(prefix, layer, hkv, d, bs, nl, "attend");
   for (int64_t r = 0; r < rows; ++r) shared[r] = (first_block[r + 1] - first_block[r]) * bs;
   const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
   const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
@@ -636,6 +645,13 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
     for (; t < t0 + n && t < shared[r]; t += bs - t % bs) {
       const float* b = block[first_block[r] + t / bs];
       const int64_t in = t % bs;
+      if (t - in + bs < shared[r]) {  // the next block's keys and values, while this one is read
+        const float* next = block[first_block[r] + t / bs + 1];
+        for (int64_t kv = 0; kv < 2; ++kv) {
+          const float* p = next + ((kv * nl + layer) * hkv + g) * bs * d;
+          for (int64_t i = 0; i < bs * d; i += 16) __builtin_prefetch(p + i);
+        }
+      }
       fn(b + ((layer * hkv + g) * bs + in) * d, b + (((nl + layer) * hkv + g) * bs + in) * d, t - t0,
          std::min(bs - in, t0 + n - t));
     }

@@ -13,11 +13,14 @@
 
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #pragma GCC optimize("fp-contract=off")
 
 namespace kvtool_cpu {
 float dot(const float* a, const float* b, int64_t n);  // cpu_decode.cpp
+std::vector<float*> block_pointers(at::TensorList blocks, int64_t layer, int64_t hkv, int64_t d, int64_t& bs,
+                                   int64_t& nl, const char* what);  // cpu_decode.cpp
 }  // namespace kvtool_cpu
 
 namespace {
@@ -37,12 +40,14 @@ inline void norm_rope(const float* in, float* out, int64_t d, const float* nw, f
 }
 
 // The attention inputs of T new tokens of one sequence from the fused projection's output qkv [T, (hq + 2 hkv) d]:
-// q and k normed (when q_norm/k_norm are given) and rotated at cos/sin [T, d]; k and v written to slots
-// slot .. slot + T - 1 of the layer's buffers keys/values [1, hkv, capacity, d]. Returns q [T, hq, d]
+// q and k normed (when q_norm/k_norm are given) and rotated at cos/sin [T, d]; k and v written for positions
+// slot .. slot + T - 1: those below base to the blocks [2, L, hkv, B, d] (this layer's part; n B == base), the
+// rest to the layer's buffers keys/values [1, hkv, capacity, d] from their slot 0. Returns q [T, hq, d]
 // (token-major, as the projection wrote it; attention takes it as the view [1, hq, T, d]).
 at::Tensor rope_qkv(const at::Tensor& qkv, at::Tensor& keys, at::Tensor& values, int64_t slot, const at::Tensor& cos,
                     const at::Tensor& sin, const std::optional<at::Tensor>& q_norm,
-                    const std::optional<at::Tensor>& k_norm, double eps, int64_t hq, int64_t hkv) {
+                    const std::optional<at::Tensor>& k_norm, double eps, int64_t hq, int64_t hkv,
+                    at::TensorList blocks, int64_t layer, int64_t base) {
   TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.size(0) > 0,
               "rope_qkv: qkv must be contiguous fp32 [T, (hq + 2 hkv) d]");
   TORCH_CHECK(hkv > 0 && hq % hkv == 0, "rope_qkv: hq must be a multiple of hkv");
@@ -56,8 +61,11 @@ at::Tensor rope_qkv(const at::Tensor& qkv, at::Tensor& keys, at::Tensor& values,
                   keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
               "rope_qkv: keys and values must be contiguous fp32 [1, hkv, capacity, d]");
   TORCH_CHECK(keys.size(1) == hkv && keys.size(3) == d, "rope_qkv: head counts or head_dim do not match the buffers");
-  TORCH_CHECK(slot >= 0 && slot + rows <= keys.size(2), "rope_qkv: slots ", slot, "..", slot + rows - 1,
-              " are outside the buffers' ", keys.size(2));
+  int64_t bs = 1, nl = 0;
+  const std::vector<float*> block = kvtool_cpu::block_pointers(blocks, layer, hkv, d, bs, nl, "rope_qkv");
+  const int64_t n = static_cast<int64_t>(block.size());
+  TORCH_CHECK(base == n * (n ? bs : 0) && slot >= 0 && slot + rows - base <= keys.size(2), "rope_qkv: slots ", slot,
+              "..", slot + rows - 1, " are outside ", n, " blocks (", base, " tokens) and the buffers' ", keys.size(2));
   for (const auto& w : {q_norm, k_norm}) {
     TORCH_CHECK(!w.has_value() || (w->is_contiguous() && w->scalar_type() == at::kFloat && w->numel() == d),
                 "rope_qkv: q_norm/k_norm must be fp32 [head_dim]");
@@ -80,10 +88,13 @@ at::Tensor rope_qkv(const at::Tensor& qkv, at::Tensor& keys, at::Tensor& values,
       const float* c = cp + t * d;
       const float* s = sp + t * d;
       for (int64_t h = 0; h < hq; ++h) norm_rope(row + h * d, qp + (t * hq + h) * d, d, qn, e, c, s, scratch);
+      const int64_t pos = slot + t;
       for (int64_t g = 0; g < hkv; ++g) {
-        const int64_t at = (g * cap + slot + t) * d;
-        norm_rope(row + (hq + g) * d, kp + at, d, kn, e, c, s, scratch);
-        std::memcpy(vp + at, row + (hq + hkv + g) * d, d * sizeof(float));
+        const int64_t own = (g * cap + pos - base) * d;
+        float* k = pos < base ? block[pos / bs] + ((layer * hkv + g) * bs + pos % bs) * d : kp + own;
+        float* v = pos < base ? k + nl * hkv * bs * d : vp + own;
+        norm_rope(row + (hq + g) * d, k, d, kn, e, c, s, scratch);
+        std::memcpy(v, row + (hq + hkv + g) * d, d * sizeof(float));
       }
     }
   });
@@ -94,7 +105,7 @@ at::Tensor rope_qkv(const at::Tensor& qkv, at::Tensor& keys, at::Tensor& values,
 
 TORCH_LIBRARY_FRAGMENT(kvtool_cpu, m) {
   m.def("rope_qkv(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, int slot, Tensor cos, Tensor sin, Tensor? q_norm, "
-        "Tensor? k_norm, float eps, int hq, int hkv) -> Tensor");
+        "Tensor? k_norm, float eps, int hq, int hkv, Tensor[] blocks, int layer, int base) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvtool_cpu, CPU, m) {

@@ -5,9 +5,9 @@ ops on a quiet machine, ~45% at a load average near 10 (benchmarks/results/prefi
 these memory-bound ops suffer most: RMSNorm as pow/sum/mul, RoPE as rotate_half (neg, cat, mul, add),
 silu(gate) * up, the residual adds and the copies of K and V into the cache. Here each layer is:
 `rms_norm` (rows split over the threads), the fused qkv product, `rope_qkv` (Qwen3's q/k norms, RoPE of q
-and k, K and V written straight into the cache's buffers, rows split over the threads), `prefill_attention`
-(kvtool/kernels/cpu_attention.cpp: causal, each KV head's whole group of query heads scored at once, with no
-mask; a prefix-cache hit's shared blocks read in place), the o product with the residual added by oneDNN as a
+and k, K and V written straight into the cache's blocks or buffers, rows split over the threads),
+`prefill_attention` (kvtool/kernels/cpu_attention.cpp: causal, each KV head's whole group of query heads scored
+at once, with no mask; a paged cache's blocks read in place), the o product with the residual added by oneDNN as a
 post-op, `rms_norm`, the gate_up product, `silu_mul` (ATen's silu over blocks of rows, multiplied by up while in
 cache) and the down product, again with the residual. Each row is computed by one thread, so the result does not
 depend on the thread count. Afterwards (prefill-profile-cpu-fused.json) they are ~7%: the GEMMs take 61% and
@@ -50,7 +50,8 @@ class PrefillPass:
             kv = cache.layers[layer]
             keys, values = kv.buffers
             rows = slice(start, start + t)
-            q = self.ops.rope_qkv(qkv[rows], keys, values, slot - kv.base, cos[rows], sin[rows], qn, kn, eps, hq, hkv)
+            q = self.ops.rope_qkv(qkv[rows], keys, values, slot, cos[rows], sin[rows], qn, kn, eps, hq, hkv, kv.blocks,
+                                  layer, kv.base)
             kv.offset = slot + t
             outs.append(self.ops.prefill_attention(q, kv.blocks, layer, keys, values, kv.base, slot).reshape(t, hq * d))
             start += t

@@ -131,7 +131,7 @@ class DecodeStep:
         r, ops, hq, hkv = self.runner, self.ops, self.hq, self.hkv
         for cache in caches:
             cache.reserve(cache.offset + 1)
-        slots = [cache.own_tokens for cache in caches]  # in the buffers, after shared blocks
+        slots = [cache.offset - cache.layers[0].base for cache in caches]  # in the buffers, after the blocks
         shared = [b for c in caches for b in c.layers[0].blocks], [len(c.layers[0].blocks) for c in caches]
         cos, sin = r.rope_cos_sin(torch.tensor(positions, device=r.device))  # [n, D] each
         x = r.model.embed_tokens(tokens)  # [n, hidden]

@@ -105,7 +105,8 @@ def test_a_prefix_ending_inside_a_block_is_reused_exactly(smollm2, engines):
 @pytest.mark.parametrize("name", ["smollm2", "qwen25"])
 def test_a_hit_reads_the_cached_blocks_in_place_and_copies_only_a_partial_one(name, request):
     """The C++ CPU path reads a hit's full blocks where the cache keeps them (no copy), the partly reused
-    block is copied; prefill and decode over them give the bits of the same KV copied into one buffer."""
+    block is copied; prefill and decode over them give the bits of the same KV copied into one buffer; commit
+    keeps the block the request filled as it is (no copy either)."""
     from kvtool.cache.kv import KVCache
 
     model = request.getfixturevalue(name)
@@ -123,13 +124,17 @@ def test_a_hit_reads_the_cached_blocks_in_place_and_copies_only_a_partial_one(na
     got, want = runner.prefill(prompt[n:], kv), runner.prefill(prompt[n:], copied)
     assert torch.equal(got, want)
     torch.testing.assert_close(got, runner.prefill(prompt, runner.new_cache()), atol=1e-4, rtol=1e-4)
-    token = int(got.argmax())
-    for _ in range(3):
+    token, tokens = int(got.argmax()), list(prompt)
+    while kv.offset < 48:  # the third block fills up in the request's page
         got, want = runner.forward([token], kv), runner.forward([token], copied)
         assert torch.equal(got, want) and kv.offset == copied.offset
+        tokens.append(token)
         token = int(got.argmax())
     assert torch.equal(kv.layers[2].values, copied.layers[2].values) and kv.layers[2].base == 32
-    cache.commit(handle, prompt, kv)
+    page = kv.layers[0].page
+    cache.commit(handle, tokens, kv)  # keeps the request's full page as the third block, without a copy
+    chain = cache.index.match(tokens, record=False)
+    assert len(chain) == 3 and cache.store.tensors(chain)[2] is page and kv.layers[2].base == 48
     cache.check_integrity()
 
 

@@ -1,4 +1,4 @@
-"""BlockStore: put/gather round trip, free, byte accounting, and the index+store protocol."""
+"""BlockStore: put/gather round trip, adopt and page, free, byte accounting, and the index+store protocol."""
 
 import random
 
@@ -56,6 +56,25 @@ def test_free_contains_and_byte_accounting():
     store.free([0, 2])
     assert store.ids() == {1} and store.nbytes == store.bytes_per_block
     store.check_integrity()
+
+
+def test_adopt_keeps_a_written_block_itself_and_a_page_copies_a_tail():
+    store = make_store()
+    store.put(0, *random_kv(0))
+    page = store.page((0, 3))  # a request reuses 3 tokens of block 0 and writes the rest itself
+    assert page.shape == store.block_shape and torch.equal(page[0, :, :, :3], random_kv(0)[0][:, :, :3])
+    page[:, :, :, 3:] = 1.0
+    store.adopt(1, page)
+    assert store.tensors([1])[0] is page and store.nbytes == 2 * store.bytes_per_block
+    store.check_integrity()
+    with pytest.raises(ValueError, match="already stored"):
+        store.adopt(1, store.page(None))
+    with pytest.raises(ValueError, match=r"must be torch.float32 \[2, 2, 3, 4, 5\] on cpu, got torch.float16"):
+        store.adopt(2, store.page(None).half())
+    with pytest.raises(ValueError, match="a tail reads 0..3 tokens of a block, not 4"):
+        store.page((0, 4))
+    with pytest.raises(KeyError, match="block 7 is not stored"):
+        store.page((7, 1))
 
 
 def test_misuse_raises_clear_errors():

@@ -102,7 +102,7 @@ def test_rope_qkv_equals_norm_and_rope_and_writes_only_its_slots(ops, hq, hkv, d
 
     def run():
         keys, values = start[0].clone(), start[1].clone()
-        q = ops.rope_qkv(qkv, keys, values, slot, cos, sin, *norms, 1e-6, hq, hkv)
+        q = ops.rope_qkv(qkv, keys, values, slot, cos, sin, *norms, 1e-6, hq, hkv, [], 0, 0)
         return q, keys, values
 
     outs = at_threads(run)
@@ -117,27 +117,50 @@ def test_rope_qkv_equals_norm_and_rope_and_writes_only_its_slots(ops, hq, hkv, d
     assert torch.equal(values[:, :, others], start[1][:, :, others])
 
 
+@pytest.mark.parametrize("t,slot,blocks", [(37, 5, 3), (12, 0, 3), (20, 9, 1)])
+def test_rope_qkv_writes_positions_below_base_into_the_blocks(ops, t, slot, blocks):
+    """Positions slot .. slot + t - 1 land in layer 1's part of the blocks [2, L, hkv, B, d] below base and in the
+    buffers from base on: the same values as one flat buffer gets, and nothing else written."""
+    gen = torch.Generator().manual_seed(t + slot)
+    hq, hkv, d, bs, base = 4, 2, 16, 8, 8 * blocks
+    qkv, angles = torch.randn(t, (hq + 2 * hkv) * d, generator=gen), torch.rand(t, d // 2, generator=gen)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    flat = torch.zeros(1, hkv, slot + t, d), torch.zeros(1, hkv, slot + t, d)
+    q_want = ops.rope_qkv(qkv, *flat, slot, cos, sin, None, None, 1e-6, hq, hkv, [], 0, 0)
+    shared = [torch.zeros(2, 3, hkv, bs, d) for _ in range(blocks)]
+    own = torch.zeros(1, hkv, max(slot + t - base, 0) + 2, d), torch.zeros(1, hkv, max(slot + t - base, 0) + 2, d)
+    q = ops.rope_qkv(qkv, *own, slot, cos, sin, None, None, 1e-6, hq, hkv, shared, 1, base)
+    assert torch.equal(q, q_want)
+    for kv in range(2):
+        got = torch.cat([*(b[kv, 1] for b in shared), own[kv][0, :, : max(slot + t - base, 0)]], 1)
+        assert torch.equal(got[:, : slot + t], flat[kv][0])
+        assert not any(b[kv, [0, 2]].any() for b in shared) and not own[kv][:, :, slot + t - base :].any()
+
+
 def test_rope_qkv_refuses_what_does_not_fit(ops):
     keys = values = torch.zeros(1, 2, 8, 16)
     qkv, rows = torch.zeros(3, 8 * 16), torch.zeros(3, 16)
-    with pytest.raises(RuntimeError, match=r"slots 6\.\.8 are outside the buffers' 8"):
-        ops.rope_qkv(qkv, keys, values, 6, rows, rows, None, None, 1e-6, 4, 2)
+    with pytest.raises(RuntimeError, match=r"slots 6\.\.8 are outside 0 blocks \(0 tokens\) and the buffers' 8"):
+        ops.rope_qkv(qkv, keys, values, 6, rows, rows, None, None, 1e-6, 4, 2, [], 0, 0)
+    with pytest.raises(RuntimeError, match=r"rope_qkv: blocks must be contiguous fp32"):
+        ops.rope_qkv(qkv, keys, values, 0, rows, rows, None, None, 1e-6, 4, 2, [torch.zeros(2, 1, 2, 4, 16)], 1, 4)
     with pytest.raises(RuntimeError, match="qkv's width must be"):
-        ops.rope_qkv(torch.zeros(3, 17), keys, values, 0, rows, rows, None, None, 1e-6, 4, 2)
+        ops.rope_qkv(torch.zeros(3, 17), keys, values, 0, rows, rows, None, None, 1e-6, 4, 2, [], 0, 0)
     with pytest.raises(RuntimeError, match="must be contiguous fp32"):
-        ops.rope_qkv(qkv, keys.transpose(2, 3), values, 0, rows, rows, None, None, 1e-6, 4, 2)
+        ops.rope_qkv(qkv, keys.transpose(2, 3), values, 0, rows, rows, None, None, 1e-6, 4, 2, [], 0, 0)
     with pytest.raises(RuntimeError, match="cos/sin must be"):
-        ops.rope_qkv(qkv, keys, values, 0, rows[:2], rows, None, None, 1e-6, 4, 2)
+        ops.rope_qkv(qkv, keys, values, 0, rows[:2], rows, None, None, 1e-6, 4, 2, [], 0, 0)
     with pytest.raises(RuntimeError, match="q_norm/k_norm must be"):
-        ops.rope_qkv(qkv, keys, values, 0, rows, rows, torch.ones(15), torch.ones(16), 1e-6, 4, 2)
+        ops.rope_qkv(qkv, keys, values, 0, rows, rows, torch.ones(15), torch.ones(16), 1e-6, 4, 2, [], 0, 0)
 
 
 @pytest.mark.parametrize("hq,hkv,d,t,slot,blocks", [(9, 3, 64, 64, 200, 0), (9, 3, 64, 300, 0, 0), (14, 2, 64, 5, 3, 0),
                                                   (4, 4, 16, 7, 1, 0), (16, 8, 128, 33, 70, 4), (2, 1, 8, 2, 600, 9),
-                                                  (4, 2, 24, 97, 40, 2)])
+                                                  (4, 2, 24, 97, 40, 2), (9, 3, 64, 40, 8, 3), (4, 2, 24, 50, 20, 4)])
 def test_prefill_attention_equals_masked_attention(ops, hq, hkv, d, t, slot, blocks):
     """prefill_attention (keys in tiles, each KV head's query group at once, no mask) against SDPA with the causal
-    mask over the whole cache, with the first keys read from shared blocks of 16 in place; the same bits at any
+    mask over the whole cache, with the first keys read from blocks of 16 in place (the queries' own too, where
+    slot < base); the same bits at any
     thread count and at eight lanes (the AVX2 width) as at the widest vectors the build has (AVX-512's sixteen)."""
     from kvtool.models.layers import causal_mask
 
