@@ -70,10 +70,6 @@ class PrefixIndex:
         return len(self._blocks) + len(self._detached)
 
     @property
-    def num_detached_blocks(self) -> int:
-        return len(self._detached)
-
-    @property
     def pinned_blocks(self) -> int:
         """Live blocks with at least one permanent pin (acquired blocks are not counted)."""
         return sum(1 for b in self._blocks.values() if b.pins)

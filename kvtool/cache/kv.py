@@ -4,13 +4,12 @@ LayerKV keeps keys (post-RoPE) and values in buffers shaped [1, H_kv, capacity, 
 that grow by doubling, so a decode step appends in place instead of re-concatenating.
 Slot i of every layer holds the token at sequence index i.
 
-A cache may start with blocks: its first `base` tokens are immutable [2, L, H, B, D] block
-tensors, by reference (the prefix cache's), and the buffers hold the tokens from `base` on (slot i: token
-base + i). A paged cache (KVCache.paged) holds every token in such blocks: its buffers are one more block's
-layer parts (its page), and reserve() moves a full page to the blocks and takes a fresh one, so the prefix
-cache can keep a request's full blocks without copying them. The C++ CPU ops read the blocks in place and write
-a prefill's K/V into them (kvtool.models.cpu_step, cpu_prefill); `keys` and `values` join both parts in a copy,
-and any other writer first copies the blocks into the buffers (materialize()).
+A paged cache (KVCache.paged) holds every token in immutable [2, L, H, B, D] blocks, by reference (its first
+`base` tokens; the prefix cache's on a hit), and one more block, its page, whose layer parts are the buffers (slot
+i: token base + i); reserve() moves a full page to the blocks and takes a fresh one, so the prefix cache keeps a
+request's full blocks without copying them. The C++ CPU ops read the blocks in place and write a prefill's K/V
+into them (kvtool.models.cpu_step, cpu_prefill); `keys` and `values` join both parts in a copy, and any other
+writer first copies the blocks into the buffers (materialize()).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ MIN_CAPACITY = 256
 class LayerKV:
     blocks: list[torch.Tensor] | tuple = ()  # [2, L, H, B, D] blocks holding tokens 0..base-1 (KVCache.paged)
     layer = base = shared = 0  # this layer's index in them, the tokens they hold, those the prefix cache holds
-    page: torch.Tensor | None = None  # a paged cache's block whose layer parts are the buffers
+    page = take = None  # a paged cache's block whose layer parts are the buffers, and its source of fresh ones
     def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
                  capacity: int = MIN_CAPACITY):
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
@@ -42,8 +41,9 @@ class LayerKV:
         """Keys and values [1, H, end - start, D] of tokens [start, end): views of the buffers, or one copy where
         the span reaches into shared blocks."""
         own = slice(max(start - self.base, 0), max(end - self.base, 0))
-        if start >= self.base or end <= start:
-            return self._k[:, :, own], self._v[:, :, own]
+        if start >= self.base or end <= start:  # (a page's views must not outlive it: copies)
+            k, v = self._k[:, :, own], self._v[:, :, own]
+            return (k, v) if self.page is None else (k.clone(), v.clone())
         size, stop = self.blocks[0].shape[3], min(end, self.base)
         parts = [blk[:, self.layer] for blk in self.blocks[start // size : (stop - 1) // size + 1]]  # [2, H, B, D]
         parts[-1] = parts[-1][:, :, : stop - (stop - 1) // size * size]
@@ -70,7 +70,7 @@ class LayerKV:
         from slot 0."""
         if self.base or self.page is not None:
             (k, v), capacity = self.span(0, self.offset), self.capacity
-            self.base, self.blocks, self.offset, self.shared, self.page = 0, (), 0, 0, None
+            self.base, self.blocks, self.offset, self.shared, self.page, self.take = 0, (), 0, 0, None, None
             self._k, self._v = self._k[:, :, :0], self._v[:, :, :0]
             self.reserve(capacity)  # the room it had: a prefill that follows need not grow it
             self.append(k, v)
@@ -163,7 +163,7 @@ class KVCache:
             page = first.page
             first.blocks.append(page)
             with torch.inference_mode(False):  # made inside a forward, it stays writable outside one
-                fresh = torch.empty_like(page)
+                fresh = first.take() if first.take else torch.empty_like(page)
             for i, layer in enumerate(self.layers):
                 if layer.page is page:
                     layer.page, layer.base, layer._k, layer._v = fresh, layer.base + page.shape[3], *fresh[:, i : i + 1]
@@ -195,14 +195,16 @@ class KVCache:
         return torch.stack([k[0] for k, _ in spans]), torch.stack([v[0] for _, v in spans])
 
     @classmethod
-    def paged(cls, blocks: list[torch.Tensor], page: torch.Tensor, filled: int, shared: int) -> "KVCache":
+    def paged(cls, blocks: list[torch.Tensor], page: torch.Tensor, filled: int, shared: int, take=None) -> "KVCache":
         """A cache whose tokens are all in blocks [2, L, H, B, D]: the full ones (read in place and never written
         again; the prefix cache holds the first `shared` tokens), then `page`, whose first `filled` tokens are
-        written and which takes the next ones (reserve() moves it to `blocks`, a list it appends to, when full)."""
+        written and which takes the next ones (reserve() moves it to `blocks`, a list it appends to, when full, and
+        takes a fresh page from `take`, e.g. BlockStore.take)."""
         base = len(blocks) * page.shape[3]
         cache = cls.empty(page.shape[1], page.shape[2], page.shape[4], page.dtype, page.device, capacity=0)
         for i, layer in enumerate(cache.layers):
             layer.blocks, layer.layer, layer.base, layer.page, layer.shared = blocks, i, base, page, shared
+            layer.take = take
             layer._k, layer._v, layer.offset = page[0, i : i + 1], page[1, i : i + 1], base + filled
         return cache
 

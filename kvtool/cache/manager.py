@@ -46,7 +46,6 @@ from kvtool.ids import as_token_ids
 
 DEFAULT_BUDGET_FRACTION = 0.5  # of available RAM (CPU, MPS) or free GPU memory (CUDA): all of an engine's KV
 DEFAULT_BUDGET_CAP = 32 << 30
-FALLBACK_AVAILABLE = 4 << 30  # when available memory cannot be read
 
 
 @dataclass
@@ -58,27 +57,14 @@ class PrefixHandle:
 
 
 def available_memory(device: torch.device | str = "cpu") -> int:
-    """Bytes a new allocation could get: free GPU memory on CUDA, available RAM otherwise."""
+    """Bytes a new allocation could get: free GPU memory on CUDA, available RAM otherwise (psutil, which accelerate
+    depends on)."""
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        import psutil
+    import psutil
 
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return FALLBACK_AVAILABLE
+    return int(psutil.virtual_memory().available)
 
 
 def memory_split(kv_bytes: int | None, cache_bytes: int | None, device: torch.device | str = "cpu") -> tuple[int, int]:
@@ -93,10 +79,10 @@ def memory_split(kv_bytes: int | None, cache_bytes: int | None, device: torch.de
 class PrefixCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, budget_bytes: int,
                  block_size: int = 16, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 eviction: str = "lru", runner=None):
+                 eviction: str = "lru", runner=None, pool_bytes: int = 0):
         if not is_whole(block_size, 1):
             raise InvalidParameterError(f"prefix cache block_size must be an integer >= 1 tokens, got {block_size!r}")
-        self.store = BlockStore(num_layers, num_kv_heads, head_dim, block_size, dtype, device)
+        self.store = BlockStore(num_layers, num_kv_heads, head_dim, block_size, dtype, device, pool_bytes)
         self.index = PrefixIndex(block_size, self._capacity(budget_bytes), eviction)
         self.budget_bytes = budget_bytes
         self.block_size = block_size
@@ -111,12 +97,13 @@ class PrefixCache:
 
     @classmethod
     def for_runner(cls, runner, budget_bytes: int | None = None, block_size: int = 16,
-                   eviction: str = "lru") -> "PrefixCache":
-        """A cache shaped for ``runner``'s KV (layers, heads, dtype, device)."""
+                   eviction: str = "lru", pool_bytes: int = 0) -> "PrefixCache":
+        """A cache shaped for ``runner``'s KV (layers, heads, dtype, device); its blocks and the requests' pages
+        come from one pool of ``pool_bytes`` (BlockStore.take)."""
         s = runner.spec
         budget = memory_split(None, None, runner.device)[1] if budget_bytes is None else budget_bytes
         return cls(s.num_layers, s.num_kv_heads, s.head_dim, budget_bytes=budget, block_size=block_size,
-                   dtype=runner.dtype, device=runner.device, eviction=eviction, runner=runner)
+                   dtype=runner.dtype, device=runner.device, eviction=eviction, runner=runner, pool_bytes=pool_bytes)
 
     def _capacity(self, budget_bytes) -> int:
         if not is_whole(budget_bytes):
@@ -134,7 +121,8 @@ class PrefixCache:
             self.index.acquire(held)
             n, k = len(ids) * self.block_size + (tail[1] if tail else 0), tail[1] if tail else 0
             try:  # a paged cache: the full blocks are read in place, the partly reused one is copied into its page
-                cache = KVCache.paged(self.store.tensors(ids), self.store.page(tail), k, len(ids) * self.block_size)
+                page, blocks = self.store.page(tail), self.store.tensors(ids)
+                cache = KVCache.paged(blocks, page, k, len(ids) * self.block_size, self.store.take)
             except BaseException:
                 self.store.free(self.index.release(held))
                 raise
@@ -174,7 +162,9 @@ class PrefixCache:
             ids = self.index.match(list(token_ids)[: first.base], record=False)
             self.index.acquire(ids)
             blocks, shared = self.store.tensors(ids), len(ids) * self.block_size
-        kv = KVCache.paged(blocks + first.blocks[len(ids) :], first.page.clone(), cache.offset - first.base, shared)
+        page = self.store.take()
+        page.copy_(first.page)
+        kv = KVCache.paged(blocks + first.blocks[len(ids) :], page, cache.offset - first.base, shared, self.store.take)
         return kv, PrefixHandle(ids, shared, self._epoch)
 
     def _insert_safely(self, handle: PrefixHandle, token_ids: Sequence[int], cache: KVCache, final: bool) -> None:
@@ -192,8 +182,7 @@ class PrefixCache:
         bs = self.block_size
         n = min((layer.offset for layer in cache.layers), default=0)  # an aborted prefill may leave layers uneven
         tokens, page = tokens[:n], cache.layers[0].page if cache.layers else None
-        paged = page is not None and all(layer.page is page for layer in cache.layers)
-        if paged:
+        if paged := page is not None and all(layer.page is page for layer in cache.layers):
             cache.reserve(cache.offset + 1)  # a full page joins the blocks
         result = self.index.insert(tokens)
         self.store.free(result.evicted)  # before put(): the store never holds more than the budget
@@ -240,7 +229,7 @@ class PrefixCache:
                     raise InvalidParameterError("pin: the prefix is not cached and this PrefixCache has no runner "
                                                 "to compute it; build it with PrefixCache.for_runner()")
                 with self._lock:
-                    cache = KVCache.paged(self.store.tensors(ids), self.store.page(None), 0, done)
+                    cache = KVCache.paged(self.store.tensors(ids), self.store.page(None), 0, done, self.store.take)
                 self.runner.prefill(tokens[done:full], cache, logits="none")
             with self._lock:
                 if cache is not None and epoch == self._epoch:
@@ -348,6 +337,7 @@ class PrefixCache:
                 "blocks": self.index.num_blocks, "capacity_blocks": self.index.capacity_blocks,
                 "pinned_blocks": self.index.pinned_blocks, "block_size": self.block_size,
                 "bytes_per_block": self.store.bytes_per_block, "over_budget": self._over_budget,
+                "pool_blocks": self.store.pool_blocks, "pool_blocks_spare": len(self.store.spare),
                 "resets": self._epoch, "eviction": self.index.eviction,
             }
 
@@ -391,7 +381,8 @@ def attach_prefix_cache(engine, budget_bytes: int | None = None, block_size: int
         engine.prefix_cache = None
         return None
     budget = budget_bytes if budget_bytes is not None else engine.memory[1]
-    cache = PrefixCache.for_runner(engine.runner, budget, block_size or cfg.prefix_block, eviction)
+    pool = engine.memory[0] + budget if engine.runner.cpu_decode else 0  # the paged requests' and the cache's
+    cache = PrefixCache.for_runner(engine.runner, budget, block_size or cfg.prefix_block, eviction, pool)
     if cfg.cache_file is not None and os.path.exists(cfg.cache_file):
         cache.load(cfg.cache_file, engine.model)
     engine.prefix_cache = cache

@@ -4,10 +4,15 @@ The index decides which blocks exist; this store only holds their tensors. Each 
 contiguous allocation shaped [2, L, H, B, D] (keys then values), written once by put() (or by
 the request whose block adopt() keeps) and immutable afterwards, so a block can be shared by
 any number of requests without copies until gather() concatenates a prefix for a cache hit.
+Blocks come from one pool, allocated once at the first take() (`pool_bytes`; none: each block is an
+allocation of its own, as every block is when the pool is used up); a slot goes back to the pool when
+the last reference to its block tensor goes: the store's, a request's paged KVCache's, a saver's.
 """
 
 from __future__ import annotations
 
+import math
+import weakref
 from typing import Iterable, Sequence
 
 import torch
@@ -18,7 +23,7 @@ BlockKV = torch.Tensor | Sequence[torch.Tensor]
 
 class BlockStore:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu", pool_bytes: int = 0):
         sizes = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim, "block_size": block_size}
         for name, value in sizes.items():
             if not isinstance(value, int) or value < 1:
@@ -28,6 +33,9 @@ class BlockStore:
         self.dtype = dtype
         self.device = torch.empty(0, device=device).device  # resolves "cuda" to "cuda:0"
         self._blocks: dict[int, torch.Tensor] = {}  # id -> [2, L, H, B, D]
+        self.pool_blocks = pool_bytes // self.bytes_per_block
+        self._pool: torch.Tensor | None = None
+        self.spare = list(range(self.pool_blocks - 1, -1, -1))  # pool slots that no block tensor refers to
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -35,27 +43,34 @@ class BlockStore:
 
     @property
     def bytes_per_block(self) -> int:
-        n = 1
-        for dim in self.block_shape:
-            n *= dim
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.block_shape) * torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def nbytes(self) -> int:
         return len(self._blocks) * self.bytes_per_block
 
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def __contains__(self, block_id: int) -> bool:
-        return block_id in self._blocks
+    def take(self) -> torch.Tensor:
+        """A block [2, L, H, B, D] to write: a slot of the pool, or an allocation of its own when no slot is spare.
+        Views of it must not outlive the tensor itself (its slot is then taken again)."""
+        with torch.inference_mode(False):  # taken inside a forward, it stays writable outside one
+            if self.spare and self._pool is None:
+                try:
+                    self._pool = torch.empty(self.pool_blocks, *self.block_shape, dtype=self.dtype, device=self.device)
+                except (RuntimeError, MemoryError):  # e.g. a strict overcommit policy: a block at a time then
+                    self.spare = []
+            if not self.spare:
+                return torch.empty(self.block_shape, dtype=self.dtype, device=self.device)
+            slot = self.spare.pop()
+            block = self._pool[slot]
+        weakref.finalize(block, self.spare.append, slot)
+        return block
 
     def ids(self) -> set[int]:
         return set(self._blocks)
 
     def put(self, block_id: int, keys: BlockKV, values: BlockKV) -> None:
         """Store one block's KV (cast to the store's dtype/device). Ids are write-once."""
-        block = torch.empty(self.block_shape, dtype=self.dtype, device=self.device)
+        block = self.take()
         for i, (name, kv) in enumerate([("keys", keys), ("values", values)]):
             if isinstance(kv, torch.Tensor) and tuple(kv.shape) == self.block_shape[1:]:
                 block[i].copy_(kv)  # one copy instead of one per layer (a commit puts many blocks)
@@ -80,25 +95,24 @@ class BlockStore:
         self._blocks[block_id] = block.contiguous()
 
     def gather(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """KV of a chain of blocks: (keys, values), each [L, H, len(block_ids) * B, D]."""
-        missing = [i for i in block_ids if i not in self._blocks]
-        if missing:
-            raise KeyError(f"BlockStore.gather: blocks {missing} are not stored (freed or never put)")
-        if not block_ids:
-            empty = torch.empty(self.block_shape[:3] + (0, self.head_dim), dtype=self.dtype, device=self.device)
-            return empty[0], empty[1]
+        """KV of a chain of (one or more) blocks: (keys, values), each [L, H, len(block_ids) * B, D] (copies)."""
+        self._check(block_ids, "gather")
         kv = torch.cat([self._blocks[i] for i in block_ids], dim=3)  # [2, L, H, n*B, D]
         return kv[0], kv[1]
+
+    def _check(self, block_ids: Sequence[int], what: str, why: str = "freed or never put") -> None:
+        if missing := [i for i in block_ids if i not in self._blocks]:
+            raise KeyError(f"BlockStore.{what}: blocks {missing} are not stored ({why})")
 
     def page(self, tail: tuple[int, int] | None) -> torch.Tensor:
         """A new block [2, L, H, B, D] for a request to write (a paged KVCache's page), whose first k tokens are a
         copy of those of block ``tail`` = (id, k), if given: a partly reused block."""
-        out = torch.empty(self.block_shape, dtype=self.dtype, device=self.device)
+        out = self.take()
         if tail is not None:
-            if tail[0] not in self._blocks:
-                raise KeyError(f"BlockStore.page: block {tail[0]} is not stored (freed or never put)")
+            self._check([tail[0]], "page")
             if not 0 <= tail[1] < self.block_size:
-                raise ValueError(f"BlockStore.page: a tail reads 0..{self.block_size - 1} tokens of a block, not {tail[1]}")
+                raise ValueError(f"BlockStore.page: a tail reads 0..{self.block_size - 1} tokens of a block, "
+                                 f"not {tail[1]}")
             out[:, :, :, : tail[1]] = self._blocks[tail[0]][:, :, :, : tail[1]]
         return out
 
@@ -109,9 +123,7 @@ class BlockStore:
 
     def free(self, block_ids: Iterable[int]) -> None:
         block_ids = list(block_ids)
-        missing = [i for i in block_ids if i not in self._blocks]
-        if missing:
-            raise KeyError(f"BlockStore.free: blocks {missing} are not stored (freed twice?)")
+        self._check(block_ids, "free", "freed twice?")
         if len(set(block_ids)) != len(block_ids):
             raise KeyError(f"BlockStore.free: a block is listed twice in {block_ids}")
         for block_id in block_ids:

@@ -111,7 +111,7 @@ def test_a_prefix_ending_inside_a_block_is_reused_to_the_token_and_exact(model):
     kv, n, handle = pc.prepare(prompt, runner)
     assert n == 18 and kv.offset == 18 and len(handle.block_ids) == 5  # 4 blocks, then 2 tokens of the 5th
     tail = handle.block_ids[-1]
-    assert pc.index.evict_lru(10) == [] and tail in pc.store  # held while the request reads it: never evicted
+    assert pc.index.evict_lru(10) == [] and tail in pc.store.ids()  # held while the request reads it: never evicted
     cold = runner.new_cache()
     want = runner.prefill(prompt, cold)
     got = runner.prefill(prompt[n:], kv)

@@ -30,8 +30,6 @@ def test_put_gather_round_trip_concatenates_along_the_sequence():
     assert keys.shape == values.shape == (L, H, 3 * B, D)
     assert torch.equal(keys, torch.cat([kvs[i][0] for i in (9, 7, 3)], dim=2))
     assert torch.equal(values, torch.cat([kvs[i][1] for i in (9, 7, 3)], dim=2))
-    empty_k, empty_v = store.gather([])
-    assert empty_k.shape == empty_v.shape == (L, H, 0, D)
     store.check_integrity()
 
 
@@ -51,7 +49,7 @@ def test_free_contains_and_byte_accounting():
     assert store.nbytes == 0
     for i in range(3):
         store.put(i, *random_kv(i))
-    assert 1 in store and 5 not in store and len(store) == 3
+    assert store.ids() == {0, 1, 2}
     assert store.nbytes == 3 * store.bytes_per_block
     store.free([0, 2])
     assert store.ids() == {1} and store.nbytes == store.bytes_per_block
@@ -73,8 +71,28 @@ def test_adopt_keeps_a_written_block_itself_and_a_page_copies_a_tail():
         store.adopt(2, store.page(None).half())
     with pytest.raises(ValueError, match="a tail reads 0..3 tokens of a block, not 4"):
         store.page((0, 4))
-    with pytest.raises(KeyError, match="block 7 is not stored"):
+    with pytest.raises(KeyError, match=r"blocks \[7\] are not stored"):
         store.page((7, 1))
+
+
+def test_blocks_come_from_one_pool_and_a_slot_returns_when_its_block_is_gone():
+    store = BlockStore(L, H, D, B, torch.float32, "cpu", pool_bytes=2 * make_store().bytes_per_block + 1)
+    assert store.pool_blocks == 2 and len(store.spare) == 2
+    a, b = store.take(), store.take()
+    pool = a.untyped_storage().data_ptr()
+    assert b.untyped_storage().data_ptr() == pool and a.data_ptr() != b.data_ptr() and not store.spare
+    c = store.take()  # every slot in use: an allocation of its own
+    assert c.untyped_storage().data_ptr() != pool and c.shape == store.block_shape
+    store.adopt(0, a)
+    del a
+    assert not store.spare  # the store still holds it
+    store.free([0])
+    assert len(store.spare) == 1  # its last reference went: the slot is spare again
+    store.put(1, *random_kv(1))  # put() takes a slot too
+    assert not store.spare and store.tensors([1])[0].untyped_storage().data_ptr() == pool
+    del b
+    assert len(store.spare) == 1
+    store.check_integrity()
 
 
 def test_misuse_raises_clear_errors():

@@ -302,3 +302,26 @@ def test_n_choices_share_a_spliced_prompt_over_the_prefix_cache(smollm2, catalog
     prefix.check_integrity()
     again = Engine(smollm2, prefix_cache=splicer).generate(ids, params).run()  # the prompt's KV was handed back
     assert again.token_ids == plain.token_ids and again.timings.cached_tokens > 0
+
+
+def test_blocks_spliced_over_the_paged_prefix_cache_give_the_reference_forwards_tokens(smollm2, catalog):
+    """Skill blocks spliced after the prefix cache's paged KV, through the C++ ops and through the reference
+    forward: the same greedy tokens, the second time over the prompt the first handed back to the cache."""
+    from kvtool.cache.manager import PrefixCache
+
+    ids = conversation_ids(smollm2, catalog, "haiku", "limerick")
+    params = kvtool.SamplingParams(temperature=0, max_tokens=6)
+
+    def run():
+        splicer = SkillSplicer(catalog, repair="none", inner=PrefixCache.for_runner(smollm2.runner, 64 << 20))
+        engine = Engine(smollm2, prefix_cache=splicer)
+        gens = [engine.generate(ids, params).run() for _ in range(2)]
+        return [(g.token_ids, g.timings.cached_tokens, g.timings.skill_block_tokens) for g in gens]
+
+    paged = run()
+    smollm2.runner.use_cpu_decode(False)
+    try:
+        reference = run()
+    finally:
+        smollm2.runner.use_cpu_decode(True)
+    assert paged == reference and paged[1][1] > 0
