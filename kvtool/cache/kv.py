@@ -204,8 +204,7 @@ class KVCache:
         cache = cls.empty(page.shape[1], page.shape[2], page.shape[4], page.dtype, page.device, capacity=0)
         for i, layer in enumerate(cache.layers):
             layer.blocks, layer.layer, layer.base, layer.page, layer.shared = blocks, i, base, page, shared
-            layer.take = take
-            layer._k, layer._v, layer.offset = page[0, i : i + 1], page[1, i : i + 1], base + filled
+            layer._k, layer._v, layer.offset, layer.take = page[0, i : i + 1], page[1, i : i + 1], base + filled, take
         return cache
 
     def state(self) -> dict[str, torch.Tensor]:

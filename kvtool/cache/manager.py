@@ -121,8 +121,7 @@ class PrefixCache:
             self.index.acquire(held)
             n, k = len(ids) * self.block_size + (tail[1] if tail else 0), tail[1] if tail else 0
             try:  # a paged cache: the full blocks are read in place, the partly reused one is copied into its page
-                page, blocks = self.store.page(tail), self.store.tensors(ids)
-                cache = KVCache.paged(blocks, page, k, len(ids) * self.block_size, self.store.take)
+                cache = KVCache.paged(self.store.tensors(ids), self.store.page(tail), k, n - k, self.store.take)
             except BaseException:
                 self.store.free(self.index.release(held))
                 raise
@@ -162,8 +161,7 @@ class PrefixCache:
             ids = self.index.match(list(token_ids)[: first.base], record=False)
             self.index.acquire(ids)
             blocks, shared = self.store.tensors(ids), len(ids) * self.block_size
-        page = self.store.take()
-        page.copy_(first.page)
+        page = self.store.take().copy_(first.page)
         kv = KVCache.paged(blocks + first.blocks[len(ids) :], page, cache.offset - first.base, shared, self.store.take)
         return kv, PrefixHandle(ids, shared, self._epoch)
 
@@ -188,11 +186,14 @@ class PrefixCache:
         self.store.free(result.evicted)  # before put(): the store never holds more than the budget
         self._changes += 1  # new blocks, or known ones moved to the back of the eviction order
         own = cache.layers[0].blocks if paged else []  # kept as they are: commit copies none of them
+        copied = [(i, block_id) for i, block_id in result.new if i >= len(own)]  # the chain's tail: one copy out
+        keys, values = cache.stacked(copied[0][0] * bs, (copied[-1][0] + 1) * bs) if copied else (None, None)
         for i, block_id in result.new:
             if i < len(own):
                 self.store.adopt(block_id, own[i])
             else:
-                self.store.put(block_id, *cache.stacked(i * bs, (i + 1) * bs))
+                s = (i - copied[0][0]) * bs
+                self.store.put(block_id, keys[:, :, s : s + bs], values[:, :, s : s + bs])
         cached = len(result.block_ids) * bs
         if cached < len(tokens) // bs * bs and count:
             self._over_budget += 1
