@@ -2,7 +2,8 @@
 requests filled) held to the reference forward on both real models: the same greedy tokens and cached-token
 counts for a single request, a batch whose prompts hit the cache at a block boundary, inside a block and whole,
 seeded choices of one prompt (forks), requests preempted under a small KV budget, and a question after a cached
-context edited in place (POST /v1/cache/edit's path). Skill blocks: tests/skill_blocks/test_skills_real.py."""
+context edited in place (POST /v1/cache/edit's path); on tiny random Qwen3, Qwen2 and Llama checkpoints too (without
+the edit). Skill blocks: tests/skill_blocks/test_skills_real.py."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from kvtool.cache.manager import attach_prefix_cache
 from kvtool.engine import Engine
 from kvtool.engine.batch import BatchScheduler
 from kvtool.serving.cache_edit_http import _apply
+from kvtool.config import EngineConfig
 from kvtool.skills.edit import plan_edit
-
-pytestmark = pytest.mark.real_model
+from kvtool.testing.tiny import tiny_checkpoint, tiny_runner
+from tests.cache.test_manager import TinyModel, rand_ids
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 SYSTEM = "You answer for a small bakery in one sentence, prices in euros; it opens at 7:00 and closes at 18:00."
@@ -50,11 +52,56 @@ def workload(model) -> dict:
         [{"role": "user", "content": case.question}], add_generation_prompt=True)), GREEDY).run()
     out["edit"] = (done["token_ids"], done["recomputed_tokens"], asked.token_ids, asked.timings.cached_tokens)
     cache.check_integrity()
-    store = cache.store  # on the C++ path every block came from the pool, and all but the cache's are back
-    out["pool"] = not store.pool_blocks or len(store.spare) + len(store.ids()) == store.pool_blocks
+    out["pool"] = pool_is_whole(cache)
     return out
 
 
+def pool_is_whole(cache) -> bool:
+    store = cache.store  # on the C++ path every block came from the pool, and all but the cache's are back
+    return not store.pool_blocks or len(store.spare) + len(store.ids()) == store.pool_blocks
+
+
+def tiny_workload(model) -> dict:
+    """The real models' workload without the edit, on 4-token blocks: every kind of hit, forks and preemption."""
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine = Engine(model, EngineConfig(prefill_chunk=16))
+    cache = attach_prefix_cache(engine, budget_bytes=1 << 22, block_size=4)
+    base = rand_ids(38, 1)
+    out = {"single": engine.generate(base, greedy).run().token_ids}
+    prompts = [base[:16] + rand_ids(5, 2), base[:23] + rand_ids(7, 3), base + rand_ids(3, 4), base]
+    out["batch"] = [(g.token_ids, g.timings.cached_tokens) for g in engine.generate_batch(prompts, greedy)]
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=10, ignore_eos=True)
+    out["choices"] = [g.token_ids for g in engine.generate_batch([base[:30] + [9]], seeded, n=3)]
+    paged, hit, handle = engine.start_cache(base + [1])  # a hit: the cache's blocks by reference, then a page
+    out["paged"] = paged.layers[0].page is not None and paged.layers[0].base == 36 and hit == 38
+    cache.commit(handle, base, paged)
+    cache.reset()
+    asks = [rand_ids(n, 10 + n) for n in (40, 33, 21)]
+    sched = BatchScheduler(engine, max_running=4, prefill_budget=64, kv_budget_tokens=40 + 33 + 4)
+    gens = [sched.submit(p, greedy) for p in asks]  # the first two start together and outgrow the budget
+    sched.run()
+    out["preempted"], out["preemptions"] = [g.token_ids for g in gens], sched.preemptions > 0
+    cache.check_integrity()
+    del paged
+    out["pool"] = pool_is_whole(cache)
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+def test_the_paged_path_gives_the_reference_forwards_tokens_on_tiny_models(family, tmp_path):
+    tiny_checkpoint(family, tmp_path)
+    model = TinyModel(tiny_runner(family, tmp_path))
+    runner = model.runner
+    assert runner.forward_path == "cpu-ops"
+    paged = tiny_workload(model)
+    runner.use_cpu_decode(False)
+    reference = tiny_workload(model)
+    assert paged["preemptions"] and paged["pool"] and paged["paged"] and reference["paged"]
+    assert paged["batch"][3][1] == 37 and [n for _, n in paged["batch"][:3]] == [16, 23, 38]
+    assert paged == reference
+
+
+@pytest.mark.real_model
 @pytest.mark.parametrize("name", ["smollm2", "qwen25"])
 def test_the_paged_path_gives_the_reference_forwards_tokens(name, request):
     model = request.getfixturevalue(name)
