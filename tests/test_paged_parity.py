@@ -57,8 +57,8 @@ def workload(model) -> dict:
 
 
 def pool_is_whole(cache) -> bool:
-    store = cache.store  # on the C++ path every block came from the pool, and all but the cache's are back
-    return not store.pool_blocks or len(store.spare) + len(store.ids()) == store.pool_blocks
+    pool = cache.store.pool  # on the C++ path every block came from the pool, and all but the cache's are back
+    return not pool.blocks or len(pool.spare) + len(cache.store.ids()) == pool.blocks
 
 
 def tiny_workload(model) -> dict:
@@ -70,8 +70,8 @@ def tiny_workload(model) -> dict:
     out = {"single": engine.generate(base, greedy).run().token_ids}
     prompts = [base[:16] + rand_ids(5, 2), base[:23] + rand_ids(7, 3), base + rand_ids(3, 4), base]
     out["batch"] = [(g.token_ids, g.timings.cached_tokens) for g in engine.generate_batch(prompts, greedy)]
-    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=10, ignore_eos=True)
-    out["choices"] = [g.token_ids for g in engine.generate_batch([base[:30] + [9]], seeded, n=3)]
+    seeded = SamplingParams(temperature=0.1, seed=3, max_tokens=10, ignore_eos=True)  # low: each draw reads the KV
+    out["choices"] = [g.token_ids for g in engine.generate_batch([base[:19] + [9]], seeded, n=3)]
     paged, hit, handle = engine.start_cache(base + [1])  # a hit: the cache's blocks by reference, then a page
     out["paged"] = paged.layers[0].page is not None and paged.layers[0].base == 36 and hit == 38
     cache.commit(handle, base, paged)
@@ -84,6 +84,17 @@ def tiny_workload(model) -> dict:
     cache.check_integrity()
     del paged
     out["pool"] = pool_is_whole(cache)
+    plain = Engine(model, EngineConfig(prefill_chunk=16))  # no prefix cache: paged caches from the engine's pool
+    out["plain"] = [g.token_ids for g in plain.generate_batch(prompts, greedy)]
+    out["plain choices"] = [g.token_ids for g in plain.generate_batch([base[:19] + [9]], seeded, n=3)]
+    sched = BatchScheduler(plain, max_running=4, prefill_budget=64, kv_budget_tokens=40 + 33 + 4)
+    gens = [sched.submit(p, greedy) for p in asks]
+    sched.run()
+    out["plain preempted"] = [g.token_ids for g in gens], sched.preemptions > 0
+    fresh, pool, cpu = plain.start_cache(base)[0], plain.pool, model.runner.cpu_decode
+    out["plain paged"] = (fresh.layers[0].page is not None) == cpu == (pool._pool is not None)
+    del fresh
+    out["plain pool"] = len(pool.spare) == pool.blocks  # every page went back
     return out
 
 
@@ -96,7 +107,8 @@ def test_the_paged_path_gives_the_reference_forwards_tokens_on_tiny_models(famil
     paged = tiny_workload(model)
     runner.use_cpu_decode(False)
     reference = tiny_workload(model)
-    assert paged["preemptions"] and paged["pool"] and paged["paged"] and reference["paged"]
+    assert paged["preemptions"] and paged["plain preempted"][1] and paged["pool"] and paged["plain pool"]
+    assert paged["paged"] and paged["plain paged"] and reference["paged"] and reference["plain paged"]
     assert paged["batch"][3][1] == 37 and [n for _, n in paged["batch"][:3]] == [16, 23, 38]
     assert paged == reference
 

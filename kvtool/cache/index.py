@@ -28,6 +28,7 @@ free, and the caller frees exactly those.
 from __future__ import annotations
 
 import heapq
+import os
 from collections import Counter
 from typing import Iterable, Sequence
 
@@ -373,9 +374,4 @@ def _check_capacity(capacity_blocks: int) -> None:
 
 def common_prefix(a: Sequence, b: Sequence) -> int:
     """How many leading items ``a`` and ``b`` have in common."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return len(os.path.commonprefix([list(a), list(b)]))

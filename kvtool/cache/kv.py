@@ -65,6 +65,11 @@ class LayerKV:
     def values(self) -> torch.Tensor:
         return self.span(0, self.offset)[1]
 
+    def fresh(self) -> torch.Tensor:
+        """A new block like a paged cache's page, from its source (e.g. its pool)."""
+        with torch.inference_mode(False):  # made inside a forward, it stays writable outside one
+            return self.take() if self.take else torch.empty_like(self.page)
+
     def materialize(self) -> None:
         """Copy the blocks' tokens into buffers of its own (a paged cache's page's too), which then hold every token
         from slot 0."""
@@ -104,12 +109,6 @@ class LayerKV:
         if length < self.base:
             self.materialize()
         self.offset = length
-
-    def trim(self, n: int) -> int:
-        """Drop the last n tokens (fewer if the cache is shorter); return how many were dropped."""
-        n = max(0, min(n, self.offset))
-        self.truncate(self.offset - n)
-        return n
 
     @property
     def nbytes(self) -> int:
@@ -160,10 +159,8 @@ class KVCache:
         """Room for `total` tokens. A paged cache moves each full page to its blocks and takes a fresh page."""
         first = self.layers[0] if self.layers else None
         while first is not None and first.page is not None and total > first.capacity:
-            page = first.page
+            page, fresh = first.page, first.fresh()
             first.blocks.append(page)
-            with torch.inference_mode(False):  # made inside a forward, it stays writable outside one
-                fresh = first.take() if first.take else torch.empty_like(page)
             for i, layer in enumerate(self.layers):
                 if layer.page is page:
                     layer.page, layer.base, layer._k, layer._v = fresh, layer.base + page.shape[3], *fresh[:, i : i + 1]
@@ -173,9 +170,6 @@ class KVCache:
     def truncate(self, length: int) -> None:
         for layer in self.layers:
             layer.truncate(length)
-
-    def trim(self, n: int) -> int:
-        return [layer.trim(n) for layer in self.layers][0] if self.layers else 0
 
     @property
     def nbytes(self) -> int:
@@ -206,6 +200,16 @@ class KVCache:
             layer.blocks, layer.layer, layer.base, layer.page, layer.shared = blocks, i, base, page, shared
             layer._k, layer._v, layer.offset, layer.take = page[0, i : i + 1], page[1, i : i + 1], base + filled, take
         return cache
+
+    def fork(self, blocks: list[torch.Tensor] = (), shared: int = 0) -> "KVCache":
+        """A copy for another sequence: a paged cache's reads the same full blocks in place (the first of them
+        replaced by `blocks`, the prefix cache's own of the same tokens, of which it holds `shared`) and copies only
+        the page; any other cache is copied whole."""
+        first = self.layers[0] if self.layers else None
+        if first is None or first.page is None:
+            return self.clone()
+        blocks, page = list(blocks) + first.blocks[len(blocks) :], first.fresh().copy_(first.page)
+        return KVCache.paged(blocks, page, self.offset - first.base, shared, first.take)
 
     def state(self) -> dict[str, torch.Tensor]:
         out = {}

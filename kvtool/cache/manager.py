@@ -39,7 +39,7 @@ from kvtool.cache.index import PrefixIndex
 from kvtool.cache.kv import KVCache
 from kvtool.cache.kvfile import setup_of
 from kvtool.cache.persist import load_cache, save_cache
-from kvtool.cache.store import BlockStore
+from kvtool.cache.store import BlockPool, BlockStore
 from kvtool.config import is_whole
 from kvtool.errors import InvalidParameterError, PrefixCacheWarning
 from kvtool.ids import as_token_ids
@@ -79,10 +79,10 @@ def memory_split(kv_bytes: int | None, cache_bytes: int | None, device: torch.de
 class PrefixCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, budget_bytes: int,
                  block_size: int = 16, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 eviction: str = "lru", runner=None, pool_bytes: int = 0):
+                 eviction: str = "lru", runner=None, pool: BlockPool | None = None):
         if not is_whole(block_size, 1):
             raise InvalidParameterError(f"prefix cache block_size must be an integer >= 1 tokens, got {block_size!r}")
-        self.store = BlockStore(num_layers, num_kv_heads, head_dim, block_size, dtype, device, pool_bytes)
+        self.store = BlockStore(num_layers, num_kv_heads, head_dim, block_size, dtype, device, pool)
         self.index = PrefixIndex(block_size, self._capacity(budget_bytes), eviction)
         self.budget_bytes = budget_bytes
         self.block_size = block_size
@@ -97,13 +97,13 @@ class PrefixCache:
 
     @classmethod
     def for_runner(cls, runner, budget_bytes: int | None = None, block_size: int = 16,
-                   eviction: str = "lru", pool_bytes: int = 0) -> "PrefixCache":
+                   eviction: str = "lru", pool: BlockPool | None = None) -> "PrefixCache":
         """A cache shaped for ``runner``'s KV (layers, heads, dtype, device); its blocks and the requests' pages
-        come from one pool of ``pool_bytes`` (BlockStore.take)."""
+        come from ``pool`` (e.g. its Engine's), else each is an allocation of its own."""
         s = runner.spec
         budget = memory_split(None, None, runner.device)[1] if budget_bytes is None else budget_bytes
         return cls(s.num_layers, s.num_kv_heads, s.head_dim, budget_bytes=budget, block_size=block_size,
-                   dtype=runner.dtype, device=runner.device, eviction=eviction, runner=runner, pool_bytes=pool_bytes)
+                   dtype=runner.dtype, device=runner.device, eviction=eviction, runner=runner, pool=pool)
 
     def _capacity(self, budget_bytes) -> int:
         if not is_whole(budget_bytes):
@@ -161,9 +161,7 @@ class PrefixCache:
             ids = self.index.match(list(token_ids)[: first.base], record=False)
             self.index.acquire(ids)
             blocks, shared = self.store.tensors(ids), len(ids) * self.block_size
-        page = self.store.take().copy_(first.page)
-        kv = KVCache.paged(blocks + first.blocks[len(ids) :], page, cache.offset - first.base, shared, self.store.take)
-        return kv, PrefixHandle(ids, shared, self._epoch)
+        return cache.fork(blocks, shared), PrefixHandle(ids, shared, self._epoch)
 
     def _insert_safely(self, handle: PrefixHandle, token_ids: Sequence[int], cache: KVCache, final: bool) -> None:
         try:
@@ -338,7 +336,7 @@ class PrefixCache:
                 "blocks": self.index.num_blocks, "capacity_blocks": self.index.capacity_blocks,
                 "pinned_blocks": self.index.pinned_blocks, "block_size": self.block_size,
                 "bytes_per_block": self.store.bytes_per_block, "over_budget": self._over_budget,
-                "pool_blocks": self.store.pool_blocks, "pool_blocks_spare": len(self.store.spare),
+                "pool_blocks": self.store.pool.blocks, "pool_blocks_spare": len(self.store.pool.spare),
                 "resets": self._epoch, "eviction": self.index.eviction,
             }
 
@@ -381,9 +379,11 @@ def attach_prefix_cache(engine, budget_bytes: int | None = None, block_size: int
     if not cfg.enable_prefix_cache:
         engine.prefix_cache = None
         return None
-    budget = budget_bytes if budget_bytes is not None else engine.memory[1]
+    budget, size = budget_bytes if budget_bytes is not None else engine.memory[1], block_size or cfg.prefix_block
     pool = engine.memory[0] + budget if engine.runner.cpu_decode else 0  # the paged requests' and the cache's
-    cache = PrefixCache.for_runner(engine.runner, budget, block_size or cfg.prefix_block, eviction, pool)
+    if (engine.pool.block_shape[3], engine.pool.blocks) != (size, pool // engine.pool.bytes_per_block):
+        engine.pool = BlockPool.for_runner(engine.runner, size, pool)  # (running requests keep the blocks they hold)
+    cache = PrefixCache.for_runner(engine.runner, budget, size, eviction, engine.pool)
     if cfg.cache_file is not None and os.path.exists(cfg.cache_file):
         cache.load(cfg.cache_file, engine.model)
     engine.prefix_cache = cache

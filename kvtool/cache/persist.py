@@ -5,7 +5,7 @@ prefix tree: a server restarted with ``--cache-file`` answers its first request 
 prompt + tools from the cache, and ``kvtool generate --cache-file`` skips the prefill of a prompt
 it has seen. A .kvc file is a checked KV file (kvtool.cache.kvfile: safetensors, sha256, setup). Saves
 write format version 2 (kvtool.cache.kvlog): the .kvc is a manifest, the KV sits in an append-only data file
-beside it and each save adds only new blocks. Version 1 (save_cache_full, still read) holds the KV itself:
+beside it and each save adds only new blocks. Version 1 (still read) held the KV itself:
 
     kv.<j>       [2, L, H, B, D]     block j's keys (post-RoPE, at its positions) then values, cache dtype
                                      (version 1 only; version 2: offsets [N] and sha256 [N, 32] into the data)
@@ -73,17 +73,6 @@ def save_cache(cache, path: str | Path, setup: dict[str, str]) -> dict:
     blocks the file lacks are written. Returns what was saved and written_bytes."""
     index, kv, meta = snapshot(cache, setup)
     return save_incremental(cache, path, index, kv, meta, read_manifest)
-
-
-def save_cache_full(cache, path: str | Path, setup: dict[str, str]) -> dict:
-    """Write ``cache`` to ``path`` whole, as one file (format version 1); returns what was written."""
-    start = time.perf_counter()
-    index, kv, meta = snapshot(cache, setup)
-    n = len(kv)
-    path = write_checked(path, {**{block_name(j): t for j, t in enumerate(kv)}, **index["tensors"]}, meta)
-    size = path.stat().st_size
-    return {"path": str(path), "blocks": n, "tokens": n * cache.block_size, "pins": len(index["pins"]),
-            "bytes": size, "written_bytes": size, "ms": round(1000 * (time.perf_counter() - start), 1)}
 
 
 def block_name(j: int) -> str:

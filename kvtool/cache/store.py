@@ -1,12 +1,9 @@
-"""KV storage for prefix-cache blocks, addressed by the ids PrefixIndex hands out.
+"""KV storage for prefix-cache blocks, addressed by the ids PrefixIndex hands out, and the pool they come from.
 
-The index decides which blocks exist; this store only holds their tensors. Each block is one
-contiguous allocation shaped [2, L, H, B, D] (keys then values), written once by put() (or by
-the request whose block adopt() keeps) and immutable afterwards, so a block can be shared by
-any number of requests without copies until gather() concatenates a prefix for a cache hit.
-Blocks come from one pool, allocated once at the first take() (`pool_bytes`; none: each block is an
-allocation of its own, as every block is when the pool is used up); a slot goes back to the pool when
-the last reference to its block tensor goes: the store's, a request's paged KVCache's, a saver's.
+The index decides which blocks exist; this store holds their tensors: each a block [2, L, H, B, D] (keys, then
+values) of a BlockPool (a model's one allocation of blocks, which an Engine sizes from its memory budget and shares
+between its requests' paged caches and its prefix cache), written once by put() (or by the request whose block
+adopt() keeps) and immutable afterwards, so any number of requests share it without copies.
 """
 
 from __future__ import annotations
@@ -21,33 +18,29 @@ import torch
 BlockKV = torch.Tensor | Sequence[torch.Tensor]
 
 
-class BlockStore:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu", pool_bytes: int = 0):
-        sizes = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim, "block_size": block_size}
-        for name, value in sizes.items():
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"BlockStore: {name} must be a positive int, got {value!r}")
-        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.block_size = block_size
-        self.dtype = dtype
-        self.device = torch.empty(0, device=device).device  # resolves "cuda" to "cuda:0"
-        self._blocks: dict[int, torch.Tensor] = {}  # id -> [2, L, H, B, D]
-        self.pool_blocks = pool_bytes // self.bytes_per_block
-        self._pool: torch.Tensor | None = None
-        self.spare = list(range(self.pool_blocks - 1, -1, -1))  # pool slots that no block tensor refers to
+class BlockPool:
+    """KV blocks [2, L, H, B, D] of one model, all from one allocation made at the first take() (`nbytes`; none:
+    each block is an allocation of its own, as every block is when the pool is used up). A slot goes back to the
+    pool when the last reference to its block tensor goes: a request's paged KVCache's, the store's, a saver's."""
 
-    @property
-    def block_shape(self) -> tuple[int, int, int, int, int]:
-        return (2, self.num_layers, self.num_kv_heads, self.block_size, self.head_dim)
+    def __init__(self, block_shape: Sequence[int], dtype: torch.dtype, device: torch.device | str, nbytes: int = 0):
+        names = ("keys and values", "num_layers", "num_kv_heads", "block_size", "head_dim")
+        if bad := [f"{name}={n!r}" for name, n in zip(names, block_shape) if not isinstance(n, int) or n < 1]:
+            raise ValueError(f"BlockPool: a block's sizes must be positive ints, got {', '.join(bad)}")
+        self.block_shape, self.dtype = tuple(block_shape), dtype
+        self.device = torch.empty(0, device=device).device  # resolves "cuda" to "cuda:0"
+        self.blocks = nbytes // self.bytes_per_block
+        self._pool: torch.Tensor | None = None
+        self.spare = list(range(self.blocks - 1, -1, -1))  # pool slots that no block tensor refers to
+
+    @classmethod
+    def for_runner(cls, runner, block_size: int, nbytes: int = 0) -> "BlockPool":
+        s = runner.spec
+        return cls((2, s.num_layers, s.num_kv_heads, block_size, s.head_dim), runner.dtype, runner.device, nbytes)
 
     @property
     def bytes_per_block(self) -> int:
         return math.prod(self.block_shape) * torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def nbytes(self) -> int:
-        return len(self._blocks) * self.bytes_per_block
 
     def take(self) -> torch.Tensor:
         """A block [2, L, H, B, D] to write: a slot of the pool, or an allocation of its own when no slot is spare.
@@ -55,7 +48,7 @@ class BlockStore:
         with torch.inference_mode(False):  # taken inside a forward, it stays writable outside one
             if self.spare and self._pool is None:
                 try:
-                    self._pool = torch.empty(self.pool_blocks, *self.block_shape, dtype=self.dtype, device=self.device)
+                    self._pool = torch.empty(self.blocks, *self.block_shape, dtype=self.dtype, device=self.device)
                 except (RuntimeError, MemoryError):  # e.g. a strict overcommit policy: a block at a time then
                     self.spare = []
             if not self.spare:
@@ -64,6 +57,24 @@ class BlockStore:
             block = self._pool[slot]
         weakref.finalize(block, self.spare.append, slot)
         return block
+
+
+class BlockStore:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu", pool: BlockPool | None = None):
+        self.block_shape = (2, num_layers, num_kv_heads, block_size, head_dim)
+        self.pool = pool = pool or BlockPool(self.block_shape, dtype, device)  # (which checks the sizes)
+        if (pool.block_shape, pool.dtype) != (self.block_shape, dtype):
+            raise ValueError(f"BlockStore: its pool's blocks are {pool.dtype} {list(pool.block_shape)}, not {dtype} "
+                             f"{list(self.block_shape)}")
+        _, self.num_layers, self.num_kv_heads, self.block_size, self.head_dim = self.block_shape
+        self.dtype, self.device, self.take = pool.dtype, pool.device, pool.take
+        self.bytes_per_block = pool.bytes_per_block
+        self._blocks: dict[int, torch.Tensor] = {}  # id -> [2, L, H, B, D]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._blocks) * self.bytes_per_block
 
     def ids(self) -> set[int]:
         return set(self._blocks)

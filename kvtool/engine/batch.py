@@ -16,13 +16,11 @@ exactly as in a single stream. `host_s` counts the time steps spend outside the 
 detokenizing, callbacks).
 
 A fault while sampling one request (on_event or the sampler raising) ends that request alone, with finish_reason
-"error" and the exception passed to its on_finish callback.
-
-With a prefix cache, a request's prompt KV goes into it as soon as its prefill ends (publish), so requests that
-arrive while it still decodes reuse that prompt; the rest is cached when it finishes. A request is admitted (a
-lookup) only in a step whose budget starts its prompt: requests arriving together read what the first published.
-
-The n choices of one prompt share its prefill through a Fork (kvtool.engine.forks).
+"error" and the exception passed to its on_finish callback. With a prefix cache, a request's prompt KV goes into it
+as soon as its prefill ends (publish), so requests that arrive while it still decodes reuse that prompt; the rest is
+cached when it finishes. A request is admitted (a lookup) only in a step whose budget starts its prompt: requests
+arriving together read what the first published. The n choices of one prompt share its prefill through a Fork
+(kvtool.engine.forks).
 """
 
 from __future__ import annotations
@@ -202,9 +200,9 @@ class BatchScheduler:
 
     def _fork_copy(self, cache: KVCache, prompt_ids: list[int]) -> tuple[KVCache, object]:
         """(a copy of a fork's prompt KV, its hold): over the prompt's cached blocks where the hook can
-        (PrefixCache.fork, on the C++ CPU path), else a whole copy."""
+        (PrefixCache.fork, on the C++ CPU path), else over its own full blocks where it is paged (KVCache.fork)."""
         fork = getattr(self.engine.prefix_cache, "fork", None)
-        return fork(cache, prompt_ids, self.engine.runner) if fork is not None else (cache.clone(), None)
+        return fork(cache, prompt_ids, self.engine.runner) if fork is not None else (cache.fork(), None)
 
     def _drop_fork(self, fork: Fork) -> None:
         if fork.handle is not None:  # ends the copy's hold (the first cached the prompt already)
@@ -355,8 +353,7 @@ class BatchScheduler:
             modes = [("all" if r.scorer is not None else "last") for r, _ in slow]
             batch = self.engine.runner.forward_batch([(c, r.cache) for r, c in slow],
                                                      logits=modes if "all" in modes else "last")
-            for (req, _), logits in zip(slow, batch):
-                out[id(req)] = logits
+            out = {id(req): logits for (req, _), logits in zip(slow, batch)}
         rows = self.static.step_rows({req.slot: chunk[0] for req, chunk in fast}) if fast else None
         return [out.get(id(req)) for req, _ in plan], rows
 

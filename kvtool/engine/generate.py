@@ -14,7 +14,9 @@ from collections import deque
 from typing import Iterator
 
 from kvtool.cache.hook import PrefixHook, checked_hook
+from kvtool.cache.kv import KVCache
 from kvtool.cache.manager import memory_split
+from kvtool.cache.store import BlockPool
 from kvtool.config import EngineConfig, SamplingParams, as_sampling_params
 from kvtool.engine.batch import BatchScheduler, generate_batch
 from kvtool.engine.output import Generation, TokenEvent, scores_prompt
@@ -39,6 +41,8 @@ class Engine:
         self.prefix_cache = prefix_cache  # optional: a PrefixHook (kvtool.cache.hook), checked by the setter
         # (running requests' KV bytes, prefix-cache bytes): the engine's one memory budget, split once here
         self.memory = memory_split(self.config.kv_bytes, self.config.cache_bytes, self.runner.device)
+        self.pool = BlockPool.for_runner(self.runner, self.config.prefix_block,  # blocks from that whole budget for
+                                         sum(self.memory) if self.runner.cpu_decode else 0)  # paged KV (C++ ops)
         self.end_of_turn = frozenset(model.end_of_turn_ids())
         self._scheduler: BatchScheduler | None = None
         self._batched: dict[int, object] = {}  # slots -> BatchedStaticDecoder, shared by this engine's schedulers
@@ -67,11 +71,9 @@ class Engine:
         bucket, per_token = 256, self.runner.spec.kv_bytes_per_token(self.runner.dtype.itemsize)
         # its rows hold the running requests' KV: they take the running share; every slot gets the same whole
         # buckets, plus its one scratch position
-        fit = (self.memory[0] // (slots * per_token) - 1) // bucket * bucket
-        if fit < bucket:
-            return None  # too little memory for a useful length: decode through forward_batch
+        fit = (self.memory[0] // (slots * per_token) - 1) // bucket * bucket  # none: decode through forward_batch
         return BatchedStaticDecoder(self.runner, slots, min(self.config.static_max_tokens, self.model.context_window,
-                                                            fit), bucket)
+                                                            fit), bucket) if fit >= bucket else None
 
     def constraint(self, params: SamplingParams, stop_ids):
         """The Constraint a request samples under (kvtool.engine.constraint), None for free text; the model's
@@ -129,10 +131,12 @@ class Engine:
         return generate_batch(self, prompts, params, n, skip_special_tokens)
 
     def start_cache(self, prompt_ids: list[int]):
-        """(cache, tokens already in it, hook handle) for a new request: the prefix hook's hit, or empty."""
+        """(cache, tokens already in it, hook handle) for a new request: the prefix hook's hit, or empty (paged,
+        from the pool, where the C++ CPU ops run the model)."""
         if self.prefix_cache is not None:
             return self.prefix_cache.prepare(prompt_ids, self.runner)
-        return self.runner.new_cache(len(prompt_ids) + 64), 0, None
+        return (KVCache.paged([], self.pool.take(), 0, 0, self.pool.take) if self.runner.cpu_decode
+                else self.runner.new_cache(len(prompt_ids) + 64)), 0, None
 
     def open_cache(self, gen: Generation, known_ids: list[int], first: bool = True):
         """start_cache() for a request about to run `known_ids` (its prompt, plus its output after a preemption).

@@ -157,11 +157,9 @@ def test_damaged_truncated_and_foreign_files_are_refused(model, saved, tmp_path)
 def test_a_failed_save_keeps_the_old_file(model, saved, tmp_path, monkeypatch):
     import safetensors.torch
 
-    from kvtool.cache.persist import save_cache_full
-
     cache = saved[0]
     target = tmp_path / "keep.kvc"
-    save_cache_full(cache, target, setup_of(runner=model.runner))  # a version-1 file: this save writes all anew
+    save_v1(cache, target, setup_of(runner=model.runner))  # a version-1 file: this save writes all anew
     path = tmp_path.parent / "keep-copy.kvc"
     path.write_bytes(target.read_bytes())
 
@@ -223,9 +221,9 @@ def test_random_trees_round_trip_under_any_budget(model, tmp_path_factory, seed,
 
 def test_a_verified_file_whose_tensors_do_not_match_its_blocks_is_refused(model, saved, tmp_path):
     from kvtool.cache.kvfile import CheckedFile, write_checked
-    from kvtool.cache.persist import FORMAT, FORMAT_VERSION, block_name, save_cache_full
+    from kvtool.cache.persist import FORMAT, FORMAT_VERSION, block_name
 
-    save_cache_full(saved[0], tmp_path / "v1.kvc", setup_of(runner=model.runner))
+    save_v1(saved[0], tmp_path / "v1.kvc", setup_of(runner=model.runner))
     with CheckedFile(tmp_path / "v1.kvc", "prefix cache (.kvc)", FORMAT, FORMAT_VERSION, "Delete it.") as f:
         meta, tensors = dict(f.meta), {name: f.tensor(name) for name in f.names}
     missing = dict(tensors)
@@ -237,3 +235,12 @@ def test_a_verified_file_whose_tensors_do_not_match_its_blocks_is_refused(model,
     write_checked(tmp_path / "half.kvc", halved, meta)
     with pytest.raises(CacheFormatError, match=r"block 0 is torch.float16 .*this cache holds torch.float32"):
         fresh(model).load(tmp_path / "half.kvc")
+
+
+def save_v1(cache, path, setup) -> None:
+    """Write a version-1 file (the KV inside the .kvc itself), as older kvtools did: loading still reads them."""
+    from kvtool.cache.kvfile import write_checked
+    from kvtool.cache.persist import block_name, snapshot
+
+    index, kv, meta = snapshot(cache, setup)
+    write_checked(path, {**{block_name(j): t for j, t in enumerate(kv)}, **index["tensors"]}, meta)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kvtool.cache.kvfile import setup_of
-from kvtool.cache.persist import describe_file, save_cache_full
+from kvtool.cache.persist import describe_file
 from kvtool.errors import CacheFormatError, PrefixCacheWarning
 from tests.cache.test_manager import BS, cached_engine, rand_ids
-from tests.cache.test_persist import GREEDY, chain_kv, fresh, model  # noqa: F401 (model: a fixture)
+from tests.cache.test_persist import GREEDY, chain_kv, fresh, model, save_v1  # noqa: F401 (model: a fixture)
 
 
 def data_files(path):
@@ -111,7 +111,7 @@ def test_a_version_1_file_still_loads_and_is_replaced_by_version_2(model, tmp_pa
     path = tmp_path / "c.kvc"
     prompt = rand_ids(3 * BS + 2, 8)
     engine.generate(prompt, GREEDY).run()
-    save_cache_full(cache, path, setup_of(runner=model.runner))
+    save_v1(cache, path, setup_of(runner=model.runner))
     assert describe_file(path)["format_version"] == "1" and not data_files(path)
     loaded = fresh(model)
     tokens = cache.stats()["blocks"] * BS

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtool.cache.index import PrefixIndex
-from kvtool.cache.store import BlockStore
+from kvtool.cache.store import BlockPool, BlockStore
 
 L, H, B, D = 2, 3, 4, 5
 
@@ -76,23 +76,26 @@ def test_adopt_keeps_a_written_block_itself_and_a_page_copies_a_tail():
 
 
 def test_blocks_come_from_one_pool_and_a_slot_returns_when_its_block_is_gone():
-    store = BlockStore(L, H, D, B, torch.float32, "cpu", pool_bytes=2 * make_store().bytes_per_block + 1)
-    assert store.pool_blocks == 2 and len(store.spare) == 2
-    a, b = store.take(), store.take()
+    blocks = BlockPool((2, L, H, B, D), torch.float32, "cpu", 2 * make_store().bytes_per_block + 1)
+    store = BlockStore(L, H, D, B, torch.float32, "cpu", blocks)
+    assert blocks.blocks == 2 and len(blocks.spare) == 2
+    a, b = store.take(), blocks.take()  # the store's blocks and the requests' pages come from the same pool
     pool = a.untyped_storage().data_ptr()
-    assert b.untyped_storage().data_ptr() == pool and a.data_ptr() != b.data_ptr() and not store.spare
+    assert b.untyped_storage().data_ptr() == pool and a.data_ptr() != b.data_ptr() and not blocks.spare
     c = store.take()  # every slot in use: an allocation of its own
     assert c.untyped_storage().data_ptr() != pool and c.shape == store.block_shape
     store.adopt(0, a)
     del a
-    assert not store.spare  # the store still holds it
+    assert not blocks.spare  # the store still holds it
     store.free([0])
-    assert len(store.spare) == 1  # its last reference went: the slot is spare again
+    assert len(blocks.spare) == 1  # its last reference went: the slot is spare again
     store.put(1, *random_kv(1))  # put() takes a slot too
-    assert not store.spare and store.tensors([1])[0].untyped_storage().data_ptr() == pool
+    assert not blocks.spare and store.tensors([1])[0].untyped_storage().data_ptr() == pool
     del b
-    assert len(store.spare) == 1
+    assert len(blocks.spare) == 1
     store.check_integrity()
+    with pytest.raises(ValueError, match=r"pool's blocks are torch.float32 \[2, 2, 3, 4, 5\], not torch.float16"):
+        BlockStore(L, H, D, B, torch.float16, "cpu", blocks)
 
 
 def test_misuse_raises_clear_errors():
@@ -109,7 +112,7 @@ def test_misuse_raises_clear_errors():
     store.free([0])
     with pytest.raises(KeyError, match="freed twice"):
         store.free([0])
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ValueError, match="positive ints, got block_size=0"):
         BlockStore(L, H, D, 0, torch.float32, "cpu")
 
 
