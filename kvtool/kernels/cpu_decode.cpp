@@ -545,35 +545,52 @@ inline float exp_sum(float* s, int64_t n, float mx) {
   return total;
 }
 
-// o [d] += sum over t < n of w[t] * v[t * d : t * d + d]: 8 * NV columns from c0 held in registers across
-// all n rows of v.
+// A run of keys and values of one kv head that lies in one piece of memory (a block's, or the buffers'): rows
+// k[t * d], v[t * d] for t < n, which are keys off .. off + n - 1 of the chunk an attend item scores.
+struct Run {
+  const float* k;
+  const float* v;
+  int64_t off, n;
+};
+
+// o [d] += sum over the runs' rows t of w[off + t] * v[t * d : t * d + d]: 8 * NV columns from c0 held in
+// registers across every row of every run (rows in order: the sums are those of one run over all of them).
 template <int NV>
-inline void weighted_rows(float* o, const float* w, const float* v, int64_t n, int64_t d, int64_t c0) {
+inline void weighted_rows(float* o, const float* w, const Run* runs, int64_t count, int64_t d, int64_t c0) {
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 acc[NV];
   for (int k = 0; k < NV; ++k) acc[k] = _mm256_loadu_ps(o + c0 + 8 * k);
-  for (int64_t t = 0; t < n; ++t) {
-    const __m256 wt = _mm256_broadcast_ss(w + t);
-    const float* vt = v + t * d + c0;
-    for (int k = 0; k < NV; ++k) acc[k] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 8 * k), acc[k]);
+  for (int64_t r = 0; r < count; ++r) {
+    const float* wr = w + runs[r].off;
+    const float* v = runs[r].v + c0;
+    for (int64_t t = 0; t < runs[r].n; ++t) {
+      const __m256 wt = _mm256_broadcast_ss(wr + t);
+      const float* vt = v + t * d;
+      for (int k = 0; k < NV; ++k) acc[k] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 8 * k), acc[k]);
+    }
   }
   for (int k = 0; k < NV; ++k) _mm256_storeu_ps(o + c0 + 8 * k, acc[k]);
 #else
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t i = c0; i < c0 + 8 * NV; ++i) o[i] += w[t] * v[t * d + i];
+  for (int64_t r = 0; r < count; ++r) {
+    for (int64_t t = 0; t < runs[r].n; ++t) {
+      for (int64_t i = c0; i < c0 + 8 * NV; ++i) o[i] += w[runs[r].off + t] * runs[r].v[t * d + i];
+    }
   }
 #endif
 }
 
-// o [d] += sum over t < n of w[t] * v[t]: the columns in blocks of 64, 32, 16 and 8, the rest one by one.
-inline void weighted_sum(float* o, const float* w, const float* v, int64_t n, int64_t d) {
+// o [d] += sum over the runs' rows of w[off + t] * v[t]: the columns in blocks of 64, 32, 16 and 8, the rest one
+// by one.
+inline void weighted_sum(float* o, const float* w, const Run* runs, int64_t count, int64_t d) {
   int64_t c0 = 0;
-  for (; c0 + 64 <= d; c0 += 64) weighted_rows<8>(o, w, v, n, d, c0);
-  if (c0 + 32 <= d) weighted_rows<4>(o, w, v, n, d, c0), c0 += 32;
-  if (c0 + 16 <= d) weighted_rows<2>(o, w, v, n, d, c0), c0 += 16;
-  if (c0 + 8 <= d) weighted_rows<1>(o, w, v, n, d, c0), c0 += 8;
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t i = c0; i < d; ++i) o[i] += w[t] * v[t * d + i];
+  for (; c0 + 64 <= d; c0 += 64) weighted_rows<8>(o, w, runs, count, d, c0);
+  if (c0 + 32 <= d) weighted_rows<4>(o, w, runs, count, d, c0), c0 += 32;
+  if (c0 + 16 <= d) weighted_rows<2>(o, w, runs, count, d, c0), c0 += 16;
+  if (c0 + 8 <= d) weighted_rows<1>(o, w, runs, count, d, c0), c0 += 8;
+  for (int64_t r = 0; r < count; ++r) {
+    for (int64_t t = 0; t < runs[r].n; ++t) {
+      for (int64_t i = c0; i < d; ++i) o[i] += w[runs[r].off + t] * runs[r].v[t * d + i];
+    }
   }
 }
 
@@ -638,26 +655,19 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
   const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
   const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
   const int64_t width = (hq + 2 * hkv) * d, group = hq / hkv;
-  // fn(k, v, off, n) for each run of keys t0 .. t0 + n - 1 of row r's kv head g that lies in one piece of memory:
-  // a shared block's, then the buffers'; `off` counts from t0
-  auto runs = [&](int64_t r, int64_t g, int64_t t0, int64_t n, auto&& fn) {
+  // The runs of keys t0 .. t0 + n - 1 of row r's kv head g, into out: a shared block's, then the buffers'
+  auto runs = [&](int64_t r, int64_t g, int64_t t0, int64_t n, std::vector<Run>& out) {
+    out.clear();
     int64_t t = t0;
     for (; t < t0 + n && t < shared[r]; t += bs - t % bs) {
       const float* b = block[first_block[r] + t / bs];
       const int64_t in = t % bs;
-      if (t - in + bs < shared[r]) {  // the next block's keys and values, while this one is read
-        const float* next = block[first_block[r] + t / bs + 1];
-        for (int64_t kv = 0; kv < 2; ++kv) {
-          const float* p = next + ((kv * nl + layer) * hkv + g) * bs * d;
-          for (int64_t i = 0; i < bs * d; i += 16) __builtin_prefetch(p + i);
-        }
-      }
-      fn(b + ((layer * hkv + g) * bs + in) * d, b + (((nl + layer) * hkv + g) * bs + in) * d, t - t0,
-         std::min(bs - in, t0 + n - t));
+      out.push_back({b + ((layer * hkv + g) * bs + in) * d, b + (((nl + layer) * hkv + g) * bs + in) * d, t - t0,
+                     std::min(bs - in, t0 + n - t)});
     }
     if (t < t0 + n) {
       const int64_t pos = g * keys[r].size(2) + t - shared[r];
-      fn(keys[r].data_ptr<float>() + pos * d, values[r].data_ptr<float>() + pos * d, t - t0, t0 + n - t);
+      out.push_back({keys[r].data_ptr<float>() + pos * d, values[r].data_ptr<float>() + pos * d, t - t0, t0 + n - t});
     }
   };
 
@@ -701,15 +711,26 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
   const int64_t grain = keys_total >= 512 ? 1 : count;
   at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> score(group * CHUNK);
+    std::vector<Run> pieces;
     for (int64_t it = begin; it < end; ++it) {
       const Item& item = items[it];
       const int64_t n = item.n;
       const float* qg = q.data() + (item.row * hq + item.g * group) * d;
-      runs(item.row, item.g, item.t0, n, [&](const float* kh, const float*, int64_t off, int64_t len) {
-        for (int64_t t = 0; t < len; ++t) {
-          for (int64_t j = 0; j < group; ++j) score[j * CHUNK + off + t] = dot(qg + j * d, kh + t * d, d) * scale;
+      runs(item.row, item.g, item.t0, n, pieces);
+      for (size_t p = 0; p < pieces.size(); ++p) {
+        if (p + 1 < pieces.size()) {  // the next run's keys and values, while this one is read
+          for (int64_t i = 0; i < std::min(pieces[p + 1].n, bs) * d; i += 16) {
+            __builtin_prefetch(pieces[p + 1].k + i);
+            __builtin_prefetch(pieces[p + 1].v + i);
+          }
         }
-      });
+        const Run& run = pieces[p];
+        for (int64_t t = 0; t < run.n; ++t) {
+          for (int64_t j = 0; j < group; ++j) {
+            score[j * CHUNK + run.off + t] = dot(qg + j * d, run.k + t * d, d) * scale;
+          }
+        }
+      }
       float* o = part_o.data() + it * group * d;
       std::fill(o, o + group * d, 0.f);
       for (int64_t j = 0; j < group; ++j) {
@@ -719,9 +740,9 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
         part_m[it * group + j] = mx;
         part_l[it * group + j] = exp_sum(sj, n, mx);
       }
-      runs(item.row, item.g, item.t0, n, [&](const float*, const float* vh, int64_t off, int64_t len) {
-        for (int64_t j = 0; j < group; ++j) weighted_sum(o + j * d, score.data() + j * CHUNK + off, vh, len, d);
-      });
+      for (int64_t j = 0; j < group; ++j) {
+        weighted_sum(o + j * d, score.data() + j * CHUNK, pieces.data(), static_cast<int64_t>(pieces.size()), d);
+      }
     }
   });
 
