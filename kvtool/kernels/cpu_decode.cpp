@@ -38,6 +38,25 @@ float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// out[t] = dot(q, k + t * d, d) for t < 8 keys (d a multiple of 8): the same products, partial sums and order of
+// adding them as dot's, eight keys at a time (their sums reduced together instead of one by one).
+inline void dot8(const float* q, const float* k, int64_t d, float* out) {
+  __m256 acc[8];
+  for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m256 qi = _mm256_loadu_ps(q + i);
+    for (int t = 0; t < 8; ++t) acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(qi, _mm256_loadu_ps(k + t * d + i)));
+  }
+  // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]; twice, then the halves: ((0+1)+(2+3)) +
+  // ((4+5)+(6+7)) per key
+  const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(lo), _mm256_extractf128_ps(lo, 1)));
+  _mm_storeu_ps(out + 4, _mm_add_ps(_mm256_castps256_ps128(hi), _mm256_extractf128_ps(hi, 1)));
+}
+#endif
+
 // The data of a sequence's blocks [2, L, hkv, B, d] (keys then values of L layers), checked to be contiguous fp32
 // alike, with L > layer; bs and nl get B and L (1 and 0 without blocks). `what` names the op in errors.
 std::vector<float*> block_pointers(at::TensorList blocks, int64_t layer, int64_t hkv, int64_t d, int64_t& bs,
@@ -60,6 +79,9 @@ std::vector<float*> block_pointers(at::TensorList blocks, int64_t layer, int64_t
 namespace {
 
 using kvtool_cpu::dot;
+#if defined(__AVX2__) && defined(__FMA__)
+using kvtool_cpu::dot8;
+#endif
 
 // The weight rows oneDNN's packed fp32 layout interleaves: w [N / 64, K, 64] holds W[64 b + j, k] at
 // [b, k, j] (kvtool.kernels.cpu_gemm checks each weight's layout before handing it here).
@@ -725,7 +747,17 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
           }
         }
         const Run& run = pieces[p];
-        for (int64_t t = 0; t < run.n; ++t) {
+        int64_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; d % 8 == 0 && t + 8 <= run.n; t += 8) {
+          for (int64_t j = 0; j < group; ++j) {
+            float* sj = score.data() + j * CHUNK + run.off + t;
+            dot8(qg + j * d, run.k + t * d, d, sj);
+            for (int u = 0; u < 8; ++u) sj[u] *= scale;
+          }
+        }
+#endif
+        for (; t < run.n; ++t) {
           for (int64_t j = 0; j < group; ++j) {
             score[j * CHUNK + run.off + t] = dot(qg + j * d, run.k + t * d, d) * scale;
           }
