@@ -92,7 +92,7 @@ def tiny_workload(model) -> dict:
     sched.run()
     out["plain preempted"] = [g.token_ids for g in gens], sched.preemptions > 0
     fresh, pool, cpu = plain.start_cache(base)[0], plain.pool, model.runner.cpu_decode
-    out["plain paged"] = (fresh.layers[0].page is not None) == cpu == (pool._pool is not None)
+    out["plain paged"] = (fresh.layers[0].page is not None) == cpu == (len(pool.spare) < pool.blocks)
     del fresh
     out["plain pool"] = len(pool.spare) == pool.blocks  # every page went back
     return out

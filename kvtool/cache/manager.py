@@ -155,8 +155,8 @@ class PrefixCache:
         from a paged cache (the C++ CPU path) one that reads the same full blocks in place (the cached ones held
         until commit(), as a hit's) and copies only the page; from any other a whole copy."""
         first = cache.layers[0]
-        if first.page is None:
-            return cache.clone(), None
+        if first.page is None:  # nothing of the prefix cache's to hold: KVCache.fork copies it whole
+            return cache.fork(), None
         with self._lock:
             ids = self.index.match(list(token_ids)[: first.base], record=False)
             self.index.acquire(ids)
