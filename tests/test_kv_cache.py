@@ -124,3 +124,51 @@ def test_a_paged_cache_moves_each_full_page_to_its_blocks():
     keys, values = cache.stacked()
     assert torch.equal(keys, torch.stack([w[0] for w in want], 2))
     assert torch.equal(values, torch.stack([w[1] for w in want], 2))
+
+
+paged_ops = st.lists(st.one_of(
+    st.tuples(st.just("append"), st.integers(1, 9)),
+    st.tuples(st.just("truncate"), st.floats(0, 1)),
+    st.tuples(st.just("write"), st.lists(st.floats(0, 0.999), min_size=1, max_size=6)),
+    st.tuples(st.just("fork"), st.just(0)),
+), max_size=25)
+
+
+@settings(max_examples=150, deadline=None)
+@given(paged_ops, st.integers(0, 3), st.integers(0, 2))
+def test_a_paged_cache_writes_through_its_blocks_and_never_into_a_borrowed_one(operations, blocks, filled):
+    """append_all, truncate and write (skill composition and edits) on a paged cache over borrowed blocks keep it
+    paged, read back as a list of tokens would, and leave every block it borrowed (or lent to a fork) as it was."""
+    gen = torch.Generator().manual_seed(blocks * 10 + filled)
+    shared = [torch.randn(2, 2, H, 3, D, generator=gen) for _ in range(blocks)]
+    page = torch.randn(2, 2, H, 3, D, generator=gen)
+    cache = KVCache.paged(list(shared), page, filled, 3 * blocks, take=lambda: torch.full((2, 2, H, 3, D), -9.0))
+    model = [blk[:, :, :, i] for blk in shared for i in range(3)] + [page[:, :, :, i] for i in range(filled)]
+    lent, counter = [(blk, blk.clone()) for blk in shared], 0
+    for op, arg in operations:
+        if op == "append":
+            kv = torch.arange(counter, counter + 2 * 2 * H * arg * D, dtype=torch.float32).reshape(2, 2, H, arg, D)
+            counter += kv.numel()
+            cache.append_all(kv[0], kv[1])
+            model += [kv[:, :, :, i] for i in range(arg)]
+        elif op == "truncate":
+            cache.truncate(int(arg * len(model)))
+            model = model[: int(arg * len(model))]
+        elif op == "write" and model:
+            at = sorted({int(a * len(model)) for a in arg})
+            kv = -torch.arange(counter, counter + 2 * 2 * H * len(at) * D, dtype=torch.float32).reshape(2, 2, H, -1, D)
+            counter += kv.numel()
+            for i, layer in enumerate(cache.layers):
+                layer.write(torch.tensor(at), kv[0, i : i + 1], kv[1, i : i + 1])
+            for j, t in enumerate(at):
+                model[t] = kv[:, :, :, j]
+        elif op == "fork":  # the fork takes the full blocks by reference; the cache may not write them any more
+            fork = cache.fork()
+            lent += [(blk, blk.clone()) for blk in fork.layers[0].blocks]
+            assert all(a is b for a, b in zip(fork.layers[0].blocks, cache.layers[0].blocks))
+        assert cache.offset == len(model) and all(layer.page is cache.layers[0].page for layer in cache.layers)
+        if model:
+            keys, values = cache.stacked()
+            want = torch.stack(model, 3)  # [2, L, H, T, D]
+            assert torch.equal(keys, want[0]) and torch.equal(values, want[1])
+    assert all(torch.equal(blk, kept) for blk, kept in lent)

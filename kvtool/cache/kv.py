@@ -8,8 +8,10 @@ A paged cache (KVCache.paged) holds every token in immutable [2, L, H, B, D] blo
 `base` tokens; the prefix cache's on a hit), and one more block, its page, whose layer parts are the buffers (slot
 i: token base + i); reserve() moves a full page to the blocks and takes a fresh one, so the prefix cache keeps a
 request's full blocks without copying them. The C++ CPU ops read the blocks in place and write a prefill's K/V
-into them (kvtool.models.cpu_step, cpu_prefill); `keys` and `values` join both parts in a copy, and any other
-writer first copies the blocks into the buffers (materialize()).
+into them (kvtool.models.cpu_step, cpu_prefill), as KVCache.append_all, KVCache.truncate and LayerKV.write do
+(skill composition and edits); a block the cache borrowed (a prefix hit's, a fork's) is copied before such a write
+(copy on write). `keys` and `values` join both parts in a copy; LayerKV.append (the reference forward) first
+copies the blocks into the buffers (materialize()).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class LayerKV:
     blocks: list[torch.Tensor] | tuple = ()  # [2, L, H, B, D] blocks holding tokens 0..base-1 (KVCache.paged)
     layer = base = shared = 0  # this layer's index in them, the tokens they hold, those the prefix cache holds
     page = take = None  # a paged cache's block whose layer parts are the buffers, and its source of fresh ones
+    borrowed: set[int] | frozenset = frozenset()  # indices of blocks others hold too: copied before a write
     def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
                  capacity: int = MIN_CAPACITY):
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
@@ -70,12 +73,33 @@ class LayerKV:
         with torch.inference_mode(False):  # made inside a forward, it stays writable outside one
             return self.take() if self.take else torch.empty_like(self.page)
 
+    def write(self, at: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Overwrite the KV of the tokens at positions `at` [n] (each below capacity) with k, v [1, H, n, D] in place:
+        a paged cache's through its blocks, a borrowed block first replaced by a copy of its own for every layer."""
+        size = self.blocks[0].shape[3] if self.blocks else max(self.capacity, 1)  # (no blocks: all in the buffers)
+        which = at // size
+        for j in which.unique().tolist():
+            pick = (which == j).nonzero()[:, 0]
+            if j * size >= self.base:  # the buffers (the page)
+                self._k[:, :, at[pick] - self.base], self._v[:, :, at[pick] - self.base] = k[:, :, pick], v[:, :, pick]
+                continue
+            part = self.own(j)[:, self.layer]  # [2, H, B, D]
+            part[0][:, at[pick] - j * size], part[1][:, at[pick] - j * size] = k[0][:, pick], v[0][:, pick]
+
+    def own(self, j: int) -> torch.Tensor:
+        """Block j to write into: a borrowed one is first replaced by a copy of its own (every layer's)."""
+        if j in self.borrowed:
+            self.blocks[j] = self.fresh().copy_(self.blocks[j])
+            self.borrowed.discard(j)
+        return self.blocks[j]
+
     def materialize(self) -> None:
         """Copy the blocks' tokens into buffers of its own (a paged cache's page's too), which then hold every token
         from slot 0."""
         if self.base or self.page is not None:
             (k, v), capacity = self.span(0, self.offset), self.capacity
             self.base, self.blocks, self.offset, self.shared, self.page, self.take = 0, (), 0, 0, None, None
+            self.borrowed = frozenset()
             self._k, self._v = self._k[:, :, :0], self._v[:, :, :0]
             self.reserve(capacity)  # the room it had: a prefill that follows need not grow it
             self.append(k, v)
@@ -168,8 +192,23 @@ class KVCache:
             layer.reserve(total)
 
     def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens. A paged cache drops the blocks past them and copies the first tokens of
+        the block they end in into a fresh page (the block stays as it is: others may read it)."""
+        if self._paged() and 0 <= length < self.layers[0].base:
+            first, size = self.layers[0], self.layers[0].page.shape[3]
+            page, keep = first.fresh(), length // size
+            page[:, :, :, : length % size] = first.blocks[keep][:, :, :, : length % size]
+            del first.blocks[keep:]
+            first.borrowed.intersection_update(range(keep))
+            for i, layer in enumerate(self.layers):
+                layer.page, layer.base, layer._k, layer._v = page, keep * size, *page[:, i : i + 1]
+                layer.shared = min(layer.shared, length)
         for layer in self.layers:
             layer.truncate(length)
+
+    def _paged(self) -> bool:  # every layer writes into the same page (a paged cache none materialized)
+        return bool(self.layers) and self.layers[0].page is not None and all(
+            layer.page is self.layers[0].page for layer in self.layers)
 
     @property
     def nbytes(self) -> int:
@@ -179,8 +218,20 @@ class KVCache:
         """Append stacked per-layer KV shaped [L, H, T, D] (e.g. from a prefix-cache hit)."""
         if keys.shape[0] != len(self.layers):
             raise ValueError(f"got KV for {keys.shape[0]} layers, cache has {len(self.layers)}")
-        for layer, k, v in zip(self.layers, keys, values):
-            layer.append(k.unsqueeze(0), v.unsqueeze(0))
+        if not self._paged():
+            for layer, k, v in zip(self.layers, keys, values):
+                layer.append(k.unsqueeze(0), v.unsqueeze(0))
+            return
+        first, at, n = self.layers[0], self.offset, keys.shape[2]
+        self.reserve(at + n)  # a paged cache writes through its blocks, every layer's at once
+        size = first.page.shape[3]
+        for j in range(at // size, (at + n - 1) // size + 1):
+            lo, hi = max(at, j * size), min(at + n, (j + 1) * size)
+            block = first.page if j * size >= first.base else first.own(j)
+            for i, kv in enumerate((keys, values)):
+                block[i, :, :, lo - j * size : hi - j * size] = kv[:, :, lo - at : hi - at]
+        for layer in self.layers:
+            layer.offset += n
 
     def stacked(self, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of tokens [start, end) as [L, H, T, D] copies."""
@@ -194,11 +245,12 @@ class KVCache:
         again; the prefix cache holds the first `shared` tokens), then `page`, whose first `filled` tokens are
         written and which takes the next ones (reserve() moves it to `blocks`, a list it appends to, when full, and
         takes a fresh page from `take`, e.g. BlockStore.take)."""
-        base = len(blocks) * page.shape[3]
+        base, borrowed = len(blocks) * page.shape[3], set(range(len(blocks)))  # (a list that grows, a set that shrinks)
         cache = cls.empty(page.shape[1], page.shape[2], page.shape[4], page.dtype, page.device, capacity=0)
         for i, layer in enumerate(cache.layers):
             layer.blocks, layer.layer, layer.base, layer.page, layer.shared = blocks, i, base, page, shared
             layer._k, layer._v, layer.offset, layer.take = page[0, i : i + 1], page[1, i : i + 1], base + filled, take
+            layer.borrowed = borrowed
         return cache
 
     def fork(self, blocks: list[torch.Tensor] = (), shared: int = 0) -> "KVCache":
@@ -209,6 +261,7 @@ class KVCache:
         if first is None or first.page is None:
             return self.clone()
         blocks, page = list(blocks) + first.blocks[len(blocks) :], first.fresh().copy_(first.page)
+        first.borrowed.update(range(len(first.blocks)))  # both read them now
         return KVCache.paged(blocks, page, self.offset - first.base, shared, first.take)
 
     def state(self) -> dict[str, torch.Tensor]:

@@ -5,8 +5,8 @@ It is the Engine's ``prefix_cache`` hook:
   ``prompt_ids[:-1]`` (the last token is always computed, for its logits) and, after it, the
   leading tokens a cached block shares with the rest (PrefixIndex.match_tail), and holds them. The
   request's KVCache is paged (kvtool.cache.kv): it reads the full blocks in place and copies only the
-  partly reused block, into its page; on the C++ CPU path the ops write its new tokens into further
-  blocks, and any other writer copies all into buffers of its own first. Blocks are immutable and a
+  partly reused block, into its page; the C++ CPU ops (and skill splicing) write its new tokens into
+  further blocks, the reference forward copies all into buffers of its own first. Blocks are immutable and a
   request writes only its own, so two requests with one prefix cannot see each other's suffix.
 - ``commit(handle, token_ids, cache)`` inserts the full blocks of what the request computed
   (prompt and decoded tokens), keeps a paged cache's new full blocks as they are (no copy; other
@@ -128,7 +128,7 @@ class PrefixCache:
             self._queries += 1
             self._query_tokens += len(prompt_ids)
             self._hit_tokens += n
-            # the C++ CPU ops read and write the blocks; any other writer first copies them into its own buffers
+            # the C++ CPU ops read and write the blocks; the reference forward first copies them into its own buffers
             self._copied_tokens += k if getattr(runner, "cpu_decode", False) else n
         return cache, n, PrefixHandle(held, n, self._epoch)
 

@@ -246,7 +246,7 @@ def apply_edit(runner, cache, edit: FieldEdit, way: str, erratum_ids: list[int] 
 
 
 def _copy(runner, cache, extra: int):
-    out = cache.clone()
+    out = cache.fork()  # a paged cache's copy reads its full blocks in place; a block an edit writes is copied
     out.reserve(out.offset + extra + 1)
     return out
 

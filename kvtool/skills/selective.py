@@ -65,19 +65,18 @@ def _layer(layer, lkv, x: torch.Tensor, pos: torch.Tensor, cos, sin, slots: torc
     q, k = attn.rotate(q, cos, sin), attn.rotate(k, cos, sin)  # this layer's RoPE base
     if keep is not None:
         chosen = keep(k, v)
-    lkv.keys[:, :, pos] = k
-    lkv.values[:, :, pos] = v
+    lkv.write(pos, k, v)
     if chosen is not None:
         chosen, groups = chosen
         x, q, pos = x[:, chosen], q[:, :, chosen], pos[chosen]
         if not len(chosen):
             return x, chosen
-    outs = []
+    outs, (keys, values) = [], lkv.span(0, max(end for _, _, end in groups))  # (paged: one copy of its blocks)
     for lo, hi, end in groups:
         mask = slots[None, :end] <= pos[lo:hi, None]  # [run, end]: causal by position
         if attn.window is not None:  # a sliding-window layer sees only its window
             mask &= slots[None, :end] > pos[lo:hi, None] - attn.window
-        outs.append(F.scaled_dot_product_attention(q[:, :, lo:hi], lkv.keys[:, :, :end], lkv.values[:, :, :end],
+        outs.append(F.scaled_dot_product_attention(q[:, :, lo:hi], keys[:, :, :end], values[:, :, :end],
                                                    attn_mask=mask, enable_gqa=True, scale=attn.scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return layer.finish(x, attn.o_proj(out.transpose(1, 2).reshape(1, x.shape[1], attn.num_heads * attn.head_dim))), \

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kvtool.cache.manager import PrefixCache
 from kvtool.skills.edit import EditInputError, apply_edit, budget_tokens, plan_edit
 from kvtool.testing.tiny import tiny_checkpoint, tiny_runner
 
@@ -96,6 +97,28 @@ def test_no_way_changes_the_cache_it_is_given(tiny, way):
     before = snapshot(old)
     apply_edit(tiny, old, edit_at(), way, erratum_ids=[30, 31], question=QUESTION)
     assert same(before, snapshot(old))
+
+
+@pytest.mark.parametrize("way", ["field_only", "erratum", "recompute_deviation:ratio=0.2",
+                                 "recompute_attended:ratio=0.2"])
+def test_an_edit_of_the_prefix_caches_kv_reads_its_blocks_in_place_and_copies_only_those_it_writes(tiny, way):
+    """A paged cache (a prefix hit's): the edited copy shares every block before the field with the prefix cache,
+    which stays as it was, and holds what an edit of a plain cache holds."""
+    prefix = PrefixCache.for_runner(tiny, 1 << 22, block_size=4)
+    prefix.pin(CONTEXT)
+    paged, hit, handle = prefix.prepare(CONTEXT + [1], tiny)
+    stored = prefix.store.tensors(handle.block_ids)
+    before = [blk.clone() for blk in stored]
+    out = apply_edit(tiny, paged, edit_at(), way, erratum_ids=[30, 31], question=QUESTION)
+    ref = apply_edit(tiny, prefilled(tiny, CONTEXT), edit_at(), way, erratum_ids=[30, 31], question=QUESTION)
+    assert hit == len(CONTEXT) and out.token_ids == ref.token_ids and out.recomputed == ref.recomputed
+    assert torch.allclose(out.logits, ref.logits, atol=1e-4)
+    assert all(map(torch.equal, stored, before))
+    if way != "recompute_attended:ratio=0.2":  # (its measuring prefill runs the reference forward, which copies)
+        first = out.cache.layers[0]
+        assert first.page is not None and all(x is y for x, y in zip(first.blocks[:2], stored[:2]))
+        assert (first.blocks[2] is stored[2]) == (way == "erratum")  # the block holding the field is written
+    prefix.commit(handle, CONTEXT, paged)
 
 
 @pytest.mark.parametrize("call, names", [

@@ -1,7 +1,9 @@
 """SkillSplicer (the engine's prefix_cache hook) on a tiny model: what prepare() hands the engine."""
 
+import pytest
 import torch
 
+from kvtool.cache.manager import PrefixCache
 from kvtool.skills import SkillCatalog, SkillSplicer, compose_segments
 from kvtool.skills.skillfile import Skill
 
@@ -87,3 +89,33 @@ def test_catalog_lookup_helpers(tiny_blocks):
 
     with pytest.raises(KeyError, match="known: alpha, beta"):
         catalog.block("gamma")
+
+
+@pytest.mark.parametrize("repair", ["none", "recompute_first_k:k=2"])
+@pytest.mark.parametrize("pinned", [8, 16])  # the hit ends before block alpha, or inside it (cut back to its start)
+def test_blocks_spliced_after_a_prefix_hit_are_written_into_the_pool_and_kept_by_reference(tiny, tiny_blocks, repair,
+                                                                                         pinned):
+    """Over the prefix cache's paged KV the splice writes the gap and the relocated blocks through the request's
+    block table: the hit's blocks stay the cache's own tensors (read in place, unchanged), the composed KV is that of
+    a plain cache, and commit keeps the blocks the splice filled (those the cache did not hold) without a copy."""
+    a, b = tiny_blocks
+    prompt = P + a.token_ids + G + b.token_ids + T
+    prefix = PrefixCache.for_runner(tiny, 1 << 22, block_size=4)
+    prefix.pin(prompt[:pinned])
+    held = prefix.store.tensors(prefix.index.match(prompt[:8], record=False))
+    kept = [blk.clone() for blk in held]
+    cache, ready, handle = SkillSplicer(catalog_of(tiny_blocks), repair, inner=prefix).prepare(prompt, tiny)
+    first = cache.layers[0]
+    hit = min(pinned, len(P))
+    assert handle.stats.prefix_hit_tokens == hit and ready == cache.offset == len(prompt) - len(T)
+    assert first.page is not None and all(layer.page is first.page for layer in cache.layers)
+    assert all(x is y for x, y in zip(first.blocks[:2], held)) and all(map(torch.equal, held, kept))
+    ref = tiny.new_cache(len(prompt))
+    tiny.prefill(prompt[:hit], ref, logits="none")
+    compose_segments(tiny, [P[hit:], a, G, b], repair, cache=ref, logits="none")
+    assert torch.allclose(cache.stacked()[0], ref.stacked()[0], atol=1e-6)
+    assert torch.allclose(cache.stacked()[1], ref.stacked()[1], atol=1e-6)
+    prefix.commit(handle.inner, prompt[:ready], cache)
+    stored = prefix.store.tensors(prefix.index.match(prompt[:ready], record=False))
+    assert len(stored) == ready // 4 and all(x is y for x, y in list(zip(stored, first.blocks))[pinned // 4 :])
+    prefix.check_integrity()
