@@ -206,6 +206,27 @@ class KVCache:
         for layer in self.layers:
             layer.truncate(length)
 
+    @property
+    def block_size(self) -> int | None:  # tokens per block of a paged cache (else None)
+        return self.layers[0].page.shape[3] if self._paged() else None
+
+    def lend(self, j: int, n: int) -> list[torch.Tensor]:
+        """Full blocks j..j+n-1 (before the page) for other caches to read by reference (borrow()); this one copies
+        them before it writes them from now on."""
+        self.layers[0].borrowed.update(range(j, j + n))
+        return self.layers[0].blocks[j : j + n]
+
+    def borrow(self, blocks: list[torch.Tensor]) -> None:
+        """Take blocks another cache lent as the next tokens, by reference: from a block boundary before the page
+        (reserve() made room), in place of the unwritten blocks there."""
+        first, size, j = self.layers[0], self.block_size, self.offset // (self.block_size or 1)
+        if size is None or self.offset % size or self.offset + len(blocks) * size > first.base:
+            raise ValueError(f"borrow: {len(blocks)} blocks cannot go at token {self.offset} of this cache")
+        first.blocks[j : j + len(blocks)] = blocks
+        first.borrowed.update(range(j, j + len(blocks)))
+        for layer in self.layers:
+            layer.offset += len(blocks) * size
+
     def _paged(self) -> bool:  # every layer writes into the same page (a paged cache none materialized)
         return bool(self.layers) and self.layers[0].page is not None and all(
             layer.page is self.layers[0].page for layer in self.layers)

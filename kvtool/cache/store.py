@@ -142,11 +142,10 @@ class BlockStore:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if a stored block has the wrong layout or shares memory."""
-        pointers = set()
+        pointers: dict[int, torch.Tensor] = {}  # (one block under two ids: a skill block's placement, shared)
         for block_id, block in self._blocks.items():
             assert tuple(block.shape) == self.block_shape, f"block {block_id} has shape {tuple(block.shape)}"
             assert block.dtype == self.dtype and block.device == self.device, f"block {block_id} dtype/device"
             assert block.is_contiguous(), f"block {block_id} is not contiguous"
             assert block.nbytes == self.bytes_per_block
-            pointers.add(block.data_ptr())
-        assert len(pointers) == len(self._blocks), "two blocks share storage"
+            assert pointers.setdefault(block.data_ptr(), block) is block, "two blocks share storage"

@@ -32,6 +32,7 @@ class SkillBlock:
     canonical_start: int
     setup: dict[str, str]  # SETUP_FIELDS
     meta: dict[str, str] = field(default_factory=dict)  # description, text, text_sha256, render, ...
+    placed: dict = field(default_factory=dict, repr=False, compare=False)  # its relocated KV per position (repair)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -65,7 +65,8 @@ class Composition:
     def stats(self) -> dict:
         return {"block_tokens": self.block_tokens, "reused_block_tokens": self.reused_tokens,
                 "recomputed_block_tokens": self.recomputed_tokens, "prefilled_tokens": self.prefilled_tokens,
-                "blocks": [{"name": p.name, "start": p.start, "tokens": p.tokens, "recomputed": p.recomputed}
+                "blocks": [{"name": p.name, "start": p.start, "tokens": p.tokens, "recomputed": p.recomputed,
+                            "shared": p.shared}
                            for p in self.placements], "compose_ms": round(self.ms, 3), "notes": self.notes}
 
 
@@ -167,8 +168,8 @@ def _one_pass(runner, cache, segments, repair, out: Composition, chunk: int, log
         if isinstance(seg, SkillBlock):
             block = seg.to(runner.device)
             take = block.token_ids[: repair.leading(block)]
-            append_relocated(runner, cache, block)
-            out.placements.append(PlaceStats(block.name, at, len(block), recomputed=len(take)))
+            shared = append_relocated(runner, cache, block)
+            out.placements.append(PlaceStats(block.name, at, len(block), recomputed=len(take), shared=shared))
         else:  # the pass writes every layer's K/V here before anything reads it
             take = seg
             shape = (runner.spec.num_layers, runner.spec.num_kv_heads, len(seg), runner.spec.head_dim)

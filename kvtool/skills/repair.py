@@ -48,6 +48,7 @@ class PlaceStats:
     start: int
     tokens: int
     recomputed: int = 0  # tokens run through every layer with the real context
+    shared: int = 0  # tokens whose relocated KV an earlier placement at this position kept (read by reference)
     partial_layers: int = 0  # layers every block token was run through (recompute_deviation)
     ms: float = 0.0
 
@@ -56,12 +57,37 @@ class PlaceStats:
         return self.tokens - self.recomputed
 
 
-def append_relocated(runner, cache, block, lo: int = 0) -> None:
-    """Append block tokens [lo:] at cache.offset, keys rotated from their canonical positions."""
-    if lo >= len(block):
-        return
-    delta = cache.offset - (block.canonical_start + lo)
-    cache.append_all(rerotate_layers(runner, block.keys[:, :, lo:], delta), block.values[:, :, lo:])
+PLACEMENTS = 2  # positions a skill block keeps its relocated KV at, in pool blocks (SkillBlock.placed)
+
+
+def append_relocated(runner, cache, block, share: bool = True) -> int:
+    """Append the block's tokens at cache.offset, keys rotated from their canonical positions. In a paged cache the
+    pool blocks they fill whole are kept per position (block.placed, the last PLACEMENTS): a later placement at that
+    position reads them by reference instead of rotating and writing them (a write copies a shared block first).
+    Returns the tokens read so (share: whether to keep or read such blocks)."""
+    start, size = cache.offset, cache.block_size
+    first, end = (-(-start // size) * size, (start + len(block)) // size * size) if size and share else (0, 0)
+    delta = start - block.canonical_start
+
+    def put(lo: int, hi: int) -> None:  # the block's tokens lo..hi-1
+        cache.append_all(rerotate_layers(runner, block.keys[:, :, lo:hi], delta), block.values[:, :, lo:hi])
+
+    if end <= first:
+        put(0, len(block))
+        return 0
+    cache.reserve(start + len(block) + 1)
+    key = (start, size, runner.dtype, str(runner.device))
+    blocks = block.placed.pop(key, None)
+    if blocks is None:
+        put(0, len(block))
+    else:
+        put(0, first - start)
+        cache.borrow(blocks)
+        put(end - start, len(block))
+    block.placed[key] = blocks or cache.lend(first // size, (end - first) // size)  # the newest last
+    while len(block.placed) > PLACEMENTS:
+        del block.placed[next(iter(block.placed))]
+    return 0 if blocks is None else end - first
 
 
 def rerotate_layers(runner, keys, delta: int):
@@ -80,8 +106,8 @@ class NoRepair(NoRepairKnobs):
         return 0
 
     def place(self, runner, cache, block) -> PlaceStats:
-        append_relocated(runner, cache, block)
-        return PlaceStats(block.name, cache.offset - len(block), len(block))
+        shared = append_relocated(runner, cache, block)
+        return PlaceStats(block.name, cache.offset - len(block), len(block), shared=shared)
 
 
 class RecomputeFirstK(RecomputeFirstKKnobs):
@@ -92,9 +118,9 @@ class RecomputeFirstK(RecomputeFirstKKnobs):
         from kvtool.skills.selective import recompute_slots
 
         start, k = cache.offset, self.leading(block)
-        append_relocated(runner, cache, block)
+        shared = append_relocated(runner, cache, block)
         recompute_slots(runner, cache, list(range(start, start + k)), block.token_ids[:k])
-        return PlaceStats(block.name, start, len(block), recomputed=k)
+        return PlaceStats(block.name, start, len(block), recomputed=k, shared=shared)
 
 
 class RecomputeDeviation(RecomputeDeviationKnobs):
@@ -105,7 +131,7 @@ class RecomputeDeviation(RecomputeDeviationKnobs):
             raise InvalidParameterError(f"{self.name}: layer {self.layer} does not exist; the model has "
                                         f"{runner.spec.num_layers} layers (0..{runner.spec.num_layers - 1})")
         start = cache.offset
-        append_relocated(runner, cache, block)
+        append_relocated(runner, cache, block, share=False)  # (its scoring pass writes every block token)
         result = recompute_selected(runner, cache, block.token_ids, start, float(self.ratio), self.layer,
                                     self.score, self.first)
         return PlaceStats(block.name, start, len(block), recomputed=len(result.selected),

@@ -1,8 +1,12 @@
 """compose() on a tiny random model: relocation exactness, full recompute == full prefill, repair knobs."""
 
+import dataclasses
+
 import pytest
 import torch
 
+from kvtool.cache.kv import KVCache
+from kvtool.cache.store import BlockPool
 from kvtool.errors import ContextWindowError, InvalidParameterError
 from kvtool.skills import compose, compose_segments, make_repair
 from kvtool.skills.repair import REPAIRS, describe
@@ -336,3 +340,30 @@ def test_evaluate_times_the_static_path_and_scores_the_same(tiny, tiny_blocks):
     assert [r["blocks"] for r in rows] == [1, 2] and rows[1]["ttft_ms_none"]["median"] > 0
     with pytest.raises(ValueError, match="path must be"):
         ttft_decoder(getattr(tiny, "runner", tiny), 10, "fast")
+
+
+@pytest.mark.parametrize("repair", ["none", "recompute_first_k:k=2", "recompute_attended:ratio=0.3"])
+def test_a_block_placed_again_at_a_position_reads_the_pool_blocks_kept_there(tiny, tiny_blocks, repair):
+    """On paged caches the pool blocks a relocated block fills whole are kept per position: placed again at that
+    position (after other tokens) it reads them by reference, and the composed KV is what relocating it anew gives;
+    a repair that writes into such a block writes into a copy, so the kept blocks stay as relocation made them."""
+    alpha = dataclasses.replace(tiny_blocks[0], placed={})  # (30 tokens: at 7, blocks 2..8 hold only its tokens)
+    pool = BlockPool.for_runner(tiny, 4, 1 << 22)
+
+    def run(prefix, paged=True):
+        cache = KVCache.paged([], pool.take(), 0, 0, pool.take) if paged else None
+        return compose_segments(tiny, [prefix, alpha, SUFFIX], repair, cache=cache, logits="none")
+
+    one = run(rand_ids(7, 3))
+    (kept,) = alpha.placed.values()
+    pristine = [blk.clone() for blk in kept]  # [2, L, H, 4, D] each
+    two, plain = run(rand_ids(7, 4)), run(rand_ids(7, 4), paged=False)
+    assert [one.placements[0].shared, two.placements[0].shared, plain.placements[0].shared] == [0, 28, 0]
+    assert all(a is b for a, b in zip(two.cache.layers[0].blocks[3:9], kept[1:]))
+    for got, want in zip(two.cache.stacked(), plain.cache.stacked()):
+        assert torch.allclose(got, want, atol=1e-6)
+    assert all(map(torch.equal, kept, pristine)) and len(alpha.placed) == 1
+    relocated = compose_segments(tiny, [rand_ids(7, 4), dataclasses.replace(alpha, placed={}), SUFFIX], "none",
+                                 logits="none").cache.stacked(8, 36)  # what relocation alone puts there
+    assert torch.allclose(torch.cat(kept, 3), torch.stack(relocated), atol=1e-6)
+    assert run(rand_ids(9, 5)).placements[0].shared == 0 and len(alpha.placed) == 2  # another position

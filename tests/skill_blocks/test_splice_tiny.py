@@ -1,5 +1,7 @@
 """SkillSplicer (the engine's prefix_cache hook) on a tiny model: what prepare() hands the engine."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -118,4 +120,31 @@ def test_blocks_spliced_after_a_prefix_hit_are_written_into_the_pool_and_kept_by
     prefix.commit(handle.inner, prompt[:ready], cache)
     stored = prefix.store.tensors(prefix.index.match(prompt[:ready], record=False))
     assert len(stored) == ready // 4 and all(x is y for x, y in list(zip(stored, first.blocks))[pinned // 4 :])
+    prefix.check_integrity()
+
+
+def test_requests_placing_a_block_at_one_position_share_its_pool_blocks_and_decode_as_without(tiny, tiny_blocks):
+    """Through an Engine with a prefix cache: a second conversation of another first turn, as long, places both
+    blocks where the first did and reads their kept pool blocks; its tokens are those of blocks relocated anew, and
+    the prefix cache, which keeps such a block under both conversations' chains, stays consistent."""
+    from kvtool import SamplingParams
+    from kvtool.cache.manager import attach_prefix_cache
+    from kvtool.engine import Engine
+    from tests.cache.test_manager import TinyModel
+
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def engine():
+        blocks = [dataclasses.replace(x, placed={}) for x in tiny_blocks]
+        out = Engine(TinyModel(tiny))
+        prefix = attach_prefix_cache(out, budget_bytes=1 << 22, block_size=4)
+        out.prefix_cache = SkillSplicer(catalog_of(blocks), "none", inner=prefix)
+        return out, prefix
+
+    a, b = tiny_blocks
+    prompts = [rand_ids(9, seed) + a.token_ids + G + b.token_ids + T for seed in (30, 31)]
+    shared, prefix = engine()
+    runs = [shared.generate(p, greedy).run().token_ids for p in prompts]
+    assert [x["shared"] for x in shared.prefix_cache.last_stats.blocks] == [24, 20]  # whole blocks at 12.., 44..
+    assert runs == [engine()[0].generate(p, greedy).run().token_ids for p in prompts]  # each relocated anew
     prefix.check_integrity()
