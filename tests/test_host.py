@@ -151,13 +151,13 @@ def test_the_in_process_agent_backend_runs_the_model_on_one_thread_of_its_own(mo
     released, threads = [], set()
     monkeypatch.setattr(host, "release_openmp_threads", lambda: released.append(threading.current_thread()))
     engine = Engine(smollm2)
-    forward = engine.runner.forward_batch
+    forward = engine.runner.run
 
     def spy(*args, **kwargs):
         threads.add(threading.current_thread().name)
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "forward_batch", spy)
+    monkeypatch.setattr(engine.runner, "run", spy)  # every step's forward
     backend = InProcessBackend(engine)
 
     async def answers():

@@ -92,10 +92,24 @@ def test_closing_a_stream_early_aborts(smollm2):
     assert gen.finish_reason == "abort" and len(gen.token_ids) == 2
 
 
-def test_the_forward_is_a_load_setting_and_both_paths_give_the_same_tokens(smollm2):
+class Spy:
+    """Counts the calls of a runner's C++ decode step or prefill pass."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def takes(self, caches):
+        return self.inner.takes(caches)
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.inner(*args)
+
+
+def test_the_forward_is_chosen_per_engine_and_both_paths_give_the_same_tokens(smollm2, monkeypatch):
     """kvtool.load(forward="reference") makes every step take the reference forward; the default takes the C++
-    CPU ops. Greedy decoding through either gives the same tokens, and an engine set to one path refuses a model
-    loaded with the other."""
+    CPU ops. Greedy decoding through either gives the same tokens; an engine set to the reference runs it on a model
+    loaded with the ops (its steps never call them), and one set to the ops refuses a model loaded without them."""
     import kvtool
     from kvtool.config import EngineConfig
     from kvtool.errors import InvalidParameterError
@@ -106,7 +120,14 @@ def test_the_forward_is_a_load_setting_and_both_paths_give_the_same_tokens(smoll
     assert ref.info["forward"] == "reference" and not (ref.runner.cpu_decode or ref.runner.cpu_prefill)
     prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "Write a long story about a lighthouse."}]))
     greedy = SamplingParams(temperature=0, max_tokens=32)
+    spies = [Spy(smollm2.runner._cpu_step), Spy(smollm2.runner._cpu_prefill)]
+    monkeypatch.setattr(smollm2.runner, "_cpu_step", spies[0])
+    monkeypatch.setattr(smollm2.runner, "_cpu_prefill", spies[1])
+    reference = Engine(smollm2, EngineConfig(forward="reference")).generate(prompt, greedy).run()
+    assert [spy.calls for spy in spies] == [0, 0]
     ops = Engine(smollm2, EngineConfig(forward="cpu-ops")).generate(prompt, greedy).run()
+    assert spies[0].calls == 31 and spies[1].calls == 1
     assert Engine(ref, EngineConfig(forward="reference")).generate(prompt, greedy).run().token_ids == ops.token_ids
-    with pytest.raises(InvalidParameterError, match="forward='reference', but this model's steps take the cpu-ops"):
-        Engine(smollm2, EngineConfig(forward="reference"))
+    assert reference.token_ids == ops.token_ids
+    with pytest.raises(InvalidParameterError, match="forward='cpu-ops', but this model was loaded without"):
+        Engine(ref, EngineConfig(forward="cpu-ops"))

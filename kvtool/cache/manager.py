@@ -380,7 +380,7 @@ def attach_prefix_cache(engine, budget_bytes: int | None = None, block_size: int
         engine.prefix_cache = None
         return None
     budget, size = budget_bytes if budget_bytes is not None else engine.memory[1], block_size or cfg.prefix_block
-    pool = engine.memory[0] + budget if engine.runner.cpu_decode else 0  # the paged requests' and the cache's
+    pool = engine.memory[0] + budget if engine.paged else 0  # the paged requests' and the cache's
     if (engine.pool.block_shape[3], engine.pool.blocks) != (size, pool // engine.pool.bytes_per_block):
         engine.pool = BlockPool.for_runner(engine.runner, size, pool)  # (running requests keep the blocks they hold)
     cache = PrefixCache.for_runner(engine.runner, budget, size, eviction, engine.pool)

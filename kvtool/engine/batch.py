@@ -1,12 +1,12 @@
 """Continuous batching: many requests share each forward.
 
-Every step packs, into one runner.forward_batch call, one decode token of each running request plus prefill chunks
+Every step packs, into one runner.run(ForwardPlan) call, one decode token of each running request plus prefill chunks
 of admitted requests within `prefill_budget` tokens, so a long prompt is prefilled over several steps without
 stalling the streams already running. Under KV pressure the most recently admitted request is preempted: its KV is
 dropped and it is re-queued at the front to be recomputed later (its token stream simply continues).
 
 Where EngineConfig.fast_decode allows (CUDA by default), the decode tokens of a step run through a
-BatchedStaticDecoder instead (one static K/V row per request, CUDA graphs), and prefill chunks through forward_batch
+BatchedStaticDecoder instead (one static K/V row per request, CUDA graphs), and prefill chunks through runner.run
 beside it; a request's K/V returns to its own cache when it leaves.
 
 Every request that samples in a step and has no seed is sampled together with the others
@@ -42,6 +42,7 @@ from kvtool.engine.output import Generation, OutputState, TokenEvent, scores_pro
 from kvtool.engine.scoring import SCORE_CHUNK, PromptScorer
 from kvtool.errors import InvalidParameterError, PrefixCacheWarning
 from kvtool.ids import as_token_ids
+from kvtool.models.layers import ForwardPlan
 
 
 @dataclass(eq=False)  # a request is an entity: membership tests and remove() go by identity
@@ -351,9 +352,9 @@ class BatchScheduler:
         out = {}
         if slow:
             modes = [("all" if r.scorer is not None else "last") for r, _ in slow]
-            batch = self.engine.runner.forward_batch([(c, r.cache) for r, c in slow],
-                                                     logits=modes if "all" in modes else "last")
-            out = {id(req): logits for (req, _), logits in zip(slow, batch)}
+            step = ForwardPlan([(c, r.cache) for r, c in slow], logits=modes if "all" in modes else "last",
+                               path=self.engine.config.forward)  # the engine's choice of forward
+            out = {id(req): logits for (req, _), logits in zip(slow, self.engine.runner.run(step))}
         rows = self.static.step_rows({req.slot: chunk[0] for req, chunk in fast}) if fast else None
         return [out.get(id(req)) for req, _ in plan], rows
 

@@ -34,15 +34,14 @@ class Engine:
         self.model = model
         self.runner = model.runner
         self.config = (config or EngineConfig()).validate()
-        if self.config.forward not in ("auto", self.runner.forward_path):  # the path is the model's: it is loaded so
-            raise InvalidParameterError(
-                f"forward={self.config.forward!r}, but this model's steps take the {self.runner.forward_path} path; "
-                f"load it with kvtool.load(..., forward={self.config.forward!r})")
+        if self.config.forward == "cpu-ops" != self.runner.forward_path:  # (the ops are set up when a model loads)
+            raise InvalidParameterError("forward='cpu-ops', but this model was loaded without the C++ CPU ops")
+        self.paged = self.runner.cpu_decode and self.config.forward != "reference"  # its steps run the C++ ops
         self.prefix_cache = prefix_cache  # optional: a PrefixHook (kvtool.cache.hook), checked by the setter
         # (running requests' KV bytes, prefix-cache bytes): the engine's one memory budget, split once here
         self.memory = memory_split(self.config.kv_bytes, self.config.cache_bytes, self.runner.device)
         self.pool = BlockPool.for_runner(self.runner, self.config.prefix_block,  # blocks from that whole budget for
-                                         sum(self.memory) if self.runner.cpu_decode else 0)  # paged KV (C++ ops)
+                                         sum(self.memory) if self.paged else 0)  # paged KV (C++ ops)
         self.end_of_turn = frozenset(model.end_of_turn_ids())
         self._scheduler: BatchScheduler | None = None
         self._batched: dict[int, object] = {}  # slots -> BatchedStaticDecoder, shared by this engine's schedulers
@@ -58,7 +57,7 @@ class Engine:
         self._prefix_cache = checked_hook(hook)
 
     def batched_static_decoder(self, slots: int):
-        """A BatchedStaticDecoder with `slots` rows for continuous batching, or None (eager forward_batch).
+        """A BatchedStaticDecoder with `slots` rows for continuous batching, or None (eager runner.run).
 
         Built once per size and kept, so later schedulers reuse its buffers and captured graphs."""
         if not fast_decode_enabled(self.config.fast_decode, self.runner.device, self.runner.spec):
@@ -71,7 +70,7 @@ class Engine:
         bucket, per_token = 256, self.runner.spec.kv_bytes_per_token(self.runner.dtype.itemsize)
         # its rows hold the running requests' KV: they take the running share; every slot gets the same whole
         # buckets, plus its one scratch position
-        fit = (self.memory[0] // (slots * per_token) - 1) // bucket * bucket  # none: decode through forward_batch
+        fit = (self.memory[0] // (slots * per_token) - 1) // bucket * bucket  # none: decode through runner.run
         return BatchedStaticDecoder(self.runner, slots, min(self.config.static_max_tokens, self.model.context_window,
                                                             fit), bucket) if fit >= bucket else None
 
@@ -135,7 +134,7 @@ class Engine:
         from the pool, where the C++ CPU ops run the model)."""
         if self.prefix_cache is not None:
             return self.prefix_cache.prepare(prompt_ids, self.runner)
-        return (KVCache.paged([], self.pool.take(), 0, 0, self.pool.take) if self.runner.cpu_decode
+        return (KVCache.paged([], self.pool.take(), 0, 0, self.pool.take) if self.paged
                 else self.runner.new_cache(len(prompt_ids) + 64)), 0, None
 
     def open_cache(self, gen: Generation, known_ids: list[int], first: bool = True):

@@ -34,7 +34,7 @@ is ~120), 475 against 1,170 at 8,192. silu(gate) * up goes through ATen's silu, 
 forward's own and vectorized: a scalar loop of exps took 13 ms of a 64-stream step. A 64-stream step
 (~150 keys each) went from ~260 to ~200 ms with both.
 
-ModelRunner.forward and forward_batch take this path for one new token of each sequence, without a tap,
+ModelRunner.run (forward, forward_batch) takes this path for one new token of each sequence, without a tap,
 once `use_cpu_decode()` turned it on (kvtool.load does, for fp32 CPU models). Prefill chunks take
 kvtool.models.cpu_prefill; taps and every other dtype or device run the reference forward. For n
 sequences the matmuls run once over n rows and `attend` takes every sequence's own buffers, so continuous

@@ -16,7 +16,7 @@ ATen's flash attention, since replaced by `prefill_attention` (1.7x ATen's at 51
 Numerics: RoPE, silu * up and the K/V copies give the reference's bits; RMSNorm sums its squares in another
 order (SmolLM2 logits within 1.5e-3 of the reference forward's over 700 tokens, greedy tokens the same).
 
-ModelRunner.forward_batch takes this path for every forward without a tap that the decode step does not, once
+ModelRunner.run takes this path for every forward without a tap that the decode step does not, once
 `use_cpu_decode()` (or `use_cpu_prefill()`) turned it on; kvtool.load does, for fp32 CPU models whose ops
 built. Taps, other dtypes and devices run the reference forward.
 """

@@ -39,6 +39,18 @@ class AttentionTap:
 Tap = Callable[[AttentionTap], None]
 
 
+@dataclass
+class ForwardPlan:
+    """One step's forward (ModelRunner.run): each sequence's new token ids and KVCache, their positions (by default
+    the slots after each cache's tokens), the logits wanted, an attention tap, and the path (EngineConfig.forward:
+    "auto" or "cpu-ops" take the C++ CPU ops where the runner has them, "reference" the reference layers)."""
+    seqs: list[tuple[torch.Tensor, KVCache]]
+    positions: torch.Tensor | None = None
+    logits: str | list = "last"
+    tap: Tap | None = None
+    path: str = "auto"
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

@@ -1,7 +1,7 @@
 """A lean forward pass for Qwen3, Qwen2/Qwen2.5, Llama and Gemma 3 (kvtool.models.gemma3) with an explicit KV cache.
 
 Module and parameter names match the Hugging Face checkpoints, so weights load by name (the layers are in
-kvtool.models.layers). forward_batch packs the new tokens of several sequences, each over its own KVCache, in one row.
+kvtool.models.layers). run(ForwardPlan) packs the new tokens of several sequences, each over its own KVCache, in a row.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from kvtool.kernels import cpu_gemm, quant
 from kvtool.kernels.cpu_decode import GEMV_MAX_ROWS
 from kvtool.models import cpu_prefill, cpu_step
 from kvtool.models.gemma3 import GemmaBackbone, is_gemma
-from kvtool.models.layers import AttentionTap, Backbone, RMSNorm, Tap
+from kvtool.models.layers import AttentionTap, Backbone, ForwardPlan, RMSNorm, Tap
 from kvtool.models.rope import cos_sin, inv_frequencies
 from kvtool.models.spec import ModelSpec
 
-__all__ = ["AttentionTap", "ModelRunner", "RMSNorm", "Tap"]  # the layers' names stay importable from here
+__all__ = ["AttentionTap", "ForwardPlan", "ModelRunner", "RMSNorm", "Tap"]  # the layers' names stay importable here
 
 
 class ModelRunner(nn.Module):
@@ -317,19 +317,23 @@ class ModelRunner(nn.Module):
             positions = torch.as_tensor(positions, dtype=torch.long, device=self.device).reshape(-1)
         return self.forward_batch([(ids, cache)], positions, logits, tap)[0]
 
-    @torch.inference_mode()
     def forward_batch(self, seqs: list[tuple[torch.Tensor, KVCache]], positions=None, logits: str | list = "last",
                       tap: Tap | None = None) -> list[torch.Tensor | None]:
-        """One forward for several sequences, each (new token ids [T_i], its own KVCache).
+        """run(ForwardPlan(seqs, positions, logits, tap)): the path this runner takes by default."""
+        return self.run(ForwardPlan(seqs, positions, logits, tap))
 
-        The tokens are packed into one [1, sum T_i] row so every matmul runs once; attention
-        stays per sequence. Returns per-sequence logits as in forward(); `logits` may also be a
-        list with "last" or "all" for each sequence.
-        """
+    @torch.inference_mode()
+    def run(self, plan: ForwardPlan) -> list[torch.Tensor | None]:
+        """One forward for several sequences, each (new token ids [T_i], its own KVCache), packed into one
+        [1, sum T_i] row so every matmul runs once (attention stays per sequence); per-sequence logits as in
+        forward(). The one place that picks the forward: the C++ CPU ops' decode step (one new token each) or
+        prefill pass where this runner has them (use_cpu_decode) and the plan allows them, else the reference."""
+        seqs, positions, logits, tap = plan.seqs, plan.positions, plan.logits, plan.tap
+        ops = tap is None and plan.path != "reference"
         ids = [torch.as_tensor(i, dtype=torch.long, device=self.device).reshape(-1) for i, _ in seqs]
         caches = [c for _, c in seqs]
         lengths = [int(i.shape[0]) for i in ids]
-        if (self._cpu_step is not None and all(t == 1 for t in lengths) and tap is None and logits == "last"
+        if (ops and self._cpu_step is not None and all(t == 1 for t in lengths) and logits == "last"
                 and len({id(c) for c in caches}) == len(caches) and self._cpu_step.takes(caches)):
             at = [c.offset for c in caches] if positions is None else [int(p) for p in positions]
             out = self._cpu_step(torch.cat(ids), caches, at)
@@ -339,7 +343,7 @@ class ModelRunner(nn.Module):
                                    for c, t in zip(caches, lengths)])
         cos, sin = self.rope_cos_sin(positions)
         x = self.model.embed_tokens(torch.cat(ids) if len(ids) > 1 else ids[0])[None]
-        if (self._cpu_prefill is not None and tap is None and x.dtype == torch.float32
+        if (ops and self._cpu_prefill is not None and x.dtype == torch.float32
                 and len({id(c) for c in caches}) == len(caches) and self._cpu_prefill.takes(caches)):
             x = self._cpu_prefill(x[0], caches, lengths, cos, sin)[None]
         else:

@@ -214,12 +214,12 @@ def test_abort_and_failing_prefill_release_their_hold(model):
     def broken_prefill(*args, **kwargs):
         raise Boom()
 
-    model.runner.forward_batch = broken_prefill  # the scheduler's one forward: here, the suffix's prefill
+    model.runner.run = broken_prefill  # the scheduler's one forward: here, the suffix's prefill
     try:
         with pytest.raises(Boom):
             engine.generate(prompt + [1, 2, 3, 4, 5], GREEDY).run()
     finally:
-        del model.runner.forward_batch
+        del model.runner.run
     assert all(b.refcount == 0 for b in cache.index._blocks.values())
     cache.check_integrity()
 
