@@ -26,8 +26,8 @@ def inv_frequencies(rope: dict[str, Any], head_dim: int, config: Any = None) -> 
 
 def cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, scaling: float, dtype: torch.dtype):
     """cos, sin [T, head_dim] for integer positions [T]: fp32 angles, their cos and sin in fp64 (MPS: fp32) rounded
-    to `dtype`. (torch's fp32 cos of a tensor was off by up to 1.5e-4 in the part a second CPU thread computed, in
-    some processes and not others: a prefill's K then depended on the process.)"""
+    to `dtype`, the same bits whichever CPU thread computes them (torch's fp32 cos of a tensor split over threads
+    is not: tests/test_rope.py)."""
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     emb = emb if emb.device.type == "mps" else emb.double()
