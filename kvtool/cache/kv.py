@@ -76,7 +76,10 @@ class LayerKV:
     def write(self, at: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Overwrite the KV of the tokens at positions `at` [n] (each below capacity) with k, v [1, H, n, D] in place:
         a paged cache's through its blocks, a borrowed block first replaced by a copy of its own for every layer."""
-        size = self.blocks[0].shape[3] if self.blocks else max(self.capacity, 1)  # (no blocks: all in the buffers)
+        if not self.blocks:  # every token in the buffers
+            self._k[:, :, at - self.base], self._v[:, :, at - self.base] = k, v
+            return
+        size = self.blocks[0].shape[3]
         which = at // size
         for j in which.unique().tolist():
             pick = (which == j).nonzero()[:, 0]
@@ -219,9 +222,10 @@ class KVCache:
     def borrow(self, blocks: list[torch.Tensor]) -> None:
         """Take blocks another cache lent as the next tokens, by reference: from a block boundary before the page
         (reserve() made room), in place of the unwritten blocks there."""
-        first, size, j = self.layers[0], self.block_size, self.offset // (self.block_size or 1)
+        first, size = self.layers[0], self.block_size
         if size is None or self.offset % size or self.offset + len(blocks) * size > first.base:
             raise ValueError(f"borrow: {len(blocks)} blocks cannot go at token {self.offset} of this cache")
+        j = self.offset // size
         first.blocks[j : j + len(blocks)] = blocks
         first.borrowed.update(range(j, j + len(blocks)))
         for layer in self.layers:
