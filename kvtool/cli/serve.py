@@ -38,6 +38,8 @@ def register(subparsers) -> None:
                         "at once (default: %(default)s)")
     p.add_argument("--metrics-open", action="store_true",
                    help="with --api-key: /metrics answers without the key (for a Prometheus scraper)")
+    p.add_argument("--responses-store", type=int, default=SERVER.responses_store, metavar="N",
+                   help="responses kept for previous_response_id; the oldest is dropped (default: %(default)s)")
     p.add_argument("--tool-parser", default=SERVER.tool_parser, choices=sorted(TOOL_FORMATS),
                    help="tool-call format of the model's output")
     p.add_argument("--cache-bytes", type=int, default=ENGINE.cache_bytes,
@@ -82,7 +84,8 @@ def config_from_args(args) -> ServerConfig:
                         kv_bytes=getattr(args, "kv_bytes", None),
                         max_body_bytes=getattr(args, "max_body_bytes", SERVER.max_body_bytes),
                         shutdown_timeout=getattr(args, "shutdown_timeout", SERVER.shutdown_timeout),
-                        metrics_open=getattr(args, "metrics_open", SERVER.metrics_open)).validate()
+                        metrics_open=getattr(args, "metrics_open", SERVER.metrics_open),
+                        responses_store=getattr(args, "responses_store", SERVER.responses_store)).validate()
 
 
 def run(args) -> int:

@@ -34,6 +34,7 @@ from kvtool.serving.metrics import ServerMetrics
 from kvtool.serving.openapi import install_docs
 from kvtool.serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TemplateRequest,
                                      TokenizeRequest)
+from kvtool.serving.responses import responses_router
 from kvtool.serving.served import ServedModel
 from kvtool.serving.session import ChatSession, CompletionSession
 from kvtool.serving.shutdown import Drain, DrainMiddleware
@@ -220,11 +221,13 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
 
         return StreamingResponse(sse(events(), handles, True), media_type="text/event-stream")
 
-    async def start_chat(body: ChatCompletionRequest, request: Request, raw_tokens: bool):
+    async def start_chat(body: ChatCompletionRequest, request: Request, raw_tokens: bool, raw: dict | None = None):
+        """raw: the body's JSON (default: the request's; the Responses route passes the chat body it made)."""
         served.check_name(body.model)
         params = body.chat_sampling(cfg.default_max_tokens)
         # rendering and tokenizing run off the event loop (check_fits already bounds how long they take)
-        prepared = await run_in_threadpool(prepare_chat, served, body, await request.json(), fmt)
+        raw = await request.json() if raw is None else raw
+        prepared = await run_in_threadpool(prepare_chat, served, body, raw, fmt)
         if prepared.call_schema is not None:  # a forced call: its JSON follows the tool's schema
             if params.structured:
                 raise ServingError("response_format (or a choice, regex or grammar) cannot be combined with "
@@ -319,6 +322,7 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
             raise ServingError(f"model {served.name} has no chat template", code="no_chat_template")
         return {"model": served.name, "chat_template": model.chat_template}
 
+    api.include_router(responses_router(served, start_chat, until_done, cfg.responses_store))
     api.include_router(llama_router(worker, served, cfg.default_max_tokens, until_done))  # llama.cpp's /completion
     app.include_router(api)
     for router in backend.routers(worker, served):

@@ -24,6 +24,8 @@ class ServerConfig:
     shutdown_timeout: float = 10.0  # seconds running requests get to finish after SIGTERM/SIGINT; then they end
     # with finish_reason "abort" and the server saves its cache file and exits (kvtool.serving.shutdown)
     metrics_open: bool = False  # with api_key: /metrics answers without the key too (/health always does)
+    responses_store: int = 256  # responses kept for previous_response_id and GET /v1/responses/{id}; the oldest
+    # is dropped past it (0: none kept)
     tool_parser: str = "qwen"  # key in kvtool.serving.toolparse.TOOL_FORMATS
     extra_metrics: Callable[[], Iterable[str]] | None = None  # more Prometheus lines (e.g. prefix cache)
 
@@ -37,7 +39,7 @@ class ServerConfig:
             raise InvalidParameterError(f"--port must be in 0..65535, got {self.port}")
         for name, least, optional in (("max_active", 1, False), ("max_queue", 0, False),
                                       ("kv_bytes", 1, True), ("max_body_bytes", 1, False),
-                                      ("default_max_tokens", 1, True)):
+                                      ("default_max_tokens", 1, True), ("responses_store", 0, False)):
             value = getattr(self, name)
             if not (optional and value is None) and not is_whole(value, least):
                 raise InvalidParameterError(f"--{name.replace('_', '-')} must be >= {least}, got {value!r}")
