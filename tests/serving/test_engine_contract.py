@@ -1,6 +1,6 @@
 """One HTTP contract, two engines: every test runs on kvtool's own engine and on --engine vllm, with SmolLM2
-and Qwen2.5 (the official `openai` client, the raw token stream, the render route, cached tokens, bad
-input, a client that hangs up). The vLLM cases skip only where vLLM is not installed."""
+and Qwen2.5 (the official `openai` client, the Responses route, the raw token stream, the render route, cached
+tokens, bad input, a client that hangs up). The vLLM cases skip only where vLLM is not installed."""
 
 from __future__ import annotations
 
@@ -186,6 +186,26 @@ def test_cached_tokens_on_a_repeated_prefix(http):
     assert after["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_responses_route(oai):
+    """POST /v1/responses is the chat route's answer in the Responses shape, streamed too, and a follow-up by
+    previous_response_id is served from the prefix cache."""
+    name, rules = model_id(oai), "You are a careful assistant. " + " ".join(f"Rule {i}: be brief." for i in range(40))
+    out = oai.responses.create(model=name, input=ASK[0]["content"], instructions=rules, max_output_tokens=6,
+                               temperature=0)
+    chat = oai.chat.completions.create(model=name, messages=[{"role": "system", "content": rules}, *ASK],
+                                       max_tokens=6, temperature=0)
+    assert out.output_text == chat.choices[0].message.content and out.usage.input_tokens == chat.usage.prompt_tokens
+    assert out.model_extra["timings"]["decode_tokens"] == out.usage.output_tokens == chat.usage.completion_tokens
+    with oai.responses.stream(model=name, input="One more.", instructions=rules, previous_response_id=out.id,
+                              max_output_tokens=6, temperature=0) as stream:
+        events = list(stream)
+    last = events[-1].response
+    assert events[0].type == "response.created" and last.status in ("completed", "incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == last.output_text
+    assert last.usage.input_tokens > out.usage.input_tokens + out.usage.output_tokens > 256
+    assert last.usage.input_tokens_details.cached_tokens >= out.usage.input_tokens - 128  # vLLM: 128-token blocks
+
+
 BAD = [("/v1/chat/completions", {"messages": "hi"}),
        ("/v1/chat/completions", {"messages": ASK, "max_tokens": -1}),
        ("/v1/chat/completions", {"messages": ASK, "temperature": "hot"}),
@@ -196,7 +216,9 @@ BAD = [("/v1/chat/completions", {"messages": "hi"}),
        ("/v1/completions", {"prompt": [[1, 2, 10 ** 9]]}),
        ("/v1/completions", {"prompt": ""}),
        ("/v1/chat/completions", {"messages": ASK, "model": "no-such-model"}),
-       ("/v1/chat/completions", {"messages": ASK, "n": 0})]
+       ("/v1/chat/completions", {"messages": ASK, "n": 0}),
+       ("/v1/responses", {"input": [{"type": "web_search_call"}]}),
+       ("/v1/responses", {"input": "hi", "previous_response_id": "resp_unknown"})]
 
 
 @pytest.mark.parametrize("path,body", BAD, ids=[f"bad{i}" for i in range(len(BAD))])
