@@ -36,6 +36,8 @@ STATUSES = {400: "invalid request: the message says which field and why",
 GENERATING = {path: "data: {...}\n\ndata: [DONE]\n\n"
               for path in ("/v1/chat/completions", "/v1/chat/completions/raw", "/v1/completions")}
 GENERATING["/completion"] = 'data: {"content": "...", "stop": false}\n\ndata: {"content": "", "stop": true, ...}\n\n'
+GENERATING["/v1/responses"] = ("event: response.created\ndata: {...}\n\n...event: response.completed\n"
+                               "data: {...}\n\n")
 # one event of such a stream: its data is a JSON chunk (or the OpenAI routes' closing [DONE])
 SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
     "data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
@@ -50,7 +52,7 @@ def schema(app: FastAPI, keyed: bool, open_paths: set[str]) -> dict:
     for path, ops in doc.get("paths", {}).items():
         for method, op in ops.items():
             responses = op.setdefault("responses", {})
-            had_input = responses.pop("422", None) is not None or "requestBody" in op
+            had_input = responses.pop("422", None) is not None or "requestBody" in op or bool(op.get("parameters"))
             wanted = [400, 404] if had_input else []
             if method == "post":
                 wanted.append(413)

@@ -12,8 +12,10 @@ from schemathesis.checks import (content_type_conformance, not_a_server_error,  
                                  response_schema_conformance, status_code_conformance)
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
-ROUTES = r"^/(v1/(chat/completions|completions|models|chat/template)|completion|tokenize|detokenize|health)$"
-CAPPED = {"max_tokens": 4, "max_completion_tokens": 4, "n_predict": 4, "min_tokens": 2, "n": 2}  # a generated request stays quick
+ROUTES = (r"^/(v1/(chat/completions|completions|models|chat/template|responses|responses/\{response_id\})|completion"
+          r"|tokenize|detokenize|health)$")
+CAPPED = {"max_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "n_predict": 4, "min_tokens": 2,
+          "n": 2}  # a generated request stays quick
 
 
 def capped(case) -> None:
