@@ -1,17 +1,19 @@
 """The Responses event order for a reasoning model's output (reasoning, text, two tool calls) from scripted chat
 chunks, without a model, checked by the official `openai` client's own stream accumulator; and the output
-items turned back into the chat turns a previous_response_id follow-up renders. (The real-model runs are in
-test_serve_responses.py.)"""
+items turned back into the chat turns a previous_response_id follow-up renders; the bounded store. (The
+real-model runs are in test_serve_responses.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
 from openai import NOT_GIVEN
 from openai._models import construct_type_unchecked
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
+from kvtool.serving.responses import ResponseNotFound, ResponseStore
 from kvtool.serving.responses_input import ResponsesRequest, input_messages
 from kvtool.serving.responses_stream import ResponseWriter
 
@@ -91,3 +93,18 @@ def test_running_out_of_tokens_is_incomplete_and_an_engine_error_fails():
     writer, events = events_of([chunk({"content": "Hel"}), {"error": {"message": "boom", "code": None}}])
     assert events[-1]["type"] == "response.failed" and events[-1]["response"]["error"]["message"] == "boom"
     assert writer.failure is not None and events[-2]["type"] == "response.output_item.done"
+
+
+def test_the_store_keeps_the_newest_and_names_what_it_lacks():
+    store = ResponseStore(2)
+    for i in range(3):
+        store.put({"id": f"resp_{i}"}, [{"role": "user", "content": str(i)}])
+    assert list(store.items) == ["resp_1", "resp_2"] and store.get("resp_2")[1][0]["content"] == "2"
+    with pytest.raises(ResponseNotFound, match="store=false, or it is older than the 2 responses") as err:
+        store.get("resp_0", "previous_response_id")
+    assert err.value.param == "previous_response_id" and err.value.status_code == 404
+    store.delete("resp_1")
+    assert list(store.items) == ["resp_2"]
+    nothing = ResponseStore(0)
+    nothing.put({"id": "resp_x"}, [])
+    assert not nothing.items
