@@ -133,9 +133,9 @@ def chat_tools(tools: list[dict]) -> list[dict]:
 
 
 def chat_tool_choice(choice: str | dict) -> str | dict:
-    if isinstance(choice, str):
+    if choice in ("auto", "none", "required"):
         return choice
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     raise bad(f"tool_choice {choice!r} is not supported; use 'auto', 'none', 'required' or "
               "{'type': 'function', 'name': ...}", "tool_choice")

@@ -100,6 +100,7 @@ BAD = [({"input": [{"role": "user", "content": [{"type": "input_image", "image_u
        ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
        ({"input": "hi", "max_output_tokens": "many"}, "max_output_tokens"),
+       ({"input": "hi", "tool_choice": "sometimes"}, "tool_choice"),
        ({}, "input")]
 
 
