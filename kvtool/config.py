@@ -40,6 +40,8 @@ class EngineConfig:
     prefix_block: int = 16  # tokens per prefix-cache block
     enable_prefix_cache: bool = True
     cache_file: str | None = None  # a .kvc file: the prefix cache is loaded from it (if it exists) and saved to it
+    kv_store: str | None = None  # a block store engines share (a folder or redis://host:port/db; kvtool.cache.kvstore)
+    kv_store_bytes: int | None = None  # a folder store's size limit, for every engine on it; None: the folder's own
     forward: str = "auto"  # the path of each step: auto (the C++ CPU ops where they build on the CPU) | reference |
     # cpu-ops (refused where the ops cannot run); the model is loaded with it (kvtool.load(forward=...))
     fast_decode: str = "auto"  # static-shape decode (CUDA graphs on CUDA): auto (CUDA only) | on | off
@@ -57,7 +59,7 @@ class EngineConfig:
         for name, optional, least in (("prefill_chunk", False, 1), ("prefix_block", False, 1),
                                       ("max_running", False, 1), ("kv_bytes", True, 1),
                                       ("static_max_tokens", False, 1), ("cache_bytes", True, 0),
-                                      ("skill_min_tokens", False, 0)):
+                                      ("skill_min_tokens", False, 0), ("kv_store_bytes", True, 1)):
             value = getattr(self, name)
             if not (optional and value is None) and not is_whole(value, least):
                 bad(name, f"must be an integer >= {least}" + (" or None" if optional else ""))
@@ -71,6 +73,8 @@ class EngineConfig:
             bad("cache_file", "must be a file path (str) or None")
         if self.cache_file is not None and not self.enable_prefix_cache:
             bad("cache_file", "saves the prefix cache, which enable_prefix_cache=False turns off")
+        if self.kv_store is not None and not (self.enable_prefix_cache and isinstance(self.kv_store, str)):
+            bad("kv_store", "must be a folder or redis://host:port/db (str) or None, with enable_prefix_cache on")
         if self.skills_dir is not None and not isinstance(self.skills_dir, str):
             bad("skills_dir", "must be a folder path (str) or None")
         parse_repair(self.skill_repair)

@@ -39,6 +39,7 @@ from kvtool.cache.index import PrefixIndex
 from kvtool.cache.kv import KVCache
 from kvtool.cache.kvfile import setup_of
 from kvtool.cache.persist import load_cache, save_cache
+from kvtool.cache.shared import SharedBlocks
 from kvtool.cache.store import BlockPool, BlockStore
 from kvtool.config import is_whole
 from kvtool.errors import InvalidParameterError, PrefixCacheWarning
@@ -94,6 +95,7 @@ class PrefixCache:
         self._changes = 0  # what a cache file would hold moved on (blocks, pins, order of use): see `changes`
         self._warned = False
         self.loaded: dict | None = None  # what the last load() added (kvtool.cache.persist.load_cache)
+        self.shared = None  # a store other engines share (kvtool.cache.shared.SharedBlocks): attach_prefix_cache
 
     @classmethod
     def for_runner(cls, runner, budget_bytes: int | None = None, block_size: int = 16,
@@ -116,6 +118,8 @@ class PrefixCache:
         prompt_ids = list(prompt_ids)
         with self._lock:
             ids = self.index.match(prompt_ids[:-1], record=False)
+            if self.shared is not None:  # the blocks the index lacks, from what other engines stored
+                ids = self.shared.fill(self, prompt_ids[:-1], ids)
             tail = self.index.match_tail(prompt_ids[:-1], ids)  # (block, k): a slice of one more block
             held = ids + [tail[0]] if tail else ids  # held while read: no eviction under the reader
             self.index.acquire(held)
@@ -192,6 +196,8 @@ class PrefixCache:
             else:
                 s = (i - copied[0][0]) * bs
                 self.store.put(block_id, keys[:, :, s : s + bs], values[:, :, s : s + bs])
+        if self.shared is not None:
+            self.shared.save(tokens, result.new, self.store)
         cached = len(result.block_ids) * bs
         if cached < len(tokens) // bs * bs and count:
             self._over_budget += 1
@@ -337,7 +343,7 @@ class PrefixCache:
                 "pinned_blocks": self.index.pinned_blocks, "block_size": self.block_size,
                 "bytes_per_block": self.store.bytes_per_block, "over_budget": self._over_budget,
                 "pool_blocks": self.store.pool.blocks, "pool_blocks_spare": len(self.store.pool.spare),
-                "resets": self._epoch, "eviction": self.index.eviction,
+                "resets": self._epoch, "eviction": self.index.eviction, **(self.shared.stats if self.shared else {}),
             }
 
     def prometheus_lines(self, prefix: str = "kvtool_prefix_cache") -> list[str]:
@@ -384,6 +390,9 @@ def attach_prefix_cache(engine, budget_bytes: int | None = None, block_size: int
     if (engine.pool.block_shape[3], engine.pool.blocks) != (size, pool // engine.pool.bytes_per_block):
         engine.pool = BlockPool.for_runner(engine.runner, size, pool)  # (running requests keep the blocks they hold)
     cache = PrefixCache.for_runner(engine.runner, budget, size, eviction, engine.pool)
+    if cfg.kv_store is not None:
+        setup = setup_of(engine.model, engine.runner)
+        cache.shared = SharedBlocks.for_cache(cfg.kv_store, cfg.kv_store_bytes, setup, cache.store)
     if cfg.cache_file is not None and os.path.exists(cfg.cache_file):
         cache.load(cfg.cache_file, engine.model)
     engine.prefix_cache = cache
