@@ -133,6 +133,8 @@ def test_model_text_helpers_are_checked(smollm2):
     (dict(static_max_tokens=-1), "static_max_tokens=-1: must be an integer >= 1"),
     (dict(cache_bytes="1G"), "cache_bytes='1G': must be an integer >= 0 or None"),
     (dict(kv_bytes=0), "kv_bytes=0: must be an integer >= 1 or None"),
+    (dict(kv_store_bytes=0), "kv_store_bytes=0: must be an integer >= 1 or None"),
+    (dict(kv_store="/s", enable_prefix_cache=False), "kv_store='/s': .* with enable_prefix_cache on"),
     (dict(fast_decode="cuda"), "fast_decode='cuda': must be one of auto, on, off"),
     (dict(weights="int8"), "weights='int8': must be one of dense, int4"),
     (dict(forward="ops"), "forward='ops': must be one of auto, reference, cpu-ops"),

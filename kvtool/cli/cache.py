@@ -1,8 +1,9 @@
-"""`kvtool cache info FILE`: what a saved prefix cache (.kvc) holds, without a server."""
+"""`kvtool cache info FILE|STORE`: what a saved prefix cache (.kvc) or a shared block store holds, without a server."""
 
 from __future__ import annotations
 
 import json
+import os
 
 from kvtool.cli.common import add_model_args, load_from_args
 
@@ -10,8 +11,9 @@ from kvtool.cli.common import add_model_args, load_from_args
 def register(subparsers) -> None:
     p = subparsers.add_parser("cache", help="inspect a saved prefix cache (.kvc, from --cache-file)")
     sub = p.add_subparsers(dest="cache_command", metavar="<action>", required=True)
-    i = sub.add_parser("info", help="verify a .kvc file; print its setup, sizes and the tree of its prefixes")
-    i.add_argument("path", help="the .kvc file")
+    i = sub.add_parser("info", help="verify a .kvc file; print its setup, sizes and the tree of its prefixes; or "
+                                    "what a block store (--kv-store: a folder or redis://host:port/db) holds")
+    i.add_argument("path", help="the .kvc file, or a block store")
     i.add_argument("--text", action="store_true", help="decode each segment with the model (--model) it was saved for")
     i.add_argument("--max-chars", type=int, default=120, help="characters of text per segment (default: %(default)s)")
     i.add_argument("--json", action="store_true", help="print the description as JSON")
@@ -27,6 +29,8 @@ def info(args) -> int:
 
     if args.max_chars < 1:
         raise InvalidParameterError(f"--max-chars must be >= 1, got {args.max_chars}")
+    if os.path.isdir(args.path) or "://" in args.path:
+        return store_info(args)
     described = describe_file(args.path)
     if args.text:
         model = load_from_args(args)
@@ -52,4 +56,35 @@ def info(args) -> int:
         print(f"{'  ' * depth}[{segment['start']}, {segment['start'] + segment['tokens']}) {segment['tokens']} tokens"
               f"{pinned}{text}")
         todo += [(child, depth + 1) for child in reversed(segment["children"])]
+    return 0
+
+
+def store_info(args) -> int:
+    """What a block store holds: its usage and limit, and its blocks per model and layout."""
+    from kvtool.cache.kvstore import open_store
+    from kvtool.cache.shared import describe_store
+
+    from kvtool.errors import InvalidParameterError
+
+    if os.path.isdir(args.path) and not os.path.isfile(os.path.join(args.path, "store.json")):
+        raise InvalidParameterError(f"{args.path} is a folder but not a kvtool block store (it has no store.json); "
+                                    "give a .kvc file or the folder an engine's --kv-store wrote")
+    store = open_store(args.path)
+    try:
+        described = describe_store(store)
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps(described, indent=1))
+        return 0
+    limit = f"{described['limit_bytes'] / 1e6:.1f} MB" if described["limit_bytes"] else "no limit"
+    damaged = f", {described['damaged']} damaged records" if described["damaged"] else ""
+    print(f"{described['location']}: block store ({described['backend']}), {described['blocks']} blocks, "
+          f"{described['bytes'] / 1e6:.1f} MB of {limit}{damaged}")
+    for row in described["layouts"]:
+        start, stop = row["heads"]
+        heads = "" if (start, stop) == (0, row["kv_heads"]) else f", KV heads {start}..{stop - 1}"
+        print(f"  {row['model']} ({row['dtype']}, {row['layers']} layers x {row['kv_heads']} KV heads x "
+              f"{row['head_dim']}{heads}): {row['tokens']} tokens in {row['blocks']} blocks of {row['block_size']}, "
+              f"{row['bytes'] / 1e6:.1f} MB, {row['roots']} chains, {row['orphans']} blocks whose parent was evicted")
     return 0

@@ -55,6 +55,11 @@ def register(subparsers) -> None:
     p.add_argument("--cache-save-every", type=float, default=SERVER.cache_save_every, metavar="SECONDS",
                    help="also save the prefix cache to --cache-file every SECONDS when it changed, so a crash loses "
                         "at most that much (default: only at shutdown and on POST /v1/cache/save)")
+    p.add_argument("--kv-store", default=ENGINE.kv_store, metavar="LOCATION",
+                   help="a block store other servers share (a folder, or redis://host:port/db): the prefix cache "
+                        "adopts the blocks another server stored and stores its own (docs/cache.md)")
+    p.add_argument("--kv-store-bytes", type=int, default=ENGINE.kv_store_bytes, metavar="N",
+                   help="a folder store's size limit, for every server on it (default: the folder's own, else 16 GiB)")
     p.add_argument("--skills", default=ENGINE.skills_dir, metavar="DIR",
                    help="a skills folder (NAME/SKILL.md, *.md): compile (or load cached) KV blocks at start and "
                         "splice them into prompts that contain a skill; requests may ask for skills by name")
@@ -95,6 +100,8 @@ def run(args) -> int:
     from kvtool.skill_settings import canonical_preamble
 
     cfg = config_from_args(args)
+    if getattr(args, "kv_store", None) is not None and args.engine != "kvtool":
+        raise InvalidParameterError("--kv-store is read by kvtool's own engine; with --engine vllm leave it out")
     if args.engine == "vllm":
         from kvtool.cli.serve_vllm import run_vllm
 
@@ -108,10 +115,16 @@ def run(args) -> int:
     # bad preamble or repair specs, and a --cache-file without the prefix cache, fail before the model loads
     canonical_preamble(args.skill_preamble)
     engine_config = EngineConfig(cache_bytes=args.cache_bytes, enable_prefix_cache=not args.no_prefix_cache,
-                                 cache_file=args.cache_file, skills_dir=args.skills, skill_repair=args.skill_repair,
+                                 cache_file=args.cache_file, kv_store=args.kv_store,
+                                 kv_store_bytes=args.kv_store_bytes, skills_dir=args.skills,
+                                 skill_repair=args.skill_repair,
                                  skill_preamble=args.skill_preamble,
                                  skill_min_tokens=args.skill_min_tokens, forward=args.forward).validate()
     check_writable(args.cache_file, "--cache-file")
+    if args.kv_store is not None:  # a store that cannot open (a file, no Redis server there) fails before the load
+        from kvtool.cache.kvstore import open_store
+
+        open_store(args.kv_store, args.kv_store_bytes).close()
     check_listen(cfg.host, cfg.port)  # so does a port in use
     model = load_from_args(args)
     auth = "API key required" if cfg.api_key else "no API key"

@@ -4,6 +4,7 @@ a miss, removed). The Redis backend runs the same checks in test_redisstore.py."
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import time
@@ -206,3 +207,32 @@ def test_a_store_that_fails_costs_a_miss_and_one_warning(tmp_path):
     with pytest.warns(PrefixCacheWarning, match="reading failed.*disk gone"):
         _, n, _ = cache.prepare(list(range(30)), None)
     assert n == 0 and cache.stats()["store_errors"] == 1
+
+
+def test_cache_info_reads_a_store_and_serve_refuses_a_store_it_cannot_open(tmp_path, capsys):
+    from kvtool.cli import main
+    from tests.cache.test_redisstore import free_port
+
+    cache = cache_on(tmp_path / "store")
+    tokens = list(range(300, 317))
+    cache.import_chain(tokens, kv_of)
+    cache.shared.save(tokens, list(enumerate(cache.index.match(tokens, record=False))), cache.store)
+    cache.shared.flush()
+    assert main(["cache", "info", str(tmp_path / "store"), "--json"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert (described["blocks"], described["layouts"][0]["tokens"], described["layouts"][0]["model"]) == \
+        (4, 16, "store-test")
+    assert main(["cache", "info", str(tmp_path / "store")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{tmp_path / 'store'}: block store (folder), 4 blocks, ") and "of 17179.9 MB" in lines[0]
+    assert lines[1] == ("  store-test (float32, 2 layers x 2 KV heads x 4): 16 tokens in 4 blocks of 4, 0.0 MB, "
+                        "1 chains, 0 blocks whose parent was evicted")
+    (tmp_path / "plain").mkdir()
+    assert main(["cache", "info", str(tmp_path / "plain")]) == 2
+    assert "not a kvtool block store" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    port = str(free_port())
+    assert main(["serve", "--port", port, "--kv-store", str(tmp_path / "file")]) == 2
+    assert "is a file; give a folder" in capsys.readouterr().err
+    assert main(["serve", "--port", port, "--kv-store", str(tmp_path / "store"), "--engine", "vllm"]) == 2
+    assert "--kv-store is read by kvtool's own engine" in capsys.readouterr().err
