@@ -46,6 +46,12 @@ class Layout:
                 "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "dtype": self.dtype,
                 "block_size": self.block_size, "heads": [start, stop]}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Layout":
+        """The Layout that describe() gave ``d``."""
+        return cls(d["setup"], d["num_layers"], d["num_kv_heads"], d["head_dim"], d["dtype"], d["block_size"],
+                   tuple(d["heads"]))
+
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
         start, stop = self.describe()["heads"]

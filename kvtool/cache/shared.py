@@ -24,8 +24,8 @@ from kvtool.cache.kvlog import block_bytes
 from kvtool.cache.kvstore import KVStore, open_store
 from kvtool.errors import PrefixCacheWarning
 
-FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")  # Layout's, after setup
-MAX_QUEUED_BLOCKS = 256  # blocks waiting for the writer; a commit beyond it is not shared (store_dropped_blocks)
+MAX_QUEUED_BLOCKS = 1024  # blocks waiting for the writer; a commit's blocks beyond it are not shared (counted in
+# store_dropped_blocks): the chain's first blocks are, so what the store gets is still a prefix
 
 
 class SharedBlocks:
@@ -95,10 +95,9 @@ class SharedBlocks:
 
     def save(self, tokens: Sequence[int], new: list[tuple[int, int]], block_store) -> None:
         """Queue the blocks ``new`` = [(block index in tokens, block id in block_store)] for the store."""
-        if not new:
-            return
-        if self._pending[0] + len(new) > MAX_QUEUED_BLOCKS:
-            self.stats["store_dropped_blocks"] += len(new)
+        room = max(MAX_QUEUED_BLOCKS - self._pending[0], 0)
+        self.stats["store_dropped_blocks"] += max(len(new) - room, 0)
+        if not (new := sorted(new)[:room]):
             return
         self._pending[0] += len(new)
         blocks = block_store.tensors([block_id for _, block_id in new])
@@ -135,7 +134,7 @@ def describe_store(store: KVStore) -> dict:
             continue
         header = found[0]
         d = header["layout"]
-        row = layouts.setdefault(Layout(d["setup"], *(d[k] for k in FIELDS), tuple(d["heads"])).root.hex(), {
+        row = layouts.setdefault(Layout.from_dict(d).root.hex(), {
             "model": d["setup"].get("model"), "dtype": d["dtype"], "layers": d["num_layers"],
             "kv_heads": d["num_kv_heads"], "heads": d["heads"], "head_dim": d["head_dim"],
             "block_size": d["block_size"], "setup": d["setup"], "blocks": 0, "tokens": 0, "bytes": 0, "roots": 0,

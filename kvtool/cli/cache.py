@@ -19,6 +19,15 @@ def register(subparsers) -> None:
     i.add_argument("--json", action="store_true", help="print the description as JSON")
     add_model_args(i)
     i.set_defaults(func=info)
+    e = sub.add_parser("export", help="write one model's chains in a block store to a .kvc file")
+    e.add_argument("store", help="the block store: a folder or redis://host:port/db")
+    e.add_argument("path", help="the .kvc file to write")
+    e.add_argument("--model-name", default=None, help="the model whose blocks to export, where the store holds several")
+    e.set_defaults(func=export)
+    m = sub.add_parser("import", help="publish the prefixes of a .kvc file to a block store")
+    m.add_argument("path", help="the .kvc file")
+    m.add_argument("store", help="the block store: a folder (made if missing) or redis://host:port/db")
+    m.set_defaults(func=import_)
 
 
 def info(args) -> int:
@@ -59,16 +68,21 @@ def info(args) -> int:
     return 0
 
 
+def check_store(location: str) -> None:
+    """Refuse a folder that is not a block store (opening one would make it one)."""
+    from kvtool.errors import InvalidParameterError
+
+    if "://" not in location and not os.path.isfile(os.path.join(location, "store.json")):
+        raise InvalidParameterError(f"{location} is not a kvtool block store (a folder with store.json, as an "
+                                    "engine's --kv-store writes it, or redis://host:port/db)")
+
+
 def store_info(args) -> int:
     """What a block store holds: its usage and limit, and its blocks per model and layout."""
     from kvtool.cache.kvstore import open_store
     from kvtool.cache.shared import describe_store
 
-    from kvtool.errors import InvalidParameterError
-
-    if os.path.isdir(args.path) and not os.path.isfile(os.path.join(args.path, "store.json")):
-        raise InvalidParameterError(f"{args.path} is a folder but not a kvtool block store (it has no store.json); "
-                                    "give a .kvc file or the folder an engine's --kv-store wrote")
+    check_store(args.path)
     store = open_store(args.path)
     try:
         described = describe_store(store)
@@ -87,4 +101,32 @@ def store_info(args) -> int:
         print(f"  {row['model']} ({row['dtype']}, {row['layers']} layers x {row['kv_heads']} KV heads x "
               f"{row['head_dim']}{heads}): {row['tokens']} tokens in {row['blocks']} blocks of {row['block_size']}, "
               f"{row['bytes'] / 1e6:.1f} MB, {row['roots']} chains, {row['orphans']} blocks whose parent was evicted")
+    return 0
+
+
+def export(args) -> int:
+    from kvtool.cache.kvstore import open_store
+    from kvtool.cache.storefile import export_store
+
+    check_store(args.store)
+    store = open_store(args.store)
+    try:
+        saved = export_store(store, args.path, args.model_name)
+    finally:
+        store.close()
+    print(f"kvtool: exported {saved['tokens']} tokens in {saved['blocks']} blocks from {args.store} to {args.path}")
+    return 0
+
+
+def import_(args) -> int:
+    from kvtool.cache.kvstore import open_store
+    from kvtool.cache.storefile import import_file
+
+    store = open_store(args.store)
+    try:
+        done = import_file(args.path, store)
+    finally:
+        store.close()
+    print(f"kvtool: imported {done['tokens']} tokens in {done['blocks']} blocks from {args.path} to {args.store} "
+          f"({done['written_blocks']} blocks new there)")
     return 0

@@ -236,3 +236,41 @@ def test_cache_info_reads_a_store_and_serve_refuses_a_store_it_cannot_open(tmp_p
     assert "is a file; give a folder" in capsys.readouterr().err
     assert main(["serve", "--port", port, "--kv-store", str(tmp_path / "store"), "--engine", "vllm"]) == 2
     assert "--kv-store is read by kvtool's own engine" in capsys.readouterr().err
+
+
+def test_a_store_exports_to_a_kvc_file_that_imports_into_another_store(tmp_path, capsys):
+    from kvtool.cache.persist import describe_file
+    from kvtool.cli import main
+
+    cache = cache_on(tmp_path / "a")
+    chains = [list(range(400, 417)), list(range(400, 408)) + list(range(500, 510)), list(range(600, 612))]
+    for tokens in chains:  # the first two share two blocks: 6 blocks; the third loses its root below
+        cache.import_chain(tokens, kv_of)
+        cache.shared.save(tokens, list(enumerate(cache.index.match(tokens, record=False))), cache.store)
+        cache.shared.flush()
+    cache.shared.store.discard(LAYOUT.keys(chains[2])[0])
+    other = PrefixCache(2, 2, 4, budget_bytes=1 << 20, block_size=4)  # another model on the same store
+    other.shared = SharedBlocks.for_cache(str(tmp_path / "a"), None, {**SETUP, "model": "other"}, other.store)
+    other.import_chain(chains[0], kv_of)
+    other.shared.save(chains[0], list(enumerate(other.index.match(chains[0], record=False))), other.store)
+    other.shared.flush()
+    assert main(["cache", "export", str(tmp_path / "a"), str(tmp_path / "x.kvc")]) == 2
+    assert "holds blocks of 2 models or layouts (other (float32), store-test (float32)); name one" in \
+        capsys.readouterr().err
+    assert main(["cache", "export", str(tmp_path / "a"), str(tmp_path / "x.kvc"), "--model-name", "store-test"]) == 0
+    assert capsys.readouterr().out.startswith("kvtool: exported 24 tokens in 6 blocks")
+    described = describe_file(tmp_path / "x.kvc")
+    assert described["blocks"] == 6 and described["setup"] == SETUP
+    assert main(["cache", "import", str(tmp_path / "x.kvc"), str(tmp_path / "b")]) == 0
+    assert "(6 blocks new there)" in capsys.readouterr().out
+    assert describe_store(DirStore(str(tmp_path / "b")))["blocks"] == 6
+    reader = cache_on(tmp_path / "b")
+    got, n, handle = reader.prepare(chains[1] + [1], None)
+    assert n == 16
+    keys, values = reader.store.gather(handle.block_ids)
+    for i in range(4):
+        assert torch.equal(keys[..., 4 * i : 4 * i + 4, :], kv_of(i)[0])
+        assert torch.equal(values[..., 4 * i : 4 * i + 4, :], kv_of(i)[1])
+    reader.commit(handle, chains[1] + [1], got)
+    assert main(["cache", "export", str(tmp_path / "none"), str(tmp_path / "y.kvc")]) == 2
+    assert "not a kvtool block store" in capsys.readouterr().err
