@@ -274,3 +274,15 @@ def test_a_store_exports_to_a_kvc_file_that_imports_into_another_store(tmp_path,
     reader.commit(handle, chains[1] + [1], got)
     assert main(["cache", "export", str(tmp_path / "none"), str(tmp_path / "y.kvc")]) == 2
     assert "not a kvtool block store" in capsys.readouterr().err
+
+
+def test_a_commit_past_the_writers_queue_shares_its_chains_first_blocks(tmp_path, monkeypatch):
+    import kvtool.cache.shared as shared
+
+    monkeypatch.setattr(shared, "MAX_QUEUED_BLOCKS", 3)
+    cache, tokens = cache_on(tmp_path), list(range(700, 721))
+    cache.import_chain(tokens, kv_of)
+    cache.shared.save(tokens, list(enumerate(cache.index.match(tokens, record=False)))[::-1], cache.store)
+    cache.shared.flush()
+    assert cache.shared.stats["store_dropped_blocks"] == 2 and cache.shared.stats["store_written_blocks"] == 3
+    assert set(cache.shared.store.keys()) == set(LAYOUT.keys(tokens)[:3])  # a prefix of the chain: readable

@@ -106,3 +106,16 @@ def test_redis_locations_that_cannot_work_are_refused_by_name(redis_url):
         open_store(redis_url, limit_bytes=1 << 20)
     with pytest.raises(InvalidParameterError, match="no Redis server answers"):
         RedisStore(f"redis://127.0.0.1:{free_port()}/0")
+
+
+def test_a_writer_cut_off_mid_record_leaves_no_key(store):
+    """A client killed while it sends a SET: the server never applies a command it did not receive whole."""
+    key, record = record_for(LAYOUT, list(range(8)), 1, size=1 << 20)
+    name = b"kvtool:block:" + key.encode()
+    head = b"*4\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, len(record))
+    with socket.create_connection(store.address) as s:
+        s.sendall(b"*2\r\n$6\r\nSELECT\r\n$%d\r\n%d\r\n" % (len(str(store.db)), store.db))
+        s.sendall(head + record[: len(record) // 2])  # then the connection drops, as at a kill -9
+    time.sleep(0.2)
+    assert store.get(key) is None and list(store.keys()) == []
+    assert store.put(key, record) and store.get(key) == record  # the next writer publishes it whole
