@@ -2,8 +2,8 @@
 on the same store adopts instead of computing it.
 
 SharedBlocks sits beside a PrefixCache (its ``shared``): ``fill`` looks the blocks a prompt lacks in the cache's
-own index up in the store, chain by chain from the first missing one, and imports the ones found into the cache's
-pool; ``save`` hands the full blocks a request committed to one writer thread, which encodes them
+own index up in the store, block by block from the first missing one to the first the store lacks too, and imports
+the ones found into the cache's pool; ``save`` hands the full blocks a request committed to one writer thread, which encodes them
 (kvtool.cache.blockrecord) and publishes them, off the engine's step. A block stays valid while queued: blocks are
 immutable once the cache holds them, and the queued reference keeps its pool slot. A store that fails or holds a
 bad record costs a miss, counted and warned once, never a request.
@@ -35,8 +35,8 @@ class SharedBlocks:
                       "store_bad_blocks": 0, "store_errors": 0}
         self._warn = _warner(store.location, self.stats)  # (not a method: the writer thread must not hold self)
         self._queue: queue.Queue = queue.Queue()
-        self._pending = [0]  # blocks queued, not yet written (a list: the writer thread holds it, not self)
-        thread = threading.Thread(target=_write_loop, args=(self._queue, store, layout, self.stats, self._pending,
+        self._room = threading.Semaphore(MAX_QUEUED_BLOCKS)  # one per block the queue may still take
+        thread = threading.Thread(target=_write_loop, args=(self._queue, store, layout, self.stats, self._room,
                                                             self._warn), daemon=True, name="kvtool-kv-store")
         thread.start()
         # stop the writer when this goes, and at exit let it finish what is queued
@@ -95,11 +95,12 @@ class SharedBlocks:
 
     def save(self, tokens: Sequence[int], new: list[tuple[int, int]], block_store) -> None:
         """Queue the blocks ``new`` = [(block index in tokens, block id in block_store)] for the store."""
-        room = max(MAX_QUEUED_BLOCKS - self._pending[0], 0)
-        self.stats["store_dropped_blocks"] += max(len(new) - room, 0)
+        room = 0
+        while room < len(new) and self._room.acquire(blocking=False):
+            room += 1
+        self.stats["store_dropped_blocks"] += len(new) - room
         if not (new := sorted(new)[:room]):
             return
-        self._pending[0] += len(new)
         blocks = block_store.tensors([block_id for _, block_id in new])
         end = (new[-1][0] + 1) * self.layout.block_size
         self._queue.put((list(tokens[:end]), [(i, kv) for (i, _), kv in zip(new, blocks)]))
@@ -148,7 +149,8 @@ def describe_store(store: KVStore) -> dict:
     return {**store.usage(), "layouts": list(layouts.values()), "damaged": damaged}
 
 
-def _write_loop(jobs: queue.Queue, store: KVStore, layout: Layout, stats: dict, pending: list, warn) -> None:
+def _write_loop(jobs: queue.Queue, store: KVStore, layout: Layout, stats: dict, room: threading.Semaphore,
+                warn) -> None:
     while (job := jobs.get()) is not None:
         tokens, blocks = job
         try:
@@ -161,7 +163,7 @@ def _write_loop(jobs: queue.Queue, store: KVStore, layout: Layout, stats: dict, 
         except Exception as exc:
             warn("writing", exc)
         finally:
-            pending[0] -= len(blocks)
+            room.release(len(blocks))
             jobs.task_done()
     jobs.task_done()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,6 +37,7 @@ def engine_on(model, root: str, store_blocks: int) -> Engine:
     return engine
 
 
+@pytest.mark.slow
 @given(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 2), st.integers(0, 10)), min_size=3, max_size=10),
        st.integers(3, 30))
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
