@@ -24,6 +24,7 @@ from kvtool.cache.kvlog import block_bytes
 from kvtool.cache.kvstore import KVStore, open_store
 from kvtool.errors import PrefixCacheWarning
 
+READ_BATCH = 64  # blocks read from the store before they go into the cache
 MAX_QUEUED_BLOCKS = 1024  # blocks waiting for the writer; a commit's blocks beyond it are not shared (counted in
 # store_dropped_blocks): the chain's first blocks are, so what the store gets is still a prefix
 
@@ -77,20 +78,27 @@ class SharedBlocks:
         """Import into ``cache`` (a PrefixCache, its lock held) the stored blocks of ``tokens`` after the ``ids`` it
         holds; the ids of the chain it holds then."""
         bs, start = self.layout.block_size, len(ids)
-        keys = self.layout.keys(tokens)
-        found: list[torch.Tensor] = []
-        for i in range(start, len(keys)):
-            if (kv := self.read(keys[i], tokens[i * bs : (i + 1) * bs])) is None:
+        keys, end = self.layout.keys(tokens), start
+        while end < len(keys):  # READ_BATCH blocks at a time: a long prompt's blocks are not all held at once
+            found: list[torch.Tensor] = []
+            while end + len(found) < len(keys) and len(found) < READ_BATCH:
+                i = end + len(found)
+                if (kv := self.read(keys[i], tokens[i * bs : (i + 1) * bs])) is None:
+                    break
+                found.append(kv)
+            if not found:
                 break
-            found.append(kv)
-        if not found:
-            return ids
-        try:
-            self.store.touch(keys[: start + len(found)])
-        except Exception as exc:
-            self._warn("touching", exc)
-        got = cache.import_chain(list(tokens[: (start + len(found)) * bs]), lambda i: tuple(found[i - start]))
-        self.stats["store_hit_tokens"] += max(got - start * bs, 0)
+            reached = end + len(found)
+            got = cache.import_chain(list(tokens[: reached * bs]), lambda i, at=end: tuple(found[i - at]))
+            end = min(reached, got // bs)
+            if len(found) < READ_BATCH or end < reached:  # the store's chain ends, or the cache's budget is full
+                break
+        if end > start:
+            self.stats["store_hit_tokens"] += (end - start) * bs
+            try:
+                self.store.touch(keys[:end])
+            except Exception as exc:
+                self._warn("touching", exc)
         return cache.index.match(list(tokens), record=False)
 
     def save(self, tokens: Sequence[int], new: list[tuple[int, int]], block_store) -> None:

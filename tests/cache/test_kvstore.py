@@ -286,3 +286,22 @@ def test_a_commit_past_the_writers_queue_shares_its_chains_first_blocks(tmp_path
     cache.shared.flush()
     assert cache.shared.stats["store_dropped_blocks"] == 2 and cache.shared.stats["store_written_blocks"] == 3
     assert set(cache.shared.store.keys()) == set(LAYOUT.keys(tokens)[:3])  # a prefix of the chain: readable
+
+
+@pytest.mark.parametrize("batch", [2, 64])
+def test_a_long_chain_is_read_in_batches_as_far_as_the_cache_budget_holds(tmp_path, monkeypatch, batch):
+    import kvtool.cache.shared as shared
+
+    monkeypatch.setattr(shared, "READ_BATCH", batch)
+    first, tokens = cache_on(tmp_path), list(range(800, 821))
+    first.import_chain(tokens, kv_of)
+    first.shared.save(tokens, list(enumerate(first.index.match(tokens, record=False))), first.store)
+    first.shared.flush()
+    for budget, want in ((64, 20), (3, 12)):  # room for the whole chain; for 3 of its 5 blocks
+        second = cache_on(tmp_path, budget_blocks=budget)
+        got, n, handle = second.prepare(tokens + [7], None)
+        assert n == want and second.stats()["store_hit_tokens"] == want
+        keys, _ = second.store.gather(handle.block_ids)
+        assert all(torch.equal(keys[..., 4 * i : 4 * i + 4, :], kv_of(i)[0]) for i in range(want // 4))
+        second.commit(handle, tokens + [7], got)
+        second.check_integrity()
