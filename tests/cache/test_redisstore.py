@@ -119,3 +119,16 @@ def test_a_writer_cut_off_mid_record_leaves_no_key(store):
     time.sleep(0.2)
     assert store.get(key) is None and list(store.keys()) == []
     assert store.put(key, record) and store.get(key) == record  # the next writer publishes it whole
+
+
+def test_cache_info_reads_a_redis_store(store, capsys):
+    import json
+
+    from kvtool.cli import main
+
+    key, record = record_for(LAYOUT, list(range(8)), 0, size=100)
+    store.put(key, record)
+    assert main(["cache", "info", f"redis://127.0.0.1:{store.address[1]}/{store.db}", "--json"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert (described["backend"], described["blocks"], described["limit_bytes"]) == ("redis", 1, MAXMEMORY)
+    assert described["layouts"][0]["model"] == "store-test" and described["layouts"][0]["roots"] == 1
