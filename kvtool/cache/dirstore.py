@@ -9,8 +9,8 @@ puts it in place, so a reader opens the old name's file whole or finds none; two
 whole file by another with the same content. Recency is a file's mtime, set on write and by touch().
 
 Limit: each process counts what it wrote since it last listed the folder; when that passes a sixteenth of the
-limit, or its view of the total passes the limit, it lists the folder and, if the total is over the limit,
-removes the least recently used files until it is under LOW of it (and temp files older than STALE_S). So the
+limit, or its view of the total passes the limit, it lists the folder, removes temp files older than STALE_S and,
+if the total is over the limit, the least recently used records until it is under LOW of it. So the
 folder stays within the limit plus a sixteenth of it per writer. Two processes evicting at once remove the same
 oldest files (a file removed twice is no error) or a few more than needed; a reader holding a removed file's
 handle still reads it whole.

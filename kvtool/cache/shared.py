@@ -3,8 +3,8 @@ on the same store adopts instead of computing it.
 
 SharedBlocks sits beside a PrefixCache (its ``shared``): ``fill`` looks the blocks a prompt lacks in the cache's
 own index up in the store, block by block from the first missing one to the first the store lacks too, and imports
-the ones found into the cache's pool; ``save`` hands the full blocks a request committed to one writer thread, which encodes them
-(kvtool.cache.blockrecord) and publishes them, off the engine's step. A block stays valid while queued: blocks are
+the ones found into the cache's pool; ``save`` hands the full blocks a request committed to one writer thread,
+which encodes them (kvtool.cache.blockrecord) and publishes them, off the engine's step. A block stays valid while queued: blocks are
 immutable once the cache holds them, and the queued reference keeps its pool slot. A store that fails or holds a
 bad record costs a miss, counted and warned once, never a request.
 """

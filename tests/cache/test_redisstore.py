@@ -20,7 +20,8 @@ from kvtool.errors import InvalidParameterError
 from tests.cache.test_kvstore import LAYOUT, SETUP, kv_of, record_for
 
 SERVER = shutil.which("redis-server") or shutil.which("valkey-server")
-pytestmark = pytest.mark.skipif(SERVER is None, reason="no redis-server or valkey-server (apt-get install redis-server)")
+pytestmark = pytest.mark.skipif(SERVER is None,
+                                reason="no redis-server or valkey-server (apt-get install redis-server)")
 MAXMEMORY = 48 << 20  # (the real-model test's prompt needs ~30 MB of SmolLM2 blocks)
 
 
