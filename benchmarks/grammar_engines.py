@@ -5,9 +5,10 @@ and what one token mask costs, for the real tokenizers of SmolLM2 and Qwen2.5.
     .venv-vllm/bin/python benchmarks/grammar_engines.py --models smollm2 --limit 40 --out /tmp/g.json
 
 It runs where both libraries are installed: .venv-vllm, where vLLM brings xgrammar beside llguidance. kvtool's
-side is what kvtool serves: kvtool.structured.grammar.json_grammar (llguidance, compact JSON, unknown formats
-dropped); xgrammar's is vLLM's default backend with the same compact JSON (any_whitespace=False). For every schema
-of tests/data/jsonschemabench each library compiles it (timed; the order of the two alternates schema by schema).
+side is what kvtool serves with strict: kvtool.structured.grammar.json_grammar (llguidance, compact JSON, unknown
+formats dropped; without strict kvtool compiles every schema of the sample, tests/test_jsonschemabench_xgrammar.py);
+xgrammar's is vLLM's default backend with the same compact JSON (any_whitespace=False). For every schema of
+tests/data/jsonschemabench each library compiles it (timed; the order of the two alternates schema by schema).
 On the schemas both compile, each then walks up to --steps tokens, drawn at random (seeded) among the tokens its
 mask allows, never the end of the turn, and every mask fill is timed. Reports per model and library: schemas
 compiled, compile ms and mask µs (median, p90, max), and the keywords kvtool refuses in the schemas only xgrammar
@@ -60,7 +61,7 @@ class Llg:
         from kvtool.structured.grammar import json_grammar
 
         try:
-            return json_grammar(schema)
+            return json_grammar(schema, strict=True)
         except InvalidParameterError as exc:
             self.refusal = why(str(exc))
             return None

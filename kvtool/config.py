@@ -11,13 +11,13 @@ from dataclasses import dataclass, field, fields
 
 from kvtool.errors import InvalidParameterError
 from kvtool.skill_settings import parse_preamble, parse_repair
-from kvtool.structured.grammar import request_grammar
+from kvtool.structured.grammar import request_grammar, unenforced_keywords
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 FORWARDS = ("auto", "reference", "cpu-ops")  # which forward a model's steps take (EngineConfig.forward)
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes; the server's seed fields use it too
 REAL = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-FLAGS = ("ignore_eos", "include_stop_str_in_output")
+FLAGS = ("ignore_eos", "include_stop_str_in_output", "strict")
 
 
 def is_whole(value, least: int = 0) -> bool:
@@ -108,6 +108,8 @@ class SamplingParams:
     response_format: str = "text"  # text | json_object | json_schema: one JSON value (kvtool.structured.grammar)
     json_schema: dict | bool | None = None  # for json_schema: the schema it follows
     json_suffix: str = ""  # JSON modes: text that must follow the object before the turn ends (a closing tag)
+    strict: bool = False  # json_schema: refuse a schema with a keyword the grammar cannot enforce; False enforces
+    # the rest and lists what it left out (unenforced), as OpenAI's json_schema.strict
 
     @property
     def greedy(self) -> bool:
@@ -117,6 +119,14 @@ class SamplingParams:
     def structured(self) -> bool:
         """Whether the output follows a JSON mode, a choice, a regex or a grammar."""
         return self.response_format != "text" or any(x is not None for x in (self.choice, self.regex, self.grammar))
+
+    @property
+    def unenforced(self) -> tuple:
+        """The JSON schema's keywords the grammar leaves out (kvtool.structured.lenient.Unenforced): () with strict,
+        without a schema, or when it enforces all of it. Call after validate()."""
+        if self.strict or self.response_format != "json_schema":
+            return ()
+        return unenforced_keywords(self.json_schema, self.json_suffix)
 
     def validate(self) -> "SamplingParams":
         """Raise InvalidParameterError naming the first bad value; return self."""
@@ -199,7 +209,7 @@ class SamplingParams:
         if self.structured:
             try:
                 request_grammar(self.response_format, self.json_schema, self.json_suffix, self.choice, self.regex,
-                                self.grammar)
+                                self.grammar, strict=self.strict)
             except InvalidParameterError as exc:
                 name = modes[0] if modes else "json_schema" if self.json_schema is not None else "response_format"
                 raise InvalidParameterError(f"invalid sampling parameter {name}: {exc}") from None

@@ -120,7 +120,7 @@ def test_prompt_longer_than_window(smollm2):
                                          ('{"type": "object", "not": {}}', "schema uses not"),
                                          ('{"properties": {"a": {"$ref": "#/$defs/A"}}}', "'#/$defs/A' points to nothing")])
 def test_bad_json_schema_on_cli(capsys, value, words):
-    code, text = run_cli(capsys, "generate", "hi", "--json-schema", value, "--model", "/unused")
+    code, text = run_cli(capsys, "generate", "hi", "--json-schema", value, "--strict", "--model", "/unused")
     assert code == 2 and words in text and "Traceback" not in text
 
 

@@ -21,7 +21,41 @@ CAT = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"typ
     ({"oneOf": [{"type": "object"}, {"type": "object", "required": ["a"]}]}, "oneOf")])
 def test_a_schema_the_engine_cannot_enforce_is_refused_naming_the_keyword(schema, keyword):
     with pytest.raises(InvalidParameterError, match=f"json_schema.*{keyword}"):
-        SamplingParams(response_format="json_schema", json_schema=schema).validate()
+        SamplingParams(response_format="json_schema", json_schema=schema, strict=True).validate()
+
+
+@pytest.mark.parametrize("schema,unenforced", [
+    ({"type": "array", "uniqueItems": True}, {"uniqueItems": ("schema",)}),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "dependencies": {"a": ["b"]}},
+     {"dependencies": ("schema",)}),
+    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}, "b": {"type": "array", "uniqueItems": True}}},
+     {"not": ("schema.properties.a",), "uniqueItems": ("schema.properties.b",)}),
+    ({"oneOf": [{"type": "object"}, {"type": "object", "required": ["a"]}]}, {"oneOf": ("schema",)}),
+    ({"type": "string", "pattern": "^(?!x)[a-z]+$"}, {"pattern": ("schema",)}),  # look-around: llguidance cannot
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "minProperties": 1}, {"minProperties": ("schema",)}),
+    ({"type": "object", "properties": {"uniqueItems": {"type": "string", "format": "no-such-format"}}}, {}),
+    ({"oneOf": [{"type": "string"}, {"type": "integer"}]}, {})])  # alternatives that cannot both match: enforced
+def test_without_strict_the_rest_is_enforced_and_what_is_not_named_with_where(schema, unenforced):
+    params = SamplingParams(response_format="json_schema", json_schema=schema).validate()
+    assert {u.keyword: u.paths for u in params.unenforced} == unenforced
+    assert SamplingParams(response_format="json_schema", json_schema=schema, strict=True).unenforced == ()
+    if unenforced:
+        with pytest.raises(InvalidParameterError, match=f"{next(iter(unenforced))}.*without strict, the rest"):
+            SamplingParams(response_format="json_schema", json_schema=schema, strict=True).validate()
+
+
+def test_strict_is_the_requests_flag_and_a_bad_schema_is_refused_either_way():
+    with pytest.raises(InvalidParameterError, match="strict=1: must be true or false"):
+        SamplingParams(response_format="json_schema", json_schema={"type": "object"}, strict=1).validate()
+    for strict in (True, False):
+        with pytest.raises(InvalidParameterError, match="points to nothing"):
+            SamplingParams(response_format="json_schema", json_schema={"$ref": "#/$defs/x"}, strict=strict).validate()
+        with pytest.raises(InvalidParameterError, match="schema uses uniqueItems"):  # the schema's x-guidance: no say
+            SamplingParams(response_format="json_schema", strict=True, json_suffix="\n" * strict, json_schema={
+                "type": "array", "uniqueItems": True, "x-guidance": {"lenient": True}}).validate()
+        with pytest.raises(InvalidParameterError, match=r"schema.properties.a.minLength is invalid"):
+            SamplingParams(response_format="json_schema", strict=strict,
+                           json_schema={"type": "object", "properties": {"a": {"minLength": "x"}}}).validate()
 
 
 @pytest.mark.parametrize("schema", [
@@ -161,3 +195,15 @@ def test_qwen_closes_a_call_with_its_special_token_and_spells_special_text_in_pl
         gen = engine.generate(prompt, params).run()
         assert gen.finish_reason == "stop" and close not in gen.token_ids, gen.token_ids
         assert gen.text in ('{"tag": "</tool_call>"}', '<tool_call>\n{"city": "Paris"}'), gen.text
+
+
+def test_a_suffix_with_a_special_token_compiles_leniently_as_without():
+    """A forced call's closing tag as the model's token (`<[id]>`) is checked without a tokenizer here: llguidance's
+    warning about it is no keyword left out."""
+    from kvtool.structured.grammar import json_compiled
+
+    schema = {"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}}
+    for suffix, specials in (("", {}), ("\n</tool_call>", {"</tool_call>": 151658})):
+        compiled = json_compiled(schema, suffix, specials, strict=False)
+        assert [(u.keyword, u.paths) for u in compiled.unenforced] == [("uniqueItems", ("schema.properties.t",))]
+        assert ("<[151658]>" in compiled.lark) == bool(specials)

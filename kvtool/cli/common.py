@@ -77,6 +77,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                                                                     "this regular expression")
     p.add_argument("--json-schema", default=None, metavar="SCHEMA",
                    help="answer with one JSON value that follows this JSON schema (a file, or the schema inline)")
+    p.add_argument("--strict", action="store_true", default=SAMPLING.strict,
+                   help="refuse a --json-schema with a keyword the grammar cannot enforce (else: enforce the rest)")
 
 
 def json_schema_arg(value: str) -> dict:
@@ -120,6 +122,7 @@ def sampling_from_args(args) -> SamplingParams:
         frequency_penalty=args.frequency_penalty, seed=args.seed, stop=list(args.stop), response_format=fmt,
         json_schema=schema, min_tokens=getattr(args, "min_tokens", 0), choice=getattr(args, "choice", None),
         regex=getattr(args, "regex", None), logit_bias=logit_bias_arg(getattr(args, "logit_bias", [])),
+        strict=getattr(args, "strict", SAMPLING.strict),
     ).validate()
 
 

@@ -87,7 +87,7 @@ class Engine:
             self._grammars = Grammars(self.model.tokenizer, self.runner.spec.vocab_size, self.end_of_turn)
         grammar = request_grammar(params.response_format, params.json_schema, params.json_suffix, params.choice,
                                   params.regex, params.grammar, self._grammars.specials, self._grammars.unwritable,
-                                  checked=False)  # validate() checked the request's grammar; the matcher compiles
+                                  checked=False, strict=params.strict)  # validate() checked it; the matcher compiles
         return self._grammars.constraint(grammar, stop_ids)
 
     def stop_ids(self, params: SamplingParams) -> set[int]:

@@ -36,7 +36,7 @@ from kvtool.serving.protocol import (ChatCompletionRequest, CompletionRequest, D
                                      TokenizeRequest)
 from kvtool.serving.responses import responses_router
 from kvtool.serving.served import ServedModel
-from kvtool.serving.session import ChatSession, CompletionSession
+from kvtool.serving.session import ChatSession, CompletionSession, unenforced_headers
 from kvtool.serving.shutdown import Drain, DrainMiddleware
 from kvtool.serving.tokens import token_table
 from kvtool.serving.toolparse import TOOL_FORMATS
@@ -187,11 +187,12 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         handles, sessions = await start_chat(body, request, body.raw_tokens)
+        headers = unenforced_headers(handles[0].gen.params)
         if body.stream:
             return StreamingResponse(sse(merged_chunks(sessions, body.n), handles, body.include_usage),
                                      media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(await until_done(request, handles, merged_response(sessions, body.n)))
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        return JSONResponse(await until_done(request, handles, merged_response(sessions, body.n)), headers=headers)
 
     @api.post("/v1/chat/completions/raw")
     async def chat_raw_tokens(body: ChatCompletionRequest, request: Request):
@@ -219,7 +220,8 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
                 summary["choices"] = sorted(ends, key=lambda e: e["index"])
             yield summary
 
-        return StreamingResponse(sse(events(), handles, True), media_type="text/event-stream")
+        return StreamingResponse(sse(events(), handles, True), media_type="text/event-stream",
+                                 headers=unenforced_headers(handles[0].gen.params))
 
     async def start_chat(body: ChatCompletionRequest, request: Request, raw_tokens: bool, raw: dict | None = None):
         """raw: the body's JSON (default: the request's; the Responses route passes the chat body it made)."""
@@ -234,7 +236,7 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
                                    "tool_choice 'required' or a named function: the call's JSON already follows "
                                    "the tool's schema", "response_format")
             params = dataclasses.replace(params, response_format="json_schema", json_schema=prepared.call_schema,
-                                         json_suffix=prepared.call_suffix).validate()
+                                         json_suffix=prepared.call_suffix, strict=prepared.call_strict).validate()
         handles = await worker.enqueue([prepared.prompt_ids], body.n, params)
         sessions: list[ChatSession] = []
         for i, handle in enumerate(handles):
@@ -276,10 +278,11 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
             echo = (prompt if isinstance(prompt, str) else served.decode(prompt)) if body.echo else None
             sessions.append(CompletionSession(served, handle, i, sessions[0] if sessions else None, echo,
                                               body.prompt_logprobs is not None, body.score_only))
+        headers = unenforced_headers(params)
         if body.stream:
             return StreamingResponse(sse(merged_chunks(sessions, body.n), handles, body.include_usage),
-                                     media_type="text/event-stream")
-        return JSONResponse(await until_done(request, handles, merged_response(sessions, body.n)))
+                                     media_type="text/event-stream", headers=headers)
+        return JSONResponse(await until_done(request, handles, merged_response(sessions, body.n)), headers=headers)
 
     @api.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):

@@ -14,10 +14,11 @@ text answers as they come if the cache matters more. `required` and a named
 function prefill the assistant turn with `<tool_call>\\n` and the call is written in JSON
 schema mode: `{"name": one of the allowed tools, "arguments": that tool's parameters}`
 (any object when several tools are allowed), then `\\n</tool_call>`, so it is a valid call.
-Where a tool's parameters use what the grammar compiler cannot enforce (`not`, `oneOf`, ...),
-the prefill goes on to `{"name": "` (or up to `"arguments": ` for a named one) and the model
-completes it; if that is not a valid call, the text comes back as content with
-finish_reason "stop".
+A keyword of the tool's parameters the grammar compiler cannot enforce (`not`, `uniqueItems`, ...)
+is left out and reported as for response_format, unless the tool says `"strict": true`: then it is a
+400 naming the keyword. Where the parameters do not compile at all (a `$ref` to nothing), the prefill
+goes on to `{"name": "` (or up to `"arguments": ` for a named one) and the model completes it; if
+that is not a valid call, the text comes back as content with finish_reason "stop".
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class PreparedChat:
     in_reasoning: bool = False  # the prompt ends inside an open <think> block
     call_schema: dict | None = None  # a forced call's JSON schema ({"name", "arguments"}), for JSON schema mode
     call_suffix: str = ""  # what follows that call's JSON before the turn ends
+    call_strict: bool = False  # the forced call's tool says strict: its schema is enforced whole or refused
 
 
 def check_tools(validated: list[ToolDef] | None, raw: list | None) -> list[dict] | None:
@@ -242,17 +244,26 @@ def skill_messages(served: ServedModel, names: list[str], continue_final_message
 def call_schema(tools: list[dict], name: str | None) -> dict | None:
     """The JSON schema of one call {"name", "arguments"}: of the named tool, or of any declared tool (whose
     arguments follow its parameters when there is only one, else any object). None when the parameters use
-    what the grammar compiler cannot enforce: the prefill alone then starts the call."""
+    what the grammar compiler cannot compile: the prefill alone then starts the call. A strict tool's parameters
+    compile whole or are a 400 naming what could not be enforced; otherwise leniently (see call_strict)."""
     chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     args = (chosen[0].get("parameters") or {"type": "object"}) if len(chosen) == 1 else {"type": "object"}
     args = rebase(args, "#/properties/arguments")  # its own '#/$defs/...' references, now inside the call
     schema = {"type": "object", "properties": {"name": {"enum": [f["name"] for f in chosen]}, "arguments": args},
               "required": ["name", "arguments"], "additionalProperties": False}
     try:
-        check(json_grammar(schema), "the call")
-    except InvalidParameterError:
+        check(json_grammar(schema, strict=call_strict(tools, name)), "the call")
+    except InvalidParameterError as exc:
+        if call_strict(tools, name):
+            raise bad(f"tool {chosen[0]['name']!r} is strict and {exc}", "tools") from None
         return None
     return schema
+
+
+def call_strict(tools: list[dict], name: str | None) -> bool:
+    """Whether a forced call's arguments follow one tool that says `"strict": true` (OpenAI's function.strict)."""
+    chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    return len(chosen) == 1 and chosen[0].get("strict") is True
 
 
 def prepare_chat(served: ServedModel, req, raw: dict, fmt: ToolFormat, answers_required: bool = True) -> PreparedChat:
@@ -284,4 +295,5 @@ def prepare_chat(served: ServedModel, req, raw: dict, fmt: ToolFormat, answers_r
     text = prompt + prefill
     return PreparedChat(prompt=text, prompt_ids=served.encode(text), tools=call_names, prefill=prefill,
                         in_reasoning=ends_in_reasoning(text), call_schema=schema,
+                        call_strict=schema is not None and call_strict(tools, name),
                         call_suffix=f"\n{fmt.close}" if schema is not None else "")

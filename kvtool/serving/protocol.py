@@ -47,6 +47,14 @@ def check_stop(stop: list[str]) -> None:
                                param="stop")
 
 
+def strict_flag(value, param: str) -> bool:
+    """OpenAI's `strict` of a JSON schema (or a tool): true enforces all of it or refuses; false or absent enforces
+    what the grammar can and reports the rest (kvtool.structured.lenient)."""
+    if value is not None and not isinstance(value, bool):
+        raise ServingError(f"{param} must be true or false, got {value!r}", param=param)
+    return bool(value)
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -172,6 +180,7 @@ class GenerationRequest(Strict):
         if fmt.type == "json_schema" and not isinstance(schema, (dict, bool)):
             raise ServingError("response_format json_schema needs json_schema.schema, a JSON schema object",
                                param="response_format")
+        strict = strict_flag((fmt.json_schema or {}).get("strict"), "response_format.json_schema.strict")
         if max_tokens is None:  # max_completion_tokens wins over max_tokens, then the server default
             max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -191,7 +200,7 @@ class GenerationRequest(Strict):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
             min_tokens=self.min_tokens, logit_bias=bias, include_stop_str_in_output=self.include_stop_str_in_output,
             allowed_token_ids=self.allowed_token_ids, choice=choice, regex=regex, grammar=grammar,
-            prompt_logprobs=prompt_logprobs, response_format=fmt.type, json_schema=schema)
+            prompt_logprobs=prompt_logprobs, response_format=fmt.type, json_schema=schema, strict=strict)
         return params.validate()
 
     def structured(self, fmt: ResponseFormat) -> tuple[ResponseFormat, list[str] | None, str | None, str | None]:

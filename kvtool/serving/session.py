@@ -28,8 +28,21 @@ def finite(logprob: float | None) -> float | None:
     return None if logprob is None else max(logprob, -9999.0)
 
 
+UNENFORCED_HEADER = "x-kvtool-unenforced"  # the JSON schema's keywords the grammar leaves out, comma-separated
+
+
 def timings_dict(gen) -> dict:
-    return {k: round(v, 2) if isinstance(v, float) else v for k, v in gen.timings.to_dict().items()}
+    out = {k: round(v, 2) if isinstance(v, float) else v for k, v in gen.timings.to_dict().items()}
+    if gen.params.response_format == "json_schema":  # what of the schema the output was held to
+        out["structured_output"] = {"strict": gen.params.strict,
+                                    "unenforced": [u.keyword for u in gen.params.unenforced]}
+    return out
+
+
+def unenforced_headers(params) -> dict[str, str]:
+    """The response header naming the keywords of the request's JSON schema that were not enforced (none: {})."""
+    names = [u.keyword for u in params.unenforced]
+    return {UNENFORCED_HEADER: ",".join(names)} if names else {}
 
 
 def usage_dict(gen, reasoning_tokens: int | None = None) -> dict:

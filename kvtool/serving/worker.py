@@ -177,6 +177,9 @@ class Worker:
         schema does not hold up the other streams."""
         self._admissible(len(prompts), n)
         ready = await asyncio.to_thread(self.set_up, prompts, n, params)
+        if params.unenforced:  # the client hears it too: the response's header and timings.structured_output
+            log.warning("structured output enforces the JSON schema without %s",
+                        "; ".join(map(str, params.unenforced)))
         return self.submit_choices(prompts, n, params, skip_special_tokens, ready)
 
     def _admissible(self, prompts: int, n: int) -> tuple[int, int]:  # 503 (worker gone) or check_count's 400

@@ -9,7 +9,9 @@ compile is refused with llguidance's message, led for a schema by where the keyw
 
 JSON is written compactly with one space after ':' and ',' (no free whitespace, which a small model can spend
 its whole max_tokens on). A `format` the compiler does not know is an annotation, as JSON Schema says of
-unknown formats, and is dropped before compiling; every other keyword it does not implement is an error.
+unknown formats, and is dropped before compiling. With strict, every other keyword it does not implement is an
+error; without, the schema is compiled leniently (kvtool.structured.lenient) and json_compiled says which keywords
+the grammar leaves unenforced.
 """
 
 from __future__ import annotations
@@ -19,64 +21,78 @@ import functools
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from llguidance import LLMatcher, grammar_from
 
 from kvtool.errors import InvalidParameterError
+from kvtool.structured.lenient import LENIENT, STRICT, UNKNOWN_FORMAT, Unenforced, keywords_of, unenforced
+from kvtool.structured.lenient import without_bad_patterns
+from kvtool.structured.schema import subschemas, where, without
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT = {"type": "object"}
-DATA = ("enum", "const", "default", "examples")  # values, not schemas: never searched for keywords
-NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema maps
-UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
-UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")
 MISSING_REF = re.compile(r"(Pointer|Resource) '([^']*)' (does not exist|is not present)")
 Ranges = tuple[tuple[int, int], ...]  # inclusive code point ranges
+WITHOUT_STRICT = "; without strict, the rest of the schema is enforced and the keyword reported"
 
 
-def json_grammar(schema: dict | bool | None, suffix: str = "", specials: Mapping[str, int] | None = None) -> str:
+@dataclass(frozen=True)
+class JsonGrammar:
+    grammar: str
+    lark: str  # the same grammar as Lark text (llguidance's dialect), for another engine's llguidance
+    unenforced: tuple[Unenforced, ...] = ()  # without strict: the schema's keywords the grammar leaves out
+
+
+def json_grammar(schema: dict | bool | None, suffix: str = "", specials: Mapping[str, int] | None = None,
+                 strict: bool = True) -> str:
     """The grammar of one JSON value of `schema` (None: any JSON object), then `suffix` (see suffix_lark)."""
+    return json_compiled(schema, suffix, specials, strict).grammar
+
+
+def json_compiled(schema: dict | bool | None, suffix: str = "", specials: Mapping[str, int] | None = None,
+                  strict: bool = True) -> JsonGrammar:
+    """json_grammar's grammar, and without strict what it leaves unenforced; with strict, InvalidParameterError
+    for anything it could not enforce, naming the keyword and where it is."""
     schema = ANY_OBJECT if schema is None else {} if schema is True else schema
     if schema is False:
         raise InvalidParameterError("the JSON schema is false: no value matches it")
     check_meta(schema)
+    schema, bad_patterns = (schema, ()) if strict else without_bad_patterns(schema)
     for _ in range(8):  # each pass drops one unknown format
-        grammar = _json_then(schema, suffix, specials or {})
-        error = compile_error(grammar)
+        grammar = _json_then(schema, suffix, specials or {}, strict)
+        error, warnings = compile_messages(grammar)
         unknown = UNKNOWN_FORMAT.search(error)
         if not unknown:
             break
-        schema = without_format(schema, unknown.group(1))
+        schema = without(schema, lambda k, v, name=unknown.group(1): k == "format" and v == name)
     if error:
         raise InvalidParameterError(f"the JSON schema cannot be enforced: {explain(schema, error)}")
-    return grammar
+    return JsonGrammar(grammar, json_lark(schema, suffix, specials or {}, strict),
+                       () if strict else unenforced(schema, warnings, bad_patterns))
 
 
-def subschemas(node, path: str = "schema"):
-    """(path, schema) for node and every schema inside it; property and definition names are names, not keywords,
-    and enum/const/default/examples are values."""
-    if isinstance(node, dict):
-        yield path, node
-        for key, value in node.items():
-            if key in NAMED and isinstance(value, dict):
-                for name, sub in value.items():
-                    yield from subschemas(sub, f"{path}.{key}.{name}")
-            elif key not in DATA:
-                yield from subschemas(value, f"{path}.{key}")
-    elif isinstance(node, list):
-        for i, value in enumerate(node):
-            yield from subschemas(value, f"{path}[{i}]")
+def unenforced_keywords(schema, suffix: str = "") -> tuple[Unenforced, ...]:
+    """json_compiled(schema, suffix, strict=False).unenforced, remembered by the schema's text: a response reads it
+    for its header, its timings and the log."""
+    return _unenforced(json.dumps(schema, sort_keys=True), suffix)
+
+
+@functools.lru_cache(maxsize=64)
+def _unenforced(schema_text: str, suffix: str) -> tuple[Unenforced, ...]:
+    return json_compiled(json.loads(schema_text), suffix, strict=False).unenforced
 
 
 def explain(schema, error: str) -> str:
     """The compiler's error, led by where in schema the keyword or $ref it names is."""
     reason = first_lines(error)
-    keys = UNIMPLEMENTED.search(error)
-    if keys:
-        for name in json.loads(keys.group(1)):
-            where = next((path for path, node in subschemas(schema) if name in node), None)
-            if where:
-                return f"{where} uses {name}, which structured output does not implement ({reason})"
+    for name in keywords_of(error, schema) or ():
+        paths = where(schema, name)
+        if paths:
+            return f"{paths[0]} uses {name}, which structured output does not implement ({reason}){WITHOUT_STRICT}"
+    bad_patterns = without_bad_patterns(schema)[1] if "regex parse error" in error else ()
+    if bad_patterns:
+        return f"{bad_patterns[0]}.pattern is a regex structured output cannot parse ({reason}){WITHOUT_STRICT}"
     ref = MISSING_REF.search(error)
     if ref:
         target = ref.group(2)
@@ -99,11 +115,17 @@ def check_meta(schema: dict) -> None:
                                     f"{exc.message[:300]}") from None
 
 
-def _json_then(schema, suffix: str, specials: Mapping[str, int]) -> str:
+def _json_then(schema, suffix: str, specials: Mapping[str, int], strict: bool = True) -> str:
     if not suffix:
-        return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
-    body = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
-    return LLMatcher.grammar_from_lark(f"start: value {suffix_lark(suffix, specials)}\nvalue: %json {body}\n")
+        return LLMatcher.grammar_from_json_schema(schema, overrides={**JSON_OPTIONS, **(STRICT if strict else LENIENT)})
+    return LLMatcher.grammar_from_lark(json_lark(schema, suffix, specials, strict))
+
+
+def json_lark(schema, suffix: str, specials: Mapping[str, int], strict: bool = True) -> str:
+    """Lark text of one JSON value of schema, compiled with kvtool's options (its `x-guidance`), then suffix."""
+    body = json.dumps({**schema, "x-guidance": {**JSON_OPTIONS, **(STRICT if strict else LENIENT)}})
+    return f"start: value {suffix_lark(suffix, specials)}\nvalue: %json {body}\n" if suffix else \
+        f"start: %json {body}\n"
 
 
 def suffix_lark(suffix: str, specials: Mapping[str, int]) -> str:
@@ -122,18 +144,6 @@ def suffix_parts(suffix: str, specials: Mapping[str, int]) -> list[str | int]:
         return [suffix] if suffix else []
     parts = re.split("(" + "|".join(map(re.escape, names)) + ")", suffix)
     return [specials[p] if p in specials else p for p in parts if p]
-
-
-def without_format(schema, name: str):
-    """A copy of schema without `"format": name` anywhere a schema can be."""
-    def walk(node):
-        if isinstance(node, dict):
-            return {k: (v if k in DATA else walk(v)) for k, v in node.items() if not (k == "format" and v == name)}
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        return node
-
-    return walk(schema)
 
 
 def unwritable_chars(written: set[int]) -> Ranges:
@@ -182,10 +192,17 @@ def text_grammar(text: str) -> str:
 
 
 @functools.lru_cache(maxsize=64)
+def compile_messages(grammar: str) -> tuple[str, tuple[str, ...]]:
+    """llguidance's (complaint about grammar, '' when it compiles; its warnings), remembered: a request's grammar
+    is checked when its parameters are validated, again when the server sets the request up, and its warnings
+    read for the response."""
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    return (messages[0], ()) if is_error else ("", tuple(messages))
+
+
 def compile_error(grammar: str) -> str:
-    """llguidance's complaint about grammar ('' when it compiles), remembered: a request's grammar is checked
-    when its parameters are validated, and again when the server sets the request up."""
-    return LLMatcher.validate_grammar(grammar)
+    """llguidance's complaint about grammar ('' when it compiles)."""
+    return compile_messages(grammar)[0]
 
 
 def check(grammar: str, what: str) -> str:
@@ -213,12 +230,13 @@ def rebase(schema: dict, base: str) -> dict:
 
 def request_grammar(response_format: str = "text", json_schema=None, json_suffix: str = "", choice=None, regex=None,
                     grammar=None, specials: Mapping[str, int] | None = None, unwritable: Ranges = (),
-                    checked: bool = True) -> str | None:
+                    checked: bool = True, strict: bool = True) -> str | None:
     """The grammar a request's structured fields ask for (None: free text), checked: InvalidParameterError names
     the field and what the compiler could not take. specials (the model's special tokens, text -> id) turn those
     tokens in json_suffix into token references; without them the suffix is text (a check needs no model).
     unwritable (the characters no token of the model spells) keeps a regex to the matches the model can write,
-    and refuses a choice it cannot. checked=False skips the compile (a matcher built from it reports the same)."""
+    and refuses a choice it cannot. checked=False skips the compile (a matcher built from it reports the same).
+    strict=False compiles a JSON schema leniently (json_compiled)."""
     ok = check if checked else lambda text, what: text
     if choice is not None:
         return ok(choice_grammar(choice, unwritable), "choice")
@@ -228,4 +246,4 @@ def request_grammar(response_format: str = "text", json_schema=None, json_suffix
         return ok(text_grammar(grammar), "the grammar")
     if response_format == "text":
         return None
-    return json_grammar(json_schema, json_suffix, specials)
+    return json_grammar(json_schema, json_suffix, specials, strict)

@@ -130,7 +130,7 @@ def test_forced_tool_call_follows_the_schema(oai, server):
 
 def test_a_forced_call_ends_with_its_closing_tag(http, server, sse_events):
     """The forced call's JSON is followed by the format's closing tag before the turn ends, as the model writes it
-    unforced: on Qwen2.5 the one token </tool_call> (on vLLM through a structural tag)."""
+    unforced: on Qwen2.5 the one token </tool_call> (on vLLM through the same llguidance grammar)."""
     if server.model == "smol":
         pytest.skip("SmolLM2's chat template has no tools")
     with http.stream("POST", "/v1/chat/completions/raw", json={
@@ -151,6 +151,36 @@ def test_json_schema_output(http):
         "messages": ASK, "temperature": 0, "max_tokens": 30,
         "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}).json()
     assert json.loads(body["choices"][0]["message"]["content"])["color"] in ("red", "green")
+
+
+TAGS = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 10},
+                                                 "minItems": 2, "maxItems": 2, "uniqueItems": True}},
+        "required": ["tags"], "additionalProperties": False}
+
+
+def test_json_schema_strict_or_enforced_but_for_what_is_named(http, server, sse_events, caplog):
+    """strict refuses a keyword the grammar cannot enforce; without it the rest holds (two short tags) and the
+    keyword is named in the header, timings.structured_output (streamed too) and the server's log."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "tags", "schema": TAGS}}
+    ask = {"messages": [{"role": "user", "content": "Two tags for a cat photo, as JSON."}], "temperature": 0,
+           "max_tokens": 30}
+    with caplog.at_level("WARNING", logger="kvtool.serving"):
+        r = http.post("/v1/chat/completions", json={**ask, "response_format": fmt})
+    assert r.status_code == 200 and r.headers["x-kvtool-unenforced"] == "uniqueItems", r.text
+    log = server.log if server.engine == "vllm" else caplog.text  # vLLM's server is a child process
+    assert "enforces the JSON schema without uniqueItems (schema.properties.tags)" in log
+    body = r.json()
+    assert body["timings"]["structured_output"] == {"strict": False, "unenforced": ["uniqueItems"]}
+    if body["choices"][0]["finish_reason"] == "stop":
+        tags = json.loads(body["choices"][0]["message"]["content"])["tags"]
+        assert len(tags) == 2 and all(len(t) <= 10 for t in tags), tags
+    with http.stream("POST", "/v1/chat/completions", json={**ask, "response_format": fmt, "stream": True}) as r:
+        assert r.headers["x-kvtool-unenforced"] == "uniqueItems"
+        last = [e for e in sse_events(r) if isinstance(e, dict) and e.get("timings")][-1]
+    assert last["timings"]["structured_output"]["unenforced"] == ["uniqueItems"]
+    strict = {**fmt, "json_schema": {**fmt["json_schema"], "strict": True}}
+    r = http.post("/v1/chat/completions", json={**ask, "response_format": strict})
+    assert r.status_code == 400 and "schema.properties.tags uses uniqueItems" in r.text, r.text
 
 
 def test_raw_token_stream(http, sse_events):

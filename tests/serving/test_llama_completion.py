@@ -100,7 +100,7 @@ def test_the_stream_is_llama_cpp_events_without_done(smol, sse_events):
 
 
 @pytest.mark.parametrize("body,param,words", [
-    ({"json_schema": {"type": "object", "not": {"required": ["a"]}}}, "json_schema", "not"),
+    ({"json_schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}}, "json_schema", "points to "),
     ({"grammar": "root ::= undefined_rule"}, "grammar", "grammar"),
     ({"n_predict": "5"}, "n_predict", "n_predict"),
     ({"temperature": "hot"}, "temperature", "temperature"),

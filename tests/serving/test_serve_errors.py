@@ -88,13 +88,16 @@ BAD = [
      "'grammar' is not supported"),
     ("json_schema without a schema", "/v1/chat/completions",
      chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400, "json_schema.schema"),
-    ("json_schema with not", "/v1/chat/completions",
-     chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+    ("strict json_schema with not", "/v1/chat/completions",
+     chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
          "type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"not": {"type": "null"}}]}}}}}), 400,
      "schema.properties.a.anyOf[1] uses not"),
     ("json_schema with a dangling $ref", "/v1/chat/completions",
      chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
          "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}}}), 400, "'#/$defs/A' points to nothing"),
+    ("json_schema strict not a flag", "/v1/chat/completions",
+     chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "strict": "yes", "schema": {}}}), 400,
+     "response_format.json_schema.strict must be true or false"),
     ("json_object that cannot end", "/v1/chat/completions",
      chat(response_format={"type": "json_object"}, ignore_eos=True), 400, "drop ignore_eos"),
     ("completion without prompt", "/v1/completions", {"max_tokens": 2}, 400, "prompt"),

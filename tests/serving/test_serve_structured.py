@@ -78,13 +78,52 @@ def test_json_schema_by_llama_cpp_fields_and_openai_strict(smol):
     ({"guided_regex": "(a"}, "regex parse error"),
     ({"guided_regex": ""}, "non-empty"), ({"guided_choice": []}, "non-empty list"),
     ({"guided_json": "{not json"}, "is not JSON"),
-    ({"guided_json": {"type": "object", "not": {"required": ["a"]}}}, 'Unimplemented keys: [\\"not\\"]'),
-    ({"json_schema": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "strict": True, "schema": {
+        "type": "object", "not": {"required": ["a"]}}}}}, "schema uses not, which structured output does not"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "u", "strict": True, "schema": {
+        "type": "array", "uniqueItems": True}}}}, "without strict, the rest of the schema is enforced"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}}, "'#/$defs/A' points to nothing"),
     ({"guided_grammar": "start: undefined_rule"}, "the grammar cannot be enforced"),
     ({"structural_tag": {"type": "structural_tag"}}, "structural_tag is not supported")])
 def test_wrong_ways_are_refused_by_name(smol, bad, words):
     r = smol.post("/v1/chat/completions", json={**CHAT, **bad})
     assert r.status_code == 400 and words in r.text, r.text
+
+
+TAGS = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                 "minItems": 2, "maxItems": 3, "uniqueItems": True}},
+        "required": ["tags"], "additionalProperties": False}
+TAGS_ASK = [{"role": "user", "content": "Give tags for a photo of a cat as JSON."}]
+
+
+def test_without_strict_the_rest_is_enforced_and_the_rest_reported(smol, sse_events, caplog):
+    fmt = {"type": "json_schema", "json_schema": {"name": "tags", "schema": TAGS}}
+    with caplog.at_level("WARNING", logger="kvtool.serving"):
+        r = smol.post("/v1/chat/completions", json={**CHAT, "messages": TAGS_ASK, "max_tokens": 40,
+                                                    "response_format": fmt})
+    assert r.status_code == 200 and r.headers["x-kvtool-unenforced"] == "uniqueItems", r.text
+    body = r.json()
+    assert body["timings"]["structured_output"] == {"strict": False, "unenforced": ["uniqueItems"]}
+    if body["choices"][0]["finish_reason"] == "stop":  # what is enforced holds: 2-3 short strings
+        tags = json.loads(body["choices"][0]["message"]["content"])["tags"]
+        assert 2 <= len(tags) <= 3 and all(len(t) <= 12 for t in tags), tags
+    assert "without uniqueItems (schema.properties.tags)" in caplog.text
+    streamed = smol.post("/v1/chat/completions", json={**CHAT, "messages": TAGS_ASK, "max_tokens": 40, "stream": True,
+                                                       "response_format": fmt})
+    assert streamed.headers["x-kvtool-unenforced"] == "uniqueItems"
+    last = [e for e in sse_events(streamed) if isinstance(e, dict) and e.get("timings")][-1]
+    assert last["timings"]["structured_output"]["unenforced"] == ["uniqueItems"]
+    r = smol.post("/v1/completions", json={"prompt": "Tags for a cat photo, as JSON:", "max_tokens": 30,
+                                           "temperature": 0, "guided_json": TAGS})  # vLLM's field: no strict
+    assert r.headers["x-kvtool-unenforced"] == "uniqueItems" and r.json()["timings"]["structured_output"][
+        "unenforced"] == ["uniqueItems"], r.text
+    strict = {**fmt, "json_schema": {**fmt["json_schema"], "strict": True}}
+    r = smol.post("/v1/chat/completions", json={**CHAT, "messages": TAGS_ASK, "response_format": strict})
+    assert r.status_code == 400 and "schema.properties.tags uses uniqueItems" in r.text, r.text
+    whole = {**fmt, "json_schema": {"name": "y", "strict": True, "schema": SCHEMA}}
+    r = smol.post("/v1/chat/completions", json={**CHAT, "response_format": whole})
+    assert "x-kvtool-unenforced" not in r.headers
+    assert r.json()["timings"]["structured_output"] == {"strict": True, "unenforced": []}
 
 
 TOOL = {"type": "function", "function": {"name": "get_year", "parameters": {
@@ -100,6 +139,20 @@ def test_a_forced_tool_call_follows_the_tools_schema(qwen):  # SmolLM2's chat te
         call = out["message"]["tool_calls"][0]["function"]
         assert out["finish_reason"] == "tool_calls" and call["name"] == "get_year", r.text
         assert set(json.loads(call["arguments"])) == {"event", "year"}, r.text
+
+
+def test_a_forced_call_of_a_strict_tool_is_enforced_whole_or_refused(qwen):
+    loose = {"type": "function", "function": {"name": "tag", "parameters": TAGS}}
+    ask = {**CHAT, "messages": TAGS_ASK, "max_tokens": 40, "tool_choice": "required"}
+    r = qwen.post("/v1/chat/completions", json={**ask, "tools": [loose]})
+    assert r.status_code == 200 and r.headers["x-kvtool-unenforced"] == "uniqueItems", r.text
+    assert r.json()["timings"]["structured_output"] == {"strict": False, "unenforced": ["uniqueItems"]}
+    strict = {"type": "function", "function": {**loose["function"], "strict": True}}
+    r = qwen.post("/v1/chat/completions", json={**ask, "tools": [strict]})
+    assert r.status_code == 400 and "tool 'tag' is strict" in r.text and "uses uniqueItems" in r.text, r.text
+    r = qwen.post("/v1/chat/completions", json={**ask, "tools": [{"type": "function", "function": {
+        **TOOL["function"], "strict": True}}]})
+    assert r.status_code == 200 and r.json()["timings"]["structured_output"] == {"strict": True, "unenforced": []}
 
 
 def test_tool_parser_none_leaves_calls_in_the_content(qwen, qwen25):
@@ -189,12 +242,12 @@ def test_a_structured_request_is_set_up_off_the_event_loop(smol, monkeypatch):
             return getattr(matcher, name)
 
         @staticmethod
-        def validate_grammar(text):
+        def validate_grammar_with_warnings(text):
             compiles.append(text)
-            return matcher.validate_grammar(text)
+            return matcher.validate_grammar_with_warnings(text)
 
     monkeypatch.setattr(grammar, "LLMatcher", Counting())
-    grammar.compile_error.cache_clear()
+    grammar.compile_messages.cache_clear()
     monkeypatch.setattr(Engine, "constraint", real)
     assert content(smol, structured_outputs={"regex": r"\d{3}"}, n=2)
     assert len(compiles) == 1

@@ -79,3 +79,4 @@ def test_engine_kwargs_defaults_then_user():
     assert cpu["dtype"] == "float32" and cpu["enforce_eager"] is False and cpu["max_model_len"] == 1024
     gpu = engine_kwargs("/m", "auto", on_gpu=True, user={})
     assert gpu["dtype"] == "auto" and "enforce_eager" not in gpu and gpu["enable_prefix_caching"]
+    assert gpu["structured_outputs_config"] == {"backend": "guidance"}  # llguidance, as on kvtool's engine

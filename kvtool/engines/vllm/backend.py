@@ -192,6 +192,10 @@ def load_backend(model: str, dtype: str = "auto", engine_args: dict | None = Non
     from vllm.v1.engine.llm_engine import LLMEngine
 
     kwargs = engine_kwargs(str(text.folder), dtype, torch.cuda.is_available(), engine_args or {})
+    if isinstance(kwargs.get("structured_outputs_config"), dict):  # EngineArgs keeps a dict as it is
+        from vllm.config import StructuredOutputsConfig
+
+        kwargs["structured_outputs_config"] = StructuredOutputsConfig(**kwargs["structured_outputs_config"])
     side = None
     if kv is not None and (kv.skills_dir or kv.cache_file):
         from vllm.config import KVTransferConfig

