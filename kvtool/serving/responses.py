@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvtool.serving.errors import ServingError
 from kvtool.serving.responses_input import ResponsesRequest, chat_body, input_messages
 from kvtool.serving.responses_stream import ResponseWriter
-from kvtool.serving.session import chunk_error
+from kvtool.serving.session import chunk_error, unenforced_headers
 
 
 class ResponseNotFound(ServingError):
@@ -82,6 +82,7 @@ def responses_router(served, start_chat: Callable[..., Awaitable], until_done: C
         chat, raw = chat_body(body, await request.json(), history)
         handles, sessions = await start_chat(chat, request, body.raw_tokens, raw)
         writer = ResponseWriter(served.name, body)
+        unenforced = unenforced_headers(handles[0].gen.params)  # what a lenient schema left out, as on chat
 
         async def events():
             async for ev in writer.events(sessions[0].chunks()):
@@ -93,7 +94,7 @@ def responses_router(served, start_chat: Callable[..., Awaitable], until_done: C
 
         if body.stream:
             return StreamingResponse(sse_events(events(), handles), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **unenforced})
 
         async def fold() -> dict:
             async for _ in events():
@@ -102,7 +103,7 @@ def responses_router(served, start_chat: Callable[..., Awaitable], until_done: C
                 raise chunk_error(writer.failure)
             return writer.response()
 
-        return JSONResponse(await until_done(request, handles, fold()))
+        return JSONResponse(await until_done(request, handles, fold()), headers=unenforced)
 
     @router.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):

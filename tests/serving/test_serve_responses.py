@@ -115,3 +115,16 @@ def test_unknown_previous_response_is_a_404(smol):
     r = smol.post("/v1/responses", json={"input": "hi", "previous_response_id": "resp_nope"})
     assert r.status_code == 404 and "resp_nope" in r.json()["error"]["message"]
     assert smol.get("/v1/responses/resp_nope").status_code == 404
+
+
+def test_text_format_strict_or_lenient_as_on_chat(smol):
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3}
+    fmt = {"type": "json_schema", "name": "ids", "schema": schema}
+    r = smol.post("/v1/responses", json={"input": "Three ids as JSON.", "max_output_tokens": 16, "temperature": 0,
+                                         "text": {"format": fmt}})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvtool-unenforced"] == "uniqueItems"
+    assert r.json()["timings"]["structured_output"] == {"strict": False, "unenforced": ["uniqueItems"]}
+    r = smol.post("/v1/responses", json={"input": "Three ids as JSON.", "max_output_tokens": 16,
+                                         "text": {"format": {**fmt, "strict": True}}})
+    assert r.status_code == 400 and "uniqueItems" in r.json()["error"]["message"]
