@@ -21,7 +21,6 @@ FLAGS = ("ignore_eos", "include_stop_str_in_output")
 MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty")  # None in a SamplingParams: the model's value (SamplingDefaults), as vLLM 0.32
 # reads these keys of generation_config.json (and max_new_tokens, which kvtool does not: --default-max-tokens)
-GENERATION_CONFIGS = ("auto", "none")  # EngineConfig.generation_config, besides a folder holding generation_config.json
 
 
 def is_whole(value, least: int = 0) -> bool:
