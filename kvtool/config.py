@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from kvtool.errors import InvalidParameterError
 from kvtool.skill_settings import parse_preamble, parse_repair
@@ -18,6 +18,9 @@ FORWARDS = ("auto", "reference", "cpu-ops")  # which forward a model's steps tak
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes; the server's seed fields use it too
 REAL = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 FLAGS = ("ignore_eos", "include_stop_str_in_output", "strict")
+MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty")  # None in a SamplingParams: the model's value (SamplingDefaults), as vLLM 0.32
+# reads these keys of generation_config.json (and max_new_tokens, which kvtool does not: --default-max-tokens)
 
 
 def is_whole(value, least: int = 0) -> bool:
@@ -50,6 +53,9 @@ class EngineConfig:
     skill_repair: str = "recompute_attended:ratio=0.1"  # how spliced blocks are repaired (kvtool.skills.repair)
     skill_preamble: str = "deep:tokens=2048"  # what blocks are compiled after (kvtool.skills.preamble)
     skill_min_tokens: int = 128  # blocks shorter than this are prefilled, not spliced (docs/skills.md: break-even)
+    generation_config: str = "auto"  # the sampling defaults of requests that name none: auto (the model's
+    # generation_config.json or GGUF metadata, else its card, else llama-server's) | none (SamplingDefaults()) |
+    # a folder with a generation_config.json (kvtool.models.sampling_defaults)
 
     def validate(self) -> "EngineConfig":
         """Raise InvalidParameterError naming the first bad value; return self. Engine() runs it."""
@@ -77,21 +83,50 @@ class EngineConfig:
             bad("kv_store", "must be a folder or redis://host:port/db (str) or None, with enable_prefix_cache on")
         if self.skills_dir is not None and not isinstance(self.skills_dir, str):
             bad("skills_dir", "must be a folder path (str) or None")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            bad("generation_config", "must be auto, none or a folder with a generation_config.json")
         parse_repair(self.skill_repair)
         parse_preamble(self.skill_preamble)
         return self
 
 
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves a MODEL_DEFAULTS field unset samples with, and where that came from. These
+    field defaults are the plain ones (no truncation, no penalty), in force with source "none"."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    source: str = "none"  # generation_config.json | GGUF metadata | model card: NAME | llama-server defaults | none
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """One line: the temperature, each value that is not the plain one, and their source."""
+        plain = SamplingDefaults()
+        values = ", ".join(f"{name} {getattr(self, name):g}" for name in MODEL_DEFAULTS
+                           if name == "temperature" or getattr(self, name) != getattr(plain, name))
+        return f"{values} ({self.source})"
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int | None = None  # None: up to the context window
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0  # HF-style multiplicative, 1 = off
-    presence_penalty: float = 0.0  # OpenAI-style additive
-    frequency_penalty: float = 0.0
+    # None in the next seven (MODEL_DEFAULTS): the model's default (with_defaults; the engines apply their model's),
+    # else the plain SamplingDefaults() (temperature 1, top_p 1, top_k 0, min_p 0, no penalties)
+    temperature: float | None = None  # 0 = greedy
+    top_p: float | None = None
+    top_k: int | None = None  # 0 = off
+    min_p: float | None = None
+    repetition_penalty: float | None = None  # HF-style multiplicative, 1 = off
+    presence_penalty: float | None = None  # OpenAI-style additive
+    frequency_penalty: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -115,6 +150,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def with_defaults(self, defaults: SamplingDefaults | None = None) -> "SamplingParams":
+        """These params with each unset MODEL_DEFAULTS field taken from defaults (a model's sampling_defaults;
+        None: the plain SamplingDefaults()); a value the caller set always stays."""
+        unset = [name for name in MODEL_DEFAULTS if getattr(self, name) is None]
+        if not unset:
+            return self
+        defaults = defaults or SamplingDefaults()
+        return replace(self, **{name: getattr(defaults, name) for name in unset})
+
     @property
     def structured(self) -> bool:
         """Whether the output follows a JSON mode, a choice, a regex or a grammar."""
@@ -134,8 +178,10 @@ class SamplingParams:
             raise InvalidParameterError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
 
         for name in REAL:
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
-                bad(name, "must be a number")
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))) and not (
+                    value is None and name in MODEL_DEFAULTS):
+                bad(name, "must be a number" + (" or None (the model's default)" if name in MODEL_DEFAULTS else ""))
         for name in FLAGS:
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be true or false")
@@ -145,19 +191,19 @@ class SamplingParams:
                 bad(f.name, "must be a finite number")
         if self.max_tokens is not None and not is_whole(self.max_tokens, 1):
             bad("max_tokens", "must be an integer >= 1")
-        if not 0.0 <= self.temperature <= 100.0:
+        if self.temperature is not None and not 0.0 <= self.temperature <= 100.0:
             bad("temperature", "must be in [0, 100]")
-        if not 0.0 < self.top_p <= 1.0:
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
-        if not is_whole(self.top_k):
+        if self.top_k is not None and not is_whole(self.top_k):
             bad("top_k", "must be an integer >= 0 (0 disables it)")
-        if not 0.0 <= self.min_p <= 1.0:
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
-        if not 0.0 < self.repetition_penalty <= 10.0:
+        if self.repetition_penalty is not None and not 0.0 < self.repetition_penalty <= 10.0:
             bad("repetition_penalty", "must be in (0, 10]")
-        if not -2.0 <= self.presence_penalty <= 2.0:
+        if self.presence_penalty is not None and not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
+        if self.frequency_penalty is not None and not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", "must be in [-2, 2]")
         if not is_whole(self.min_tokens):
             bad("min_tokens", "must be an integer >= 0")

@@ -38,7 +38,7 @@ def test_token_ids_from_arrays_tensors_and_ranges():
 
 @pytest.mark.parametrize("kwargs,words", [
     (dict(temperature="0.5"), "temperature='0.5': must be a number"),
-    (dict(top_p=None), "top_p=None: must be a number"),
+    (dict(top_p="high"), "top_p='high': must be a number or None \\(the model's default\\)"),
     (dict(repetition_penalty=True), "repetition_penalty=True: must be a number"),
     (dict(ignore_eos="no"), "ignore_eos='no': must be true or false"),
     (dict(max_tokens=True), "max_tokens=True: must be an integer >= 1"),

@@ -53,17 +53,23 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the path of each step: auto (the C++ CPU ops where they build), reference (the reference "
                         "PyTorch forward only, as the parity tests hold the ops to), cpu-ops (an error where they "
                         "cannot run)")
+    p.add_argument("--generation-config", default=ENGINE.generation_config, metavar="auto|none|FOLDER",
+                   help="sampling defaults of requests that name no temperature, top_p, top_k, min_p or "
+                        "penalties: auto (the model's generation_config.json or GGUF metadata, else its card, else "
+                        "llama-server's), none (temperature 1, no top-p/top-k), or FOLDER's generation_config.json "
+                        "(default: %(default)s)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate")
-    p.add_argument("--temperature", type=float, default=SAMPLING.temperature, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=SAMPLING.top_p)
-    p.add_argument("--top-k", type=int, default=SAMPLING.top_k)
-    p.add_argument("--min-p", type=float, default=SAMPLING.min_p)
-    p.add_argument("--repetition-penalty", type=float, default=SAMPLING.repetition_penalty)
-    p.add_argument("--presence-penalty", type=float, default=SAMPLING.presence_penalty)
-    p.add_argument("--frequency-penalty", type=float, default=SAMPLING.frequency_penalty)
+    model = "default: the model's (--generation-config)"
+    p.add_argument("--temperature", type=float, default=SAMPLING.temperature, help=f"0 = greedy ({model})")
+    p.add_argument("--top-p", type=float, default=SAMPLING.top_p, help=model)
+    p.add_argument("--top-k", type=int, default=SAMPLING.top_k, help=f"0 = off ({model})")
+    p.add_argument("--min-p", type=float, default=SAMPLING.min_p, help=model)
+    p.add_argument("--repetition-penalty", type=float, default=SAMPLING.repetition_penalty, help=model)
+    p.add_argument("--presence-penalty", type=float, default=SAMPLING.presence_penalty, help=model)
+    p.add_argument("--frequency-penalty", type=float, default=SAMPLING.frequency_penalty, help=model)
     p.add_argument("--seed", type=int, default=SAMPLING.seed)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--min-tokens", type=int, default=SAMPLING.min_tokens,
@@ -131,4 +137,5 @@ def load_from_args(args):
     from kvtool.models.resolve import resolve_model_arg
 
     model = resolve_model_arg(args.model, announce=lambda s: print(s, file=sys.stderr))
-    return load(model, device=args.device, dtype=args.dtype, weights=args.weights, forward=args.forward)
+    return load(model, device=args.device, dtype=args.dtype, weights=args.weights, forward=args.forward,
+                generation_config=args.generation_config)

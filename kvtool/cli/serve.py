@@ -119,7 +119,8 @@ def run(args) -> int:
                                  kv_store_bytes=args.kv_store_bytes, skills_dir=args.skills,
                                  skill_repair=args.skill_repair,
                                  skill_preamble=args.skill_preamble,
-                                 skill_min_tokens=args.skill_min_tokens, forward=args.forward).validate()
+                                 skill_min_tokens=args.skill_min_tokens, forward=args.forward,
+                                 generation_config=args.generation_config).validate()
     check_writable(args.cache_file, "--cache-file")
     if args.kv_store is not None:  # a store that cannot open (a file, no Redis server there) fails before the load
         from kvtool.cache.kvstore import open_store
@@ -135,6 +136,8 @@ def run(args) -> int:
               f"({model.info.get('device')}, {model.info.get('dtype')}"
               f"{'' if weights == 'dense' else f', {weights} weights'}"
               f"{', reference forward' if model.info.get('forward') == 'reference' else ''}, {auth})", file=sys.stderr)
+        print(f"kvtool: sampling defaults (requests that name none): {model.sampling_defaults.describe()}",
+              file=sys.stderr)
         if args.cache_file is not None:
             cache = getattr(app.state, "prefix_cache", None) if app is not None else None
             print(f"kvtool: prefix cache file {args.cache_file}: {describe_load(cache and cache.loaded)}",

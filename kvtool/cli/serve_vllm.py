@@ -53,7 +53,8 @@ def kv_config(args, engine_args: dict):
     canonical_preamble(args.skill_preamble)
     kv = EngineConfig(cache_bytes=args.cache_bytes, cache_file=args.cache_file, skills_dir=args.skills,
                       skill_repair=args.skill_repair, skill_preamble=args.skill_preamble,
-                      skill_min_tokens=getattr(args, "skill_min_tokens", ENGINE.skill_min_tokens)).validate()
+                      skill_min_tokens=getattr(args, "skill_min_tokens", ENGINE.skill_min_tokens),
+                      generation_config=args.generation_config).validate()
     check_writable(args.cache_file, "--cache-file")
     if (kv.skills_dir or kv.cache_file) and "kv_transfer_config" in engine_args:
         raise InvalidParameterError("--skills and --cache-file install kvtool's KV connector on vLLM; they cannot be "
@@ -77,6 +78,8 @@ def run_vllm(args, cfg: ServerConfig) -> int:
         print(f"kvtool: serving {cfg.served_model_name or model.name} on http://{cfg.host}:{cfg.port}/v1 "
               f"(engine vllm, {model.info['device']}, {model.precision}, max_model_len {model.context_window}, "
               f"{auth})", file=sys.stderr)
+        print(f"kvtool: sampling defaults (requests that name none): {model.sampling_defaults.describe()}",
+              file=sys.stderr)
 
     serve(model, cfg, log_level=args.log_level, on_ready=announce, backend=backend)
     return 0

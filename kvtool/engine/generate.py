@@ -100,8 +100,8 @@ class Engine:
                              self.stop_ids(params))
 
     def new_generation(self, prompt_ids: list[int], params: SamplingParams | None = None) -> tuple[Generation, int]:
-        """Validate a request; return its (not yet started) Generation and effective max_tokens."""
-        params = as_sampling_params(params).validate()
+        """Validate a request (unset sampling fields: the model's); return its Generation and effective max_tokens."""
+        params = as_sampling_params(params).with_defaults(self.model.sampling_defaults).validate()
         prompt_ids = as_token_ids(prompt_ids)
         max_tokens = self.check_prompt(prompt_ids, params)
         return Generation(prompt_ids=prompt_ids, params=params, _constraint=self.constraint(

@@ -27,7 +27,7 @@ class Sampler:
     (token id, and the logprobs when asked for) in one transfer."""
 
     def __init__(self, params: SamplingParams, vocab_size: int, prompt_ids: list[int], device: torch.device):
-        self.p = params
+        self.p = params = params.with_defaults()  # unset after the engine applied its model's: the plain ones
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.generator = None

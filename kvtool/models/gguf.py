@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -19,6 +20,10 @@ from kvtool.paths import cache_root
 
 GGUF_MAGIC = b"GGUF"
 CONVERTED_FORMAT = 1  # bump when the converted folder's layout changes
+IDENTITY = ("name", "basename", "finetune", "size_label")  # general.* strings that say which model a file holds
+SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",  # the model's sampling
+            "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",  # defaults, written by llama.cpp's
+            "general.sampling.penalty_repeat": "repetition_penalty"}  # converter from generation_config.json
 
 
 def is_gguf(path: Path) -> bool:
@@ -50,14 +55,30 @@ def validate(path: Path) -> dict:
                 raise ValueError(f"tensor {tensor.name} ends at byte {end} past the file's {size}")
         arch_field = reader.fields.get("general.architecture")
         arch = bytes(arch_field.parts[-1]).decode() if arch_field else "unknown"
-        name_field = reader.fields.get("general.name")
-        name = bytes(name_field.parts[-1]).decode() if name_field else path.stem
+        named = {key: str(reader.fields[f"general.{key}"].contents()) for key in IDENTITY
+                 if f"general.{key}" in reader.fields}
+        sampling = {name: reader.fields[key].contents() for key, name in SAMPLING.items() if key in reader.fields}
     except ModelLoadError:
         raise
     except Exception as exc:  # gguf raises ValueError/IndexError/struct.error on damaged files
         raise ModelLoadError(f"GGUF file {path} is truncated or corrupt: its {path.stat().st_size:,} bytes do not hold "
                              f"the header and tensors it declares; copy or download it again (reader: {exc})") from None
-    return {"architecture": arch, "name": name, "tensors": len(reader.tensors)}
+    return {"architecture": arch, "name": path.stem, **named, "tensors": len(reader.tensors), "sampling": sampling}
+
+
+def source_meta(folder: Path) -> dict | None:
+    """What validate() read from the GGUF a converted folder came from (None for any other folder). A folder
+    converted before its metadata held `sampling` gets it now, once, from the GGUF if it is still there."""
+    record = folder / "kvtool_source.json"
+    if not record.is_file():
+        return None
+    meta = json.loads(record.read_text())
+    if "sampling" not in meta and Path(meta.get("gguf", "")).is_file():
+        meta = {"gguf": meta["gguf"], **validate(Path(meta["gguf"]))}
+        tmp = record.with_name(f".{record.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(meta))
+        tmp.replace(record)  # atomic: a process reading it sees the old record or the new one
+    return meta
 
 
 def content_key(path: Path) -> str:

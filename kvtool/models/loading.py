@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 
-from kvtool.config import FORWARDS
+from kvtool.config import FORWARDS, SamplingDefaults
 from kvtool.errors import ModelLoadError
 from kvtool.models import gguf, ollama
 from kvtool.models.host import page_out_files, trim_heap, tune_host_allocator
 from kvtool.models.runner import ModelRunner
+from kvtool.models.sampling_defaults import sampling_defaults
 from kvtool.models.spec import ModelSpec
 from kvtool.models.text import ModelText, TextModel
 
@@ -56,6 +57,7 @@ class LoadedModel(ModelText):
     hf_config: Any
     source: str = ""
     info: dict = field(default_factory=dict)
+    sampling_defaults: SamplingDefaults = SamplingDefaults()  # what requests that name none sample with
 
     @property
     def spec(self) -> ModelSpec:
@@ -125,9 +127,11 @@ def hub_folder(repo_id: str, local_only: bool = False) -> Path:
 
 
 def load(model: str | None = None, device: str = "auto", dtype: str = "auto", progress: bool = True,
-         weights: str = "dense", packed: bool = True, forward: str = "auto") -> LoadedModel:
+         weights: str = "dense", packed: bool = True, forward: str = "auto",
+         generation_config: str = "auto") -> LoadedModel:
     """Load a model for kvtool: runner (weights on device), tokenizer, chat template; `forward`: which path its
-    steps take (auto | reference | cpu-ops, as kvtool.config.EngineConfig.forward says).
+    steps take (auto | reference | cpu-ops, as kvtool.config.EngineConfig.forward says); `generation_config`: where
+    its sampling_defaults come from (auto | none | a folder, as EngineConfig.generation_config says).
 
     weights="int4" packs the projections in 4 bits and copies the head to bf16 for CPU decode
     (about 2x the decode tokens/s on two cores; see kvtool.kernels.quant). weights="bf16" rounds them to bf16 for
@@ -141,23 +145,27 @@ def load(model: str | None = None, device: str = "auto", dtype: str = "auto", pr
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     hf_config, tokenizer = read_config_tokenizer(folder)
+    defaults = sampling_defaults(folder, name, generation_config)  # a bad file fails before weights
     spec = ModelSpec.from_hf_config(hf_config)
     runner = build_runner(spec, hf_config, folder, dev, dt, progress, weights, packed, forward)
     return LoadedModel(name=name, folder=folder, runner=runner, tokenizer=tokenizer, hf_config=hf_config,
                        source=str(model), info={"device": str(dev), "dtype": str(dt).replace("torch.", ""),
-                                                     "weights": weights, "forward": runner.forward_path})
+                                                     "weights": weights, "forward": runner.forward_path},
+                       sampling_defaults=defaults)
 
 
-def load_text(model: str | None = None) -> TextModel:
-    """The tokenizer side of a model (config, tokenizer, chat template) without its weights: for an engine that
-    loads the weights itself (kvtool serve --engine vllm). A GGUF file is converted once, as load() does."""
+def load_text(model: str | None = None, generation_config: str = "auto") -> TextModel:
+    """The tokenizer side of a model (config, tokenizer, chat template, sampling defaults) without its weights: for
+    an engine that loads the weights itself (kvtool serve --engine vllm). A GGUF file is converted once, as load()
+    does."""
     from kvtool.config import DEFAULT_MODEL
 
     model = model or DEFAULT_MODEL
     folder, name = resolve_folder(str(model))
     hf_config, tokenizer = read_config_tokenizer(folder)
     return TextModel(name=name, folder=folder, tokenizer=tokenizer, hf_config=hf_config,
-                     spec=ModelSpec.from_hf_config(hf_config), source=str(model))
+                     spec=ModelSpec.from_hf_config(hf_config), source=str(model),
+                     sampling_defaults=sampling_defaults(folder, name, generation_config))
 
 
 def read_config_tokenizer(folder: Path):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtool.config import SamplingDefaults
 from kvtool.errors import InvalidParameterError, ModelLoadError
 from kvtool.ids import as_token_ids
 from kvtool.models.spec import ModelSpec
@@ -84,6 +85,7 @@ class TextModel(ModelText):
     source: str = ""
     precision: str = "auto"  # what the engine runs in; set once the engine has resolved it
     context_window: int = 0  # the engine's max model length; 0: the config's max_position_embeddings
+    sampling_defaults: SamplingDefaults = SamplingDefaults()  # what requests that name none sample with
 
     def __post_init__(self):
         self.context_window = self.context_window or self.spec.max_position

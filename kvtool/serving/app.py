@@ -182,7 +182,8 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
     async def models():
         return {"object": "list", "data": [{"id": served.name, "object": "model", "created": started,
                                             "owned_by": "kvtool", "max_model_len": served.context_window,
-                                            "precision": served.precision, "engine": backend.name}]}
+                                            "precision": served.precision, "engine": backend.name,
+                                            "sampling_defaults": model.sampling_defaults.as_dict()}]}
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

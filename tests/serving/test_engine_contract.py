@@ -48,6 +48,24 @@ def test_models_names_the_engine(http, server):
     assert http.get("/v1/models").json()["data"][0]["engine"] == server.engine
 
 
+DEFAULTS = {"smol": {"temperature": 0.2, "top_p": 0.9, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                     "presence_penalty": 0.0, "frequency_penalty": 0.0, "source": "model card: SmolLM2-135M-Instruct"},
+            "qwen": {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0, "repetition_penalty": 1.05,
+                     "presence_penalty": 0.0, "frequency_penalty": 0.0, "source": "model card: Qwen2.5-Coder-Instruct"}}
+
+
+def test_models_shows_the_sampling_defaults_an_unset_request_takes(http, server):
+    defaults = http.get("/v1/models").json()["data"][0]["sampling_defaults"]
+    assert defaults == DEFAULTS[server.model]
+    named = {k: v for k, v in defaults.items() if k != "source"}
+
+    def text(**fields):
+        body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 8, "seed": 3, **fields}
+        return http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+
+    assert text() == text(**named) != text(temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
+
+
 def test_chat_and_stream_agree(oai):
     name = model_id(oai)
     out = oai.chat.completions.create(model=name, messages=ASK, temperature=0, max_tokens=8)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtool.cli import build_parser, main
+from kvtool.config import SamplingDefaults
 from kvtool.serving.config import ServerConfig
 
 
@@ -24,6 +25,7 @@ def test_flags_reach_serve(monkeypatch, capsys):
 
     class FakeModel:
         name, info = "fake", {"device": "cpu", "dtype": "float32"}
+        sampling_defaults = SamplingDefaults()
 
     monkeypatch.setattr(cli, "load_from_args", lambda args: FakeModel())
     monkeypatch.setattr(server, "check_listen", lambda host, port: None)
@@ -99,6 +101,7 @@ def test_weights_flag_reaches_the_loader_and_the_banner(monkeypatch, capsys):
 
     class FakeModel:
         name, info = "fake", {"device": "cpu", "dtype": "float32", "weights": "int4"}
+        sampling_defaults = SamplingDefaults()
 
     seen = {}
     monkeypatch.setattr(cli, "load_from_args", lambda args: seen.update(weights=args.weights) or FakeModel())
@@ -114,6 +117,7 @@ def test_forward_flag_reaches_the_loader_the_engine_and_the_banner(monkeypatch, 
 
     class FakeModel:
         name, info = "fake", {"device": "cpu", "dtype": "float32", "weights": "dense", "forward": "reference"}
+        sampling_defaults = SamplingDefaults()
 
     seen = {}
     monkeypatch.setattr(cli, "load_from_args", lambda args: seen.update(loaded=args.forward) or FakeModel())
@@ -123,6 +127,26 @@ def test_forward_flag_reaches_the_loader_the_engine_and_the_banner(monkeypatch, 
     assert main(["serve", "--forward", "reference"]) == 0
     assert seen == {"loaded": "reference", "engine": "reference"}
     assert "(cpu, float32, reference forward, no API key)" in capsys.readouterr().err
+
+
+def test_generation_config_flag_reaches_the_loader_and_the_banner_says_the_defaults(monkeypatch, capsys, tmp_path):
+    import kvtool.cli.serve as cli
+    import kvtool.serving.server as server
+
+    class FakeModel:
+        name, info = "fake", {"device": "cpu", "dtype": "float32"}
+        sampling_defaults = SamplingDefaults(temperature=0.7, top_p=0.8, top_k=20, source="generation_config.json")
+
+    seen = {}
+    monkeypatch.setattr(cli, "load_from_args", lambda args: seen.update(loaded=args.generation_config) or FakeModel())
+    monkeypatch.setattr(server, "check_listen", lambda host, port: None)
+    monkeypatch.setattr(server, "serve", lambda model, cfg, engine_config, log_level, on_ready:
+                        seen.update(engine=engine_config.generation_config) or on_ready())
+    assert main(["serve", "--generation-config", str(tmp_path)]) == 0
+    assert seen == {"loaded": str(tmp_path), "engine": str(tmp_path)}
+    assert ("kvtool: sampling defaults (requests that name none): temperature 0.7, top_p 0.8, top_k 20 "
+            "(generation_config.json)") in capsys.readouterr().err
+    assert build_parser().parse_args(["serve"]).generation_config == "auto"  # EngineConfig's default
 
 
 def test_a_port_in_use_or_a_bad_host_is_said_before_the_model_loads(monkeypatch, capsys):

@@ -48,7 +48,8 @@ def test_engine_args_are_typed():
     ("max_model_len=abc", "--engine-arg max_model_len='abc': expected int"),
     ("enforce_eager=maybe", "--engine-arg enforce_eager='maybe': expected bool"),
     ("nokey", "expected KEY=VALUE"),
-    ("model=x", "give the model with --model")])
+    ("model=x", "give the model with --model"),
+    ("generation_config=vllm", "give it as --generation-config")])
 def test_bad_engine_args_say_what_is_wrong(item, message):
     from kvtool.engines.vllm.settings import parse_engine_args
     from kvtool.errors import InvalidParameterError

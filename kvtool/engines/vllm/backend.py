@@ -17,6 +17,7 @@ import time
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
+from kvtool.config import EngineConfig
 from kvtool.errors import ModelLoadError
 from kvtool.serving.config import ServerConfig
 from kvtool.serving.errors import NotSupported, Unavailable
@@ -186,7 +187,7 @@ def load_backend(model: str, dtype: str = "auto", engine_args: dict | None = Non
     from kvtool.models.loading import load_text
 
     apply_env_defaults()
-    text = load_text(model)
+    text = load_text(model, (kv or EngineConfig()).generation_config)  # its sampling defaults too
     import torch
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine

@@ -64,6 +64,9 @@ def parse_engine_args(items: list[str] | None) -> dict:
             raise InvalidParameterError(f"--engine-arg {key}: vLLM has no engine argument {key!r}{hint}")
         if key == "model":
             raise InvalidParameterError("--engine-arg model: give the model with --model")
+        if key == "generation_config":  # kvtool, not vLLM's front end, turns a request into vLLM's sampling params
+            raise InvalidParameterError("--engine-arg generation_config: give it as --generation-config (kvtool "
+                                        "applies the model's sampling defaults on either engine)")
         out[key] = parse_value(key, raw, field_type(fields[key], namespace))
     return out
 

@@ -53,7 +53,8 @@ class VllmCore:
         return set(params.stop_token_ids) | (set() if params.ignore_eos else self.end_of_turn)
 
     def new_generation(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Generation, int]:
-        params, ids = as_sampling_params(params).validate(), as_token_ids(prompt_ids)
+        params = as_sampling_params(params).with_defaults(self.model.sampling_defaults).validate()
+        ids = as_token_ids(prompt_ids)
         max_tokens = check_request(ids, params, self.model.context_window, self.model.spec.vocab_size,
                                    self.stop_ids(params))
         return Generation(prompt_ids=ids, params=params), max_tokens
