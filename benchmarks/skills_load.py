@@ -9,13 +9,14 @@ shared system prompt; each request loads 2-4 of them in random order and asks ab
 with the model's chat template here and sent as text to /v1/completions (vLLM's `custom` dataset with
 --skip-chat-template), so the server sees exactly the tokens the skill blocks were compiled for.
 
-Modes, each a `kvtool serve` started fresh: cold (--no-prefix-cache, no skills), prefix (the prefix cache alone)
-and compose (--skills mounted, repair --repair). Per mode and rate (the prefix cache emptied before each rate):
-p50/p90/p99 TTFT, request and output throughput (vLLM's result JSON), and the share of prompt tokens the prefix
-cache served (the server's /metrics counters, which do not count spliced block tokens). Then, at no load on an
-emptied cache, every request once with greedy 32 tokens and top-20 logprobs: the share of prompt tokens not
-computed (usage: cached_tokens + skill_block_tokens over prompt_tokens) and, against cold (full recompute),
-first-token agreement, mean KL over cold's top 20 (both renormalised there) and identical greedy answers.
+Modes, each a `kvtool serve` started fresh and warmed with --warmup requests: cold (--no-prefix-cache, no skills),
+prefix (the prefix cache alone) and compose (--skills mounted, repair --repair). Per mode and rate (the prefix cache
+emptied before each rate): p50/p90/p99 TTFT, request and output throughput (vLLM's result JSON), and the share of
+prompt tokens the prefix cache served (the server's /metrics counters, which do not count spliced block tokens).
+Then, at no load on an emptied cache, every request once with greedy 32 tokens and top-20 logprobs: the share of
+prompt tokens not computed (usage: cached_tokens + skill_block_tokens over prompt_tokens) and, against cold (full
+recompute), first-token agreement, mean KL over cold's top 20 (both renormalised there) and identical greedy
+answers.
 
 The vLLM engine with kvtool's connector joins this benchmark with the standalone connector.
 """
@@ -178,6 +179,9 @@ def run_mode(mode: str, args, files, skills_dir: Path, dataset: Path, prompts: l
     out: dict = {"rates": {}}
     with ServerProcess(f"kvtool {mode}", argv, port, work / "logs" / f"{mode}.log", env=env, startup_s=1800,
                        log_fn=log) as base, httpx.Client(timeout=1800) as client:
+        for prompt in prompts[:args.warmup]:  # a server's first requests pay one-time costs (loads, kernel builds)
+            client.post(f"{base}/v1/completions", json={"model": SERVED, "prompt": prompt, "max_tokens": 1,
+                                                        "temperature": 0}).raise_for_status()
         for rate in args.rates:
             reset_cache(base, client, mode)
             before = metric_totals(client.get(f"{base}/metrics").text)
@@ -232,6 +236,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skills", type=int, default=16, help="the library's N shortest skills (of 16)")
     ap.add_argument("--most-skills", type=int, default=4, help="most skills a request loads (at least 2)")
     ap.add_argument("--output-tokens", type=int, default=32, help="tokens each loaded request generates")
+    ap.add_argument("--warmup", type=int, default=1, help="requests each server answers before the first rate "
+                    "(then its cache is emptied)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS of each server")
     ap.add_argument("--seed", type=int, default=0)
