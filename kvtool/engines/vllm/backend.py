@@ -191,7 +191,9 @@ def load_backend(model: str, dtype: str = "auto", engine_args: dict | None = Non
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    kwargs = engine_kwargs(str(text.folder), dtype, torch.cuda.is_available(), engine_args or {})
+    named = getattr(text.hf_config, "architectures", None)
+    kwargs = engine_kwargs(str(text.folder), dtype, torch.cuda.is_available(), engine_args or {},
+                           None if named else text.hf_config.model_type)
     side = None
     if kv is not None and (kv.skills_dir or kv.cache_file):
         from vllm.config import KVTransferConfig
