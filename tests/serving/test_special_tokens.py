@@ -131,3 +131,11 @@ def test_gemma3_raw_continuation_is_transformers_greedy(gemma3, gemma3_hf, gemma
         assert served["choices"][0]["text"] == text and served["usage"]["prompt_tokens"] == len(ids)
         served_bare = http.post("/v1/completions", json={**body, "add_special_tokens": False}).json()
         assert served_bare["choices"][0]["text"] == bare.text
+
+
+def test_no_special_tokens_is_refused_where_the_prompt_is_not_raw(capsys):
+    from kvtool.cli import main
+
+    for extra in (["--chat"], ["--suffix", "b"]):
+        assert main(["generate", "a", "--model", "unused", "--no-special-tokens", *extra]) == 2
+        assert "--no-special-tokens applies to a raw prompt" in capsys.readouterr().err
