@@ -101,7 +101,7 @@ def bench_model(name: str, args) -> dict:
 
     model = kvtool.load(model_path(name))
     engine = Engine(model)
-    prompts = [model.encode(model.render([{"role": "user", "content": q}])) for q, _ in REQUESTS]
+    prompts = [model.encode_chat([{"role": "user", "content": q}]) for q, _ in REQUESTS]
     engine.generate(prompts[0], params_for("json_schema", REQUESTS[0][1], 4)).run()  # warm-up, untimed
     engine.generate_batch(prompts, [params_for(m, p, 4) for m, (_, p) in zip(MODES * 4, REQUESTS)])
     out = {}
@@ -168,7 +168,7 @@ def sampler_cost(name: str, args) -> dict:
     engine = Engine(model)
     props = REQUESTS[0][1]
     answer = json.dumps({"name": "Whiskers the very fluffy cat", "age": 7, "colour": "orange and white"})
-    prompt = model.encode(model.render([{"role": "user", "content": REQUESTS[0][0]}]))
+    prompt = model.encode_chat([{"role": "user", "content": REQUESTS[0][0]}])
     ids = prompt + model.tokenizer.encode(answer, add_special_tokens=False)
     cache = engine.runner.new_cache(len(ids) + 8)
     with torch.inference_mode():

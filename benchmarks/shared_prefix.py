@@ -48,8 +48,8 @@ def parse_args(argv=None):
 
 def prompts(model, k: int, words: int) -> list[list[int]]:
     system = repeat_words(SYSTEM, words)
-    return [model.encode(model.render([{"role": "system", "content": system},
-                                       {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]))
+    return [model.encode_chat([{"role": "system", "content": system},
+                               {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
             for i in range(k)]
 
 

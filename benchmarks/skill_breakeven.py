@@ -38,7 +38,7 @@ WORDS = ("check each input value before use then write the result to the log and
 def skill_text(model, name: str, tokens: int) -> str:
     """A SKILL.md whose body has about `tokens` tokens less the Skill turn's own markup."""
     body, words = [], 0
-    while len(model.encode(" ".join(body))) < tokens:
+    while len(model.encode_rendered(" ".join(body))) < tokens:
         body.append(WORDS[words % len(WORDS)])
         words += 1
     return f"---\nname: {name}\ndescription: Procedure of about {tokens} tokens.\n---\n{' '.join(body)}\n"
@@ -136,7 +136,7 @@ def one_model(name: str, engine: str, lengths: list[int], repair: str, repeats: 
     model = load(str(smollm2_gguf() if name == "smollm2" else qwen25_gguf()), device="cpu", dtype="float32",
                  progress=False)
     catalog = compile_lengths(model, lengths, tmp)
-    system = model.encode(model.render([{"role": "system", "content": SYSTEM}], add_generation_prompt=False))
+    system = model.encode_chat([{"role": "system", "content": SYSTEM}], add_generation_prompt=False)
     paths, close = (vllm_paths if engine == "vllm" else kvtool_paths)(model, catalog, repair, system)
     rows, runs = [], iter(range(1 << 30))
     for length in lengths:
@@ -146,7 +146,7 @@ def one_model(name: str, engine: str, lengths: list[int], repair: str, repeats: 
             task = f"Fix the failing parser test {next(runs)}." if engine == "vllm" else "Fix the failing parser test."
             msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task},
                     *catalog.messages(skill), {"role": "user", "content": "Which step comes first?"}]
-            return model.encode(model.render(msgs, add_generation_prompt=True))
+            return model.encode_chat(msgs, add_generation_prompt=True)
 
         n = len(prompt())
         print(f"{name} {skill}: {len(catalog.block(skill))} block tokens, prompt {n}", file=sys.stderr, flush=True)

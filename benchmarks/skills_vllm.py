@@ -52,7 +52,7 @@ def requests(model, catalog, n: int, seed: int) -> list[list[int]]:
         for name in chosen:
             msgs += catalog.messages(name)
         msgs.append({"role": "user", "content": f"Which step comes first for case {i}?"})
-        out.append(model.encode(model.render(msgs, add_generation_prompt=True)))
+        out.append(model.encode_chat(msgs, add_generation_prompt=True))
     return out
 
 

@@ -30,9 +30,9 @@ def long_ids(model, n: int) -> list[int]:
     """A chat-rendered filler document cut to exactly n tokens."""
     from kvtool.viz.needle import filler_sentences
 
-    per = len(model.encode(" ".join(filler_sentences(random.Random(0), 50)))) / 50
+    per = len(model.encode_rendered(" ".join(filler_sentences(random.Random(0), 50)))) / 50
     doc = " ".join(filler_sentences(random.Random(1), int(n / per) + 20))
-    ids = model.encode(model.render([{"role": "user", "content": "Summarise this:\n\n" + doc}]))
+    ids = model.encode_chat([{"role": "user", "content": "Summarise this:\n\n" + doc}])
     if len(ids) < n:
         raise SystemExit(f"built only {len(ids)} tokens")
     return ids[:n]

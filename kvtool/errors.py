@@ -29,3 +29,7 @@ class CacheFormatError(KvtoolError):
 
 class PrefixCacheWarning(UserWarning):
     """The prefix cache could not do what was asked (budget too small, a KV hand-back failed); the request runs."""
+
+
+class DoubleBosWarning(UserWarning):
+    """A raw prompt already starts with the BOS token its tokenizer adds: rendered chat text encoded as raw."""

@@ -12,7 +12,7 @@ QUESTION = "Write a haiku about rain."
 
 @pytest.fixture(scope="module")
 def engine_prompt(smollm2):
-    return Engine(smollm2), smollm2.encode(smollm2.render([{"role": "user", "content": QUESTION}]))
+    return Engine(smollm2), smollm2.encode_chat([{"role": "user", "content": QUESTION}])
 
 
 def run_counting(sched) -> int:
@@ -130,7 +130,7 @@ def test_generate_batch_equals_single_runs_choice_by_choice(smollm2, engine_prom
     from kvtool.errors import InvalidParameterError
 
     engine, prompt = engine_prompt
-    other = smollm2.encode(smollm2.render([{"role": "user", "content": "Name three colours."}]))
+    other = smollm2.encode_chat([{"role": "user", "content": "Name three colours."}])
     sampled = SamplingParams(temperature=0.8, seed=21, max_tokens=8)
     greedy = SamplingParams(temperature=0, max_tokens=8)
     gens = engine.generate_batch([prompt, other], [sampled, greedy], n=2)
@@ -158,8 +158,8 @@ def test_siblings_read_the_prompts_cached_blocks_in_place(model, request):
     loaded = request.getfixturevalue(model)
     engine = Engine(loaded)
     assert engine.runner.cpu_decode
-    prompt = loaded.encode(loaded.render([{"role": "system", "content": "You answer in verse. " * 12},
-                                          {"role": "user", "content": QUESTION}]))
+    prompt = loaded.encode_chat([{"role": "system", "content": "You answer in verse. " * 12},
+                                 {"role": "user", "content": QUESTION}])
     params = [SamplingParams(temperature=0.9, top_p=0.95, seed=s, max_tokens=8) for s in (3, 4, 5)]
     solo = [engine.generate(prompt, p).run().token_ids for p in params]
     prefix = attach_prefix_cache(engine, budget_bytes=64 << 20, block_size=16)
@@ -195,7 +195,7 @@ def test_requests_that_arrive_together_on_one_prefix_read_what_the_first_publish
 
     engine = Engine(smollm2)
     system = {"role": "system", "content": "You answer in verse. " * 12}
-    prompts = [smollm2.encode(smollm2.render([system, {"role": "user", "content": q}]))
+    prompts = [smollm2.encode_chat([system, {"role": "user", "content": q}])
                for q in (QUESTION, "Name a prime number.", "What colour is the sky?")]
     greedy = SamplingParams(temperature=0, max_tokens=6)
     solo = [engine.generate(p, greedy).run().token_ids for p in prompts]

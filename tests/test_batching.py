@@ -49,7 +49,7 @@ PARAMS = dict(temperature=0, max_tokens=16)
 @pytest.fixture(scope="module")
 def solo(smollm2):
     engine = Engine(smollm2)
-    prompts = [smollm2.encode(smollm2.render([{"role": "user", "content": q}])) for q in PROMPTS]
+    prompts = [smollm2.encode_chat([{"role": "user", "content": q}]) for q in PROMPTS]
     return engine, prompts, [engine.generate(p, SamplingParams(**PARAMS)).run().token_ids for p in prompts]
 
 

@@ -19,7 +19,7 @@ def test_scenarios_share_what_their_layout_allows(smollm2):
     """Ideal token-level reuse (longest prefix shared with any earlier request), from the real tokenizer."""
     share = {}
     for name in SCENARIOS:
-        prompts = [smollm2.encode(smollm2.render(tools_as_system_text(r.messages, r.tools)))
+        prompts = [smollm2.encode_chat(tools_as_system_text(r.messages, r.tools))
                    for r in build(name, ScenarioConfig())]
         share[name] = [max(common_prefix(p, q) for q in prompts[:k]) / len(p) for k, p in enumerate(prompts) if k]
     assert min(share["shared-prefix"]) > 0.9
@@ -34,7 +34,7 @@ def test_scenarios_share_what_their_layout_allows(smollm2):
 
 def shared_by_the_first_two(model, name, cfg):
     """Tokens the first two prompts of a scenario share, as its backends render them (tools in the system turn)."""
-    first, second = [model.encode(model.render(tools_as_system_text(r.messages, r.tools))) for r in build(name, cfg)][:2]
+    first, second = [model.encode_chat(tools_as_system_text(r.messages, r.tools)) for r in build(name, cfg)][:2]
     return common_prefix(first, second)
 
 

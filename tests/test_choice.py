@@ -22,7 +22,7 @@ def test_smollm2_answers_with_one_of_the_choices(smollm2):
 
     engine = Engine(smollm2)
     question = "Review: 'Terrible, boring, a waste of two hours.' Is the review positive or negative?"
-    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": question}]))
+    prompt = smollm2.encode_chat([{"role": "user", "content": question}])
     free = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=12)).run()
     assert free.text not in ("positive", "negative")  # left alone, it writes a sentence
     choices = ["positive", "negative"]

@@ -66,7 +66,7 @@ def test_huge_and_backtracking_patterns_run_on_smollm2_without_stalling(smollm2)
     from kvtool.engine import Engine
 
     engine = Engine(smollm2)
-    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "Say a."}]))
+    prompt = smollm2.encode_chat([{"role": "user", "content": "Say a."}])
     t = time.perf_counter()  # a repeat too large for the lexer is refused when the matcher is built
     with pytest.raises(InvalidParameterError, match="too many expressions"):
         engine.generate(prompt, SamplingParams(temperature=0, max_tokens=12, regex="a{100000000}")).run()

@@ -185,7 +185,7 @@ def smollm2_int4():
 
 @pytest.mark.real_model
 def test_smollm2_int4_stays_close_to_the_dense_model(smollm2, smollm2_int4):
-    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "Name three rivers in Europe."}]))
+    prompt = smollm2.encode_chat([{"role": "user", "content": "Name three rivers in Europe."}])
     fid = weights_fidelity(smollm2.runner, smollm2_int4.runner, prompt, 32, prefill=True)
     assert fid["top1_agreement"] >= 0.9 and fid["kl_mean"] <= 0.005, fid
     assert fid["prefill_top1_agreement"] >= 0.9, fid  # the products of many rows (oneDNN's copy, bf16 on AMX)
@@ -199,7 +199,7 @@ def test_smollm2_int4_fast_path_follows_the_reference(smollm2_int4):
     activations turn the paths' ~1e-5 differences in prefill K/V into logit steps of ~0.1, which flip
     near-ties; this prompt has a 0.04 tie at step 10.)"""
     runner = smollm2_int4.runner
-    prompt = smollm2_int4.encode(smollm2_int4.render([{"role": "user", "content": "Name three rivers in Europe."}]))
+    prompt = smollm2_int4.encode_chat([{"role": "user", "content": "Name three rivers in Europe."}])
     params = SamplingParams(temperature=0, max_tokens=40)
     want = Engine(smollm2_int4, EngineConfig(fast_decode="off")).generate(prompt, params).run().token_ids
     got = Engine(smollm2_int4, EngineConfig(fast_decode="on", static_max_tokens=512)).generate(prompt, params).run()
@@ -231,7 +231,7 @@ def test_blocks_and_fingerprints_tell_int4_from_dense(smollm2, smollm2_int4):
     dense_setup, packed_setup = setup_of(smollm2), setup_of(smollm2_int4)
     int4 = smollm2_int4.runner.precision
     assert dense_setup["dtype"] == "float32" and packed_setup["dtype"] == int4 and int4.startswith("float32/int4")
-    block = compile_ids(smollm2.runner, smollm2.encode("A short skill."), dense_setup, "short")
+    block = compile_ids(smollm2.runner, smollm2.encode_rendered("A short skill."), dense_setup, "short")
     with pytest.raises(CacheFormatError, match=re.escape(f"dtype: block has 'float32', this model has '{int4}'")):
         block.check_setup(packed_setup)
 

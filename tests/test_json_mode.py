@@ -130,8 +130,8 @@ def test_smollm2_answers_in_the_schema_alone_batched_seeded_with_logprobs_and_st
     from kvtool.engine import Engine
 
     engine = Engine(smollm2)
-    prompt = smollm2.encode(smollm2.render(
-        [{"role": "user", "content": "Describe a cat as JSON with fields name and age."}]))
+    prompt = smollm2.encode_chat(
+        [{"role": "user", "content": "Describe a cat as JSON with fields name and age."}])
     free = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=48)).run()
     with pytest.raises(json.JSONDecodeError):
         json.loads(free.text)  # left alone, it fences the object in Markdown and talks on
@@ -158,7 +158,7 @@ def test_a_suffix_follows_the_value_before_the_turn_ends(smollm2):
     from kvtool.engine import Engine
 
     engine = Engine(smollm2)
-    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "Call the weather tool for Paris."}]))
+    prompt = smollm2.encode_chat([{"role": "user", "content": "Call the weather tool for Paris."}])
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
               "additionalProperties": False}
     gen = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=40, response_format="json_schema",
@@ -180,7 +180,7 @@ def test_qwen_closes_a_call_with_its_special_token_and_spells_special_text_in_pl
 
     engine = Engine(qwen25)
     close = qwen25.tokenizer.convert_tokens_to_ids("</tool_call>")
-    prompt = qwen25.encode(qwen25.render([{"role": "user", "content": "Call the weather tool for Paris."}]))
+    prompt = qwen25.encode_chat([{"role": "user", "content": "Call the weather tool for Paris."}])
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
               "additionalProperties": False}
     gen = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=40, response_format="json_schema",

@@ -52,7 +52,7 @@ def test_smollm2_fills_a_pydantic_model(smollm2):
     from kvtool.engine import Engine
 
     engine = Engine(smollm2)
-    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "Describe Paris as JSON."}]))
+    prompt = smollm2.encode_chat([{"role": "user", "content": "Describe Paris as JSON."}])
     gen = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=150, response_format="json_schema",
                                                  json_schema=City.model_json_schema())).run()
     assert gen.finish_reason == "stop", gen.text

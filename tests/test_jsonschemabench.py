@@ -103,8 +103,8 @@ def test_every_schema_smollm2_writes_to_the_end_validates(smollm2):
     prompts, params = [], []
     for schema in schemas:
         text = json.dumps(schema)[:400]  # a glimpse: the grammar does the rest
-        prompts.append(smollm2.encode(smollm2.render([{"role": "user", "content": "Write one short JSON "
-                                                       f"instance of this schema:\n{text}"}])))
+        prompts.append(smollm2.encode_chat([{"role": "user", "content": "Write one short JSON "
+                                                    f"instance of this schema:\n{text}"}]))
         params.append(SamplingParams(temperature=0, max_tokens=48, response_format="json_schema", json_schema=schema))
     gens = engine.generate_batch(prompts, params)  # EngineConfig.max_running: 16 at once
     finished = Counter(g.finish_reason for g in gens)
@@ -129,8 +129,8 @@ def test_without_strict_what_is_enforced_holds_on_smollm2(smollm2):
                                 json_schema=schema).validate()
         if params.unenforced:
             cases.append((path, schema, params))
-    prompts = [smollm2.encode(smollm2.render([{"role": "user", "content": "Write one short JSON instance of this "
-                                               f"schema:\n{json.dumps(schema)[:400]}"}])) for _, schema, _ in cases]
+    prompts = [smollm2.encode_chat([{"role": "user", "content": "Write one short JSON instance of this "
+                                         f"schema:\n{json.dumps(schema)[:400]}"}]) for _, schema, _ in cases]
     gens = engine.generate_batch(prompts, [params for *_, params in cases])
     finished, whole = 0, 0
     for (path, schema, params), gen in zip(cases, gens):

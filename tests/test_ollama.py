@@ -42,7 +42,7 @@ def test_a_blob_is_named_after_its_manifest_and_generates(install):
     assert model.name == "smollm2:135m"  # the first manifest that lists it
     from kvtool.engine import Engine
 
-    prompt = model.encode(model.render([{"role": "user", "content": "What is the capital of France?"}]))
+    prompt = model.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in Engine(model).generate(prompt, kvtool.SamplingParams(temperature=0, max_tokens=24)).run().text
 
 

@@ -27,9 +27,9 @@ SYSTEM = "You answer for a small bakery in one sentence, prices in euros; it ope
 def workload(model) -> dict:
     engine = Engine(model)
     cache = attach_prefix_cache(engine, budget_bytes=64 << 20)
-    base = model.encode(model.render([{"role": "system", "content": SYSTEM},
-                                      {"role": "user", "content": "How much is a croissant?"}]))
-    tails = [model.encode(text) for text in (" And rye bread?", " Do you open on Sundays?", " Any vegan cakes?")]
+    base = model.encode_chat([{"role": "system", "content": SYSTEM},
+                              {"role": "user", "content": "How much is a croissant?"}])
+    tails = [model.encode_rendered(t) for t in (" And rye bread?", " Do you open on Sundays?", " Any vegan cakes?")]
     assert len(base) > 48
     out = {"single": engine.generate(base, GREEDY).run().token_ids}
     prompts = [base[:32] + tails[0], base[:40] + tails[1], base + tails[2]]
@@ -37,7 +37,7 @@ def workload(model) -> dict:
     seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=8)
     out["choices"] = [g.token_ids for g in engine.generate_batch([base + tails[0]], seeded, n=3)]
     cache.reset()
-    asks = [model.encode(model.render([{"role": "user", "content": text}]))
+    asks = [model.encode_chat([{"role": "user", "content": text}])
             for text in ("Tell me about rye.", "What makes a baguette?", "Why is sourdough sour?")]
     sched = BatchScheduler(engine, max_running=4, prefill_budget=256, kv_budget_tokens=len(asks[0]) + len(asks[1]) + 4)
     gens = [sched.submit(p, GREEDY) for p in asks]  # the first two start together and outgrow the budget
@@ -48,8 +48,8 @@ def workload(model) -> dict:
     edit = plan_edit(model, text, case.field_span(text), case.new)
     cache.pin(edit.old_ids)
     done = _apply(cache, model, edit.old_ids, edit, "field_only", None, None, False)
-    asked = engine.generate(done["token_ids"] + model.encode(model.render(
-        [{"role": "user", "content": case.question}], add_generation_prompt=True)), GREEDY).run()
+    asked = engine.generate(done["token_ids"] + model.encode_chat(
+        [{"role": "user", "content": case.question}], add_generation_prompt=True), GREEDY).run()
     out["edit"] = (done["token_ids"], done["recomputed_tokens"], asked.token_ids, asked.timings.cached_tokens)
     cache.check_integrity()
     out["pool"] = pool_is_whole(cache)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.real_model
 
 @pytest.fixture(scope="module")
 def reference(smollm2):
-    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "What is the capital of France?"}]))
+    prompt = smollm2.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     logits = smollm2.runner.prefill(prompt, smollm2.runner.new_cache(), logits="all")
     greedy = Engine(smollm2).generate(prompt, SamplingParams(temperature=0, max_tokens=8)).run().token_ids
     return prompt, torch.log_softmax(logits.float(), dim=-1), greedy

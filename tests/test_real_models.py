@@ -34,7 +34,7 @@ def test_logits_match_transformers(name, request):
 @pytest.mark.parametrize("name", ["smollm2", "qwen25"])
 def test_greedy_64_tokens_match_transformers_generate(name, request):
     model, hf = request.getfixturevalue(name), request.getfixturevalue(f"{name}_hf")
-    prompt = model.encode(model.render([{"role": "user", "content": "Write a long story about a lighthouse keeper."}]))
+    prompt = model.encode_chat([{"role": "user", "content": "Write a long story about a lighthouse keeper."}])
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                           max_new_tokens=64, do_sample=False)[0, len(prompt):].tolist()
@@ -45,7 +45,7 @@ def test_greedy_64_tokens_match_transformers_generate(name, request):
 
 
 def test_smollm2_knows_paris(smollm2):
-    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "What is the capital of France?"}]))
+    prompt = smollm2.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     gen = Engine(smollm2).generate(prompt, SamplingParams(temperature=0, max_tokens=40)).run()
     assert "Paris" in gen.text
     assert gen.finish_reason == "stop"
@@ -55,7 +55,7 @@ def test_smollm2_knows_paris(smollm2):
 
 def test_streaming_equals_non_streaming_for_a_seed(smollm2):
     engine = Engine(smollm2)
-    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "Tell me a joke about cats."}]))
+    prompt = smollm2.encode_chat([{"role": "user", "content": "Tell me a joke about cats."}])
     params = dict(temperature=0.9, top_p=0.95, top_k=40, seed=1234, max_tokens=40)
     streamed = [ev.token_id for ev in engine.generate(prompt, SamplingParams(**params))]
     whole = engine.generate(prompt, SamplingParams(**params)).run()
@@ -66,7 +66,7 @@ def test_streaming_equals_non_streaming_for_a_seed(smollm2):
 
 def test_stream_text_deltas_rebuild_the_text(qwen25):
     engine = Engine(qwen25)
-    prompt = qwen25.encode(qwen25.render([{"role": "user", "content": "Say 'naïve café 日本' and nothing else."}]))
+    prompt = qwen25.encode_chat([{"role": "user", "content": "Say 'naïve café 日本' and nothing else."}])
     gen = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=30))
     events = list(gen)
     assert "".join(e.text for e in events) == gen.text
@@ -77,7 +77,7 @@ def test_stream_text_deltas_rebuild_the_text(qwen25):
 
 def test_stop_string_and_max_tokens(smollm2):
     engine = Engine(smollm2)
-    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "What is the capital of France?"}]))
+    prompt = smollm2.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     gen = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop=["Paris"])).run()
     assert gen.finish_reason == "stop" and "Paris" not in gen.text and gen.text.strip()
     gen = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=3)).run()
@@ -119,7 +119,7 @@ def test_the_forward_is_chosen_per_engine_and_both_paths_give_the_same_tokens(sm
     ref = kvtool.load(str(smollm2_gguf()), device="cpu", dtype="float32", progress=False, forward="reference")
     assert (smollm2.runner.forward_path, ref.runner.forward_path) == ("cpu-ops", "reference")
     assert ref.info["forward"] == "reference" and not (ref.runner.cpu_decode or ref.runner.cpu_prefill)
-    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "Write a long story about a lighthouse."}]))
+    prompt = smollm2.encode_chat([{"role": "user", "content": "Write a long story about a lighthouse."}])
     greedy = SamplingParams(temperature=0, max_tokens=32)
     spies = [Spy(smollm2.runner._cpu_step), Spy(smollm2.runner._cpu_prefill)]
     monkeypatch.setattr(smollm2.runner, "_cpu_step", spies[0])

@@ -26,8 +26,8 @@ def test_smollm2_answers_in_the_pattern_alone_and_batched(smollm2):
     from kvtool.engine import Engine
 
     engine = Engine(smollm2)
-    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "When did the Second World War end? "
-                                                                        "Give the date."}]))
+    prompt = smollm2.encode_chat([{"role": "user", "content": "When did the Second World War end? "
+                                                                 "Give the date."}])
     free = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=30)).run()
     assert "1945" in free.text and not re.fullmatch(DATE, free.text)  # a sentence, not a date
     greedy = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=30, regex=DATE)).run()

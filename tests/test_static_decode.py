@@ -104,7 +104,7 @@ PARAMS = dict(temperature=0, max_tokens=32)
 
 @pytest.mark.real_model
 def test_engine_fast_path_gives_the_reference_tokens_and_cache(smollm2):
-    prompt = smollm2.encode(smollm2.render([{"role": "user", "content": "Name three rivers in Europe."}]))
+    prompt = smollm2.encode_chat([{"role": "user", "content": "Name three rivers in Europe."}])
     ref = Engine(smollm2, EngineConfig(fast_decode="off"))
     fast = Engine(smollm2, EngineConfig(fast_decode="on", static_max_tokens=512))
     want = ref.generate(prompt, SamplingParams(**PARAMS)).run()
@@ -130,7 +130,7 @@ def test_interleaved_generations_and_long_requests_fall_back(smollm2):
     fast = Engine(smollm2, EngineConfig(fast_decode="on", static_max_tokens=256))
     attach_prefix_cache(fast, budget_bytes=64 << 20)
     ref = Engine(smollm2, EngineConfig(fast_decode="off"))
-    prompts = [smollm2.encode(smollm2.render([{"role": "user", "content": q}])) for q in ("Hi!", "What is 2+2?")]
+    prompts = [smollm2.encode_chat([{"role": "user", "content": q}]) for q in ("Hi!", "What is 2+2?")]
     a, b = (fast.generate(p, SamplingParams(**PARAMS)) for p in prompts)
     ia, ib = iter(a), iter(b)
     for _ in range(8):  # both run in the engine's scheduler, each in a static row

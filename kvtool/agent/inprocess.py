@@ -79,7 +79,7 @@ class InProcessBackend:
         except InvalidParameterError as exc:
             raise BackendError(str(exc)) from None
         async with self._lock:
-            gen = self.engine.generate(self.model.encode(prompt), params)
+            gen = self.engine.generate(self.model.encode_rendered(prompt), params)
             parser = OutputParser(tools=names, fmt=self.fmt)
             it, calls = iter(gen), 0
             try:

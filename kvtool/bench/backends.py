@@ -149,7 +149,7 @@ class InProcessBackend:
         messages, tools = request.messages, request.tools
         if tools and self.tools_rendering == "system-text":
             messages, tools = tools_as_system_text(messages, tools), None
-        ids = self.model.encode(self.model.render(messages, tools=tools))
+        ids = self.model.encode_chat(messages, tools=tools)
         gen = self.engine.generate(ids, self.params)
         ttft = None
         for _ in gen:

@@ -51,7 +51,7 @@ def ways(budgets: Sequence[float] = DEFAULT_BUDGETS) -> list[str]:
 def generation_prompt_ids(model) -> list[int]:
     system = [{"role": "system", "content": "S"}]
     head = model.render(system, add_generation_prompt=False)
-    return model.encode(model.render(system, add_generation_prompt=True)[len(head):])
+    return model.encode_rendered(model.render(system, add_generation_prompt=True)[len(head):])
 
 
 @torch.inference_mode()
@@ -90,7 +90,7 @@ class Answerer:
     def __init__(self, model, mode: str, answer_tokens: int, reasoning_tokens: int):
         self.model, self.runner, self.mode = model, model.runner, mode
         self.stop = set(model.end_of_turn_ids())
-        self.cue = model.encode(ANSWER_CUE)
+        self.cue = model.encode_rendered(ANSWER_CUE)
         self.n_answer, self.n_reason = answer_tokens, reasoning_tokens
 
     @torch.inference_mode()
@@ -211,7 +211,7 @@ def cached_reasoning(model, case: EditCase, tokens: int) -> str:
     """The model's greedy reasoning (up to `tokens` tokens, its turn's end dropped) to the case's question with
     the "think step by step" instruction, given the old value: what a cached context would hold."""
     messages = case.messages(case.old) + [{"role": "user", "content": f"{case.question} {MODES['cached_reasoning']}"}]
-    ids = model.encode(model.render(messages, add_generation_prompt=True))
+    ids = model.encode_chat(messages, add_generation_prompt=True)
     cache = model.runner.new_cache(len(ids) + tokens + 1)
     stop = set(model.end_of_turn_ids())
     said, _, _ = greedy_batch(model.runner, [cache], [model.runner.prefill(ids, cache)], tokens, stop)[0]

@@ -78,7 +78,7 @@ def turn(engine, model, messages: list[dict], line: str, params, raw: bool) -> N
     from kvtool.errors import KvtoolError
 
     try:
-        gen = engine.generate(model.encode(model.render(messages + [{"role": "user", "content": line}])), params,
+        gen = engine.generate(model.encode_chat(messages + [{"role": "user", "content": line}]), params,
                               skip_special_tokens=not raw)
         for event in gen:
             sys.stdout.write(event.piece if raw else event.text)

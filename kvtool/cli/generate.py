@@ -14,6 +14,8 @@ def register(subparsers) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--raw", action="store_true", help="show special tokens verbatim")
+    p.add_argument("--no-special-tokens", action="store_true",
+                   help="tokenize the raw prompt without the special tokens its tokenizer adds (Gemma's <bos>)")
     p.add_argument("--suffix", default=None, help="fill in the middle: the prompt is the text before, this the text "
                                                   "after (a code model with FIM tokens, e.g. Qwen2.5-Coder)")
     p.add_argument("--cache-file", default=None, metavar="PATH",
@@ -34,11 +36,13 @@ def run(args) -> int:
     params = sampling_from_args(args)
     if args.suffix is not None and args.chat:
         raise InvalidParameterError("--suffix (fill in the middle) takes a raw prompt; drop --chat")
+    if args.no_special_tokens and (args.chat or args.suffix is not None):
+        raise InvalidParameterError("--no-special-tokens applies to a raw prompt; a chat prompt takes what its "
+                                    "template writes and a --suffix prompt its FIM tokens: drop one of them")
     if args.system is not None and not args.chat:
         raise InvalidParameterError("--system is the system message of a chat; add --chat (a raw prompt has none)")
     check_writable(args.cache_file, "--cache-file")
     model = load_from_args(args)
-    ids = None
     if args.suffix is not None:
         fim = fim_format(model.tokenizer, f"model {model.name}")
         ids = fim.prompt(plain_ids(model.tokenizer, args.prompt), plain_ids(model.tokenizer, args.suffix))
@@ -46,15 +50,15 @@ def run(args) -> int:
     elif args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})
-        prompt = model.render(messages)
+        ids = model.encode_chat(messages)  # what the template writes, its <bos> included
     else:
-        prompt = args.prompt
+        ids = model.encode(args.prompt, add_special_tokens=not args.no_special_tokens)  # as /v1/completions does
     engine = Engine(model, EngineConfig(cache_file=args.cache_file))
     if args.cache_file is not None:
         cache = attach_prefix_cache(engine)
         print(f"kvtool: prefix cache file {args.cache_file}: {describe_load(cache.loaded, 'after this run')}",
               file=sys.stderr)
-    gen = engine.generate(ids or model.encode(prompt), params, skip_special_tokens=not args.raw)
+    gen = engine.generate(ids, params, skip_special_tokens=not args.raw)
     for event in gen:
         sys.stdout.write(event.piece if args.raw else event.text)
         sys.stdout.flush()

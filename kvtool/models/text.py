@@ -6,13 +6,14 @@ engine that holds the weights itself (kvtool serve --engine vllm).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvtool.config import SamplingDefaults
-from kvtool.errors import InvalidParameterError, ModelLoadError
+from kvtool.errors import DoubleBosWarning, InvalidParameterError, ModelLoadError
 from kvtool.ids import as_token_ids
 from kvtool.models.spec import ModelSpec
 
@@ -27,7 +28,10 @@ class ModelText:
     def chat_template(self) -> str | None:
         return getattr(self.tokenizer, "chat_template", None)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A raw prompt's ids as its tokenizer encodes it: with the special tokens it adds (Gemma's and Llama's
+        `<bos>` first; none for Qwen or SmolLM2), as `/v1/completions` and transformers' `encode` do.
+        add_special_tokens=False: none added. Chat text goes through encode_chat or encode_rendered."""
         if not isinstance(text, str):
             raise InvalidParameterError(f"encode() takes text (a str); got {type(text).__name__}")
         try:
@@ -35,7 +39,23 @@ class ModelText:
         except UnicodeEncodeError as exc:  # a lone surrogate, or bytes the command line could not decode
             raise InvalidParameterError(f"the text is not valid UTF-8 / Unicode (an unpaired surrogate or an "
                                         f"undecodable byte at character {exc.start}); send valid UTF-8 text") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        bos = self.tokenizer.bos_token_id
+        if add_special_tokens and bos is not None and ids[:2] == [bos, bos]:
+            warnings.warn(f"the prompt starts with {self.tokenizer.bos_token} and {self.name}'s tokenizer adds "
+                          "another: it is rendered chat text, so encode it with encode_rendered (or encode_chat "
+                          "the messages)", DoubleBosWarning, stacklevel=2)
+        return ids
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Text that holds the special tokens it needs (a rendered chat template, a piece of one, or text that
+        continues other tokens), tokenized as written: no special token added."""
+        return self.encode(text, add_special_tokens=False)
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                    **template_kwargs) -> list[int]:
+        """The rendered conversation's ids, as `apply_chat_template(..., tokenize=True)` gives them."""
+        return self.encode_rendered(self.render(messages, tools, add_generation_prompt, **template_kwargs))
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         ids = as_token_ids(ids, "decode() ids")

@@ -253,7 +253,7 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and isinstance(
             body.prompt[0], (str, list)) else [body.prompt]  # several prompts: choice p * n + i is choice i of p
         if body.suffix is None:
-            ids = await run_in_threadpool(lambda: [served.encode(p, add_special_tokens=True) if isinstance(p, str)
+            ids = await run_in_threadpool(lambda: [served.encode(p, body.add_special_tokens) if isinstance(p, str)
                                                    else list(p) for p in prompts])
         else:  # fill in the middle: [PRE] prompt [SUF] suffix [MID], ended by a FIM stop token
             try:

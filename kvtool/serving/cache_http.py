@@ -220,4 +220,4 @@ def token_ids_from_body(body: dict, get_model, cache) -> list[int]:
     except InvalidParameterError as exc:  # a template error names what is wrong with the messages
         raise CacheRequestError(str(exc), param="messages") from None
     check_fits(text, model.context_window, model.tokenizer)
-    return model.encode(text)
+    return model.encode_rendered(text)

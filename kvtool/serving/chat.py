@@ -293,7 +293,8 @@ def prepare_chat(served: ServedModel, req, raw: dict, fmt: ToolFormat, answers_r
     if name:
         call_names = [name]
     text = prompt + prefill
-    return PreparedChat(prompt=text, prompt_ids=served.encode(text), tools=call_names, prefill=prefill,
+    ids = served.encode(text, bool(getattr(req, "add_special_tokens", False)))  # the template writes them
+    return PreparedChat(prompt=text, prompt_ids=ids, tools=call_names, prefill=prefill,
                         in_reasoning=ends_in_reasoning(text), call_schema=schema,
                         call_strict=schema is not None and call_strict(tools, name),
                         call_suffix=f"\n{fmt.close}" if schema is not None else "")

@@ -78,7 +78,7 @@ def conversation_ids(model, req: Conversation) -> tuple[list[int], str]:
         check_strings(tools, "tools")
         text = render_conversation(model, messages, tools, req.add_generation_prompt)
         check_fits(text, model.context_window, model.tokenizer)
-        return model.encode(text), text
+        return model.encode_rendered(text), text
     if req.prompt is not None:
         check_prompt_text(model, req.prompt, "prompt")
     ids = prompt_ids(model, req.prompt)

@@ -63,7 +63,7 @@ class LlamaCompletionRequest(Strict):
             if value is True:
                 raise ServingError(f"the logit_bias of {key!r} is true; give a number, or false to ban it",
                                    "logit_bias")
-            ids = [key] if isinstance(key, int) or keyed and key.strip().isdecimal() else served.encode(key)
+            ids = [key] if isinstance(key, int) or keyed and key.strip().isdecimal() else served.encode(key, False)
             bias |= {str(t): -100.0 if value is False else float(value) for t in ids}  # -100: kvtool's floor
         kvtool = GenerationRequest(
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,

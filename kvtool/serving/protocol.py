@@ -260,6 +260,7 @@ class ChatCompletionRequest(GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message is a prefix to continue
+    add_special_tokens: bool = False  # vLLM: the tokenizer's special tokens before the rendered prompt too
     raw_tokens: bool = False  # kvtool: every generated token as {id, piece, channel, t_ms}
     skills: list[str] | None = None  # kvtool: load these skills (GET /v1/skills) into the context
     prompt_logprobs: int | None = None  # vLLM: each prompt token's logprob (+ top k); the prompt is prefilled whole
@@ -277,6 +278,7 @@ class CompletionRequest(GenerationRequest):
     logprobs: int | None = None
     echo: bool = False  # the text starts with the prompt; with logprobs, the prompt tokens' come first
     suffix: str | None = None  # fill-in-the-middle: the prompt is the text before, suffix the text after
+    add_special_tokens: bool = True  # vLLM: a text prompt gets its tokenizer's special tokens (Gemma's <bos>)
     prompt_logprobs: int | None = None  # vLLM: each prompt token's logprob (+ top k); the prompt is prefilled whole
 
     def completion_sampling(self, default_max_tokens: int | None) -> SamplingParams:

@@ -50,7 +50,8 @@ class ServedModel:
     def check_prompt_text(self, text: str, where: str = "text") -> None:
         check_prompt_text(self, text, where)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A raw prompt gets the special tokens its tokenizer adds; rendered chat text is encoded without them."""
         self.check_prompt_text(text)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 

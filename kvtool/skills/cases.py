@@ -31,7 +31,7 @@ def _prefix_messages(model, prefix_tokens: int, listing: str) -> list[dict]:
     system = SYSTEM + (f"\n\nAvailable skills:\n{listing}" if listing else "")
     for i in range(201):
         messages = [{"role": "system", "content": system}, {"role": "user", "content": TASK}]
-        if i == 200 or len(model.encode(model.render(messages, add_generation_prompt=False))) >= prefix_tokens:
+        if i == 200 or len(model.encode_chat(messages, add_generation_prompt=False)) >= prefix_tokens:
             return messages
         system += " " + FILLER[i % len(FILLER)]
 
@@ -43,12 +43,12 @@ def build_case(model, catalog, names: list[str], prefix_tokens: int = 256, query
     its result (the block), then the user's query and the assistant start. The whole conversation is
     rendered by the chat template and cut where the blocks' exact ids are, as the server splices them."""
     messages = _prefix_messages(model, prefix_tokens, catalog.listing())
-    prefix = model.encode(model.render(messages, add_generation_prompt=False))
+    prefix = model.encode_chat(messages, add_generation_prompt=False)
     for name in names:
         messages = messages + catalog.messages(name)
 
     def cut(question: str) -> tuple[list[list[int]], list[int]]:
-        ids = model.encode(model.render(messages + [{"role": "user", "content": question}], add_generation_prompt=True))
+        ids = model.encode_chat(messages + [{"role": "user", "content": question}], add_generation_prompt=True)
         found = catalog.find(ids, len(prefix))
         if ids[:len(prefix)] != prefix or [m.name for m, _ in found] != list(names):
             raise KvtoolError(f"the chat template of {model.name} does not render the skills {list(names)} "

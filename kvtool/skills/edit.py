@@ -97,7 +97,7 @@ def plan_edit(model, context, span: tuple[int, int], new_value, unit: str = "cha
         raise EditInputError(f"span must be two integers [start, end), got {span!r}", param="span")
     if isinstance(context, str):
         text = context
-        old_ids = model.encode(text)
+        old_ids = model.encode_rendered(text)
     elif unit == "tokens" and isinstance(context, (list, tuple)):
         text, old_ids = None, [int(t) for t in context]
     else:
@@ -112,7 +112,7 @@ def plan_edit(model, context, span: tuple[int, int], new_value, unit: str = "cha
             new_text = model.decode(field)
         else:
             new_text = _check_text(new_value, "new_value")
-            field = model.encode(new_text)
+            field = model.encode_rendered(new_text)
         if not field:
             raise EditInputError("new_value is empty; an edit needs a value to put in the field", param="new_value")
         return FieldEdit(old_ids, old_ids[:lo] + field + old_ids[hi:], lo, hi, lo + len(field),
@@ -127,7 +127,7 @@ def plan_edit(model, context, span: tuple[int, int], new_value, unit: str = "cha
         raise EditInputError(f"no token covers the characters [{lo}, {hi}) of the context; give the span in "
                              "tokens", param="span")
     start, end = covered[0], covered[-1] + 1
-    new_ids = model.encode(text[:lo] + new_text + text[hi:])
+    new_ids = model.encode_rendered(text[:lo] + new_text + text[hi:])
     tail = len(old_ids) - end  # the tokens after the field, if they survive the edit unchanged
     same_tail = tail <= len(new_ids) - start and new_ids[len(new_ids) - tail :] == old_ids[end:]
     new_end = len(new_ids) - tail if same_tail else len(new_ids)
@@ -165,7 +165,7 @@ def user_turn_ids(model, text: str) -> list[int]:
     if not both.startswith(head):
         raise EditInputError("this model's chat template re-renders earlier turns when a user turn is added; "
                              "the erratum cannot be appended to the cached context", param="way")
-    return model.encode(both[len(head):])
+    return model.encode_rendered(both[len(head):])
 
 
 def check_context(runner, ids: list[int], cache) -> None:

@@ -32,9 +32,9 @@ def context_text() -> str:
 def _generic_system(model, tokens: int) -> str:
     """context.md repeated to at least `tokens` tokens, then cut back to `tokens`."""
     text = context_text()
-    ids = model.encode(text)
+    ids = model.encode_rendered(text)
     reps = -(-tokens // max(1, len(ids)))
-    return model.decode((model.encode("\n\n".join([text] * reps)))[:tokens]).strip()
+    return model.decode((model.encode_rendered("\n\n".join([text] * reps)))[:tokens]).strip()
 
 
 def preamble_ids(model, skill, rendered, spec: str) -> tuple[list[int], int]:
@@ -53,7 +53,7 @@ def preamble_ids(model, skill, rendered, spec: str) -> tuple[list[int], int]:
     shared_text = model.render(system, add_generation_prompt=False)
     head = model.render(system + base, add_generation_prompt=False)
     full = model.render(system + base + [turn], add_generation_prompt=False)
-    shared, ids = model.encode(shared_text), model.encode(head)
+    shared, ids = model.encode_rendered(shared_text), model.encode_rendered(head)
     if not head.startswith(shared_text) or full != head + rendered.text or ids[:len(shared)] != shared:
         raise KvtoolError(f"the chat template of {model.name} renders the skill {skill.name!r} differently after a "
                           "system turn, so it cannot be compiled deep in a conversation; use the preamble "

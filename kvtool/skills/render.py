@@ -73,7 +73,7 @@ def render_skill(model, skill: Skill, mode: str = "tool") -> RenderedSkill:
         raise KvtoolError(f"the chat template of {model.name} re-renders earlier turns when a {mode!r} turn is "
                           f"added, so the skill {skill.name!r} has no fixed text; try --render user")
     text = full[len(head):]
-    ids, head_ids = model.encode(text), model.encode(head)
+    ids, head_ids = model.encode_rendered(text), model.encode_rendered(head)
     after = model.render(base + [turn], add_generation_prompt=True)[len(full):]
-    safe = model.encode(head + text + after) == head_ids + ids + model.encode(after)
+    safe = model.encode_rendered(head + text + after) == head_ids + ids + model.encode_rendered(after)
     return RenderedSkill(skill.name, mode, text, ids, head_ids, safe)

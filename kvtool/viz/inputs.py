@@ -130,7 +130,7 @@ def prompt_ids(model, prompt: str | None = None, messages: list[dict] | None = N
         if not chat:
             return model.encode(prompt)
         messages = [{"role": "user", "content": prompt}]
-    return model.encode(render_conversation(model, messages, tools))
+    return model.encode_rendered(render_conversation(model, messages, tools))
 
 
 def build_tokens(model, ids: list[int], generate: int = 0, params=None) -> Tokens:

@@ -63,7 +63,7 @@ def filler_sentences(rng: random.Random, count: int) -> list[str]:
 def needle_prompt(model, context_tokens: int, depth: float, needle: tuple[str, str, str], seed: int) -> str:
     """Chat prompt with ~context_tokens of filler, the fact at sentence index round(depth * count)."""
     rng = random.Random(seed)
-    per_sentence = len(model.encode(" ".join(filler_sentences(random.Random(0), 20)))) / 20
+    per_sentence = len(model.encode_rendered(" ".join(filler_sentences(random.Random(0), 20)))) / 20
     sentences = filler_sentences(rng, max(1, int(context_tokens / per_sentence)))
     sentences.insert(round(depth * len(sentences)), needle[0])
     doc = " ".join(sentences)
@@ -115,7 +115,8 @@ def needle_experiment(model, context_tokens: int, depths: list[float], trials: i
     for d in depths:
         for t in range(trials):
             needle = NEEDLES[t]
-            ids = model.encode(needle_prompt(model, context_tokens, d, needle, seed + t))
+            prompt = needle_prompt(model, context_tokens, d, needle, seed + t)
+            ids = model.encode_rendered(prompt) if model.chat_template else model.encode(prompt)
             if len(ids) + MAX_ANSWER > model.context_window:
                 raise InvalidParameterError(f"the needle prompt came to {len(ids)} tokens, which leaves no room for "
                                             f"a {MAX_ANSWER}-token answer in the context window of "

@@ -194,8 +194,8 @@ def test_shape_runs_render_prompts_with_a_tokenizer_folder(qwen25, monkeypatch):
     with loading.load_bench_model(shape="qwen3-0.6b", device="cpu", tokenizer=str(qwen25.folder)) as bm:
         assert bm.name == f"qwen3-0.6b shape (random weights, tokenizer from {qwen25.folder})" and bm.random_weights
         messages = [{"role": "user", "content": "What is 2 + 2?"}]
-        ids = bm.model.encode(bm.model.render(messages))
-        assert ids == qwen25.encode(qwen25.render(messages)) and "<|im_start|>" in bm.model.render(messages)
+        ids = bm.model.encode_chat(messages)
+        assert ids == qwen25.encode_chat(messages) and "<|im_start|>" in bm.model.render(messages)
         result = InProcessBackend.for_model(bm.model, max_tokens=2).send(ChatRequest(messages, None, "q"))
         assert result.prompt_tokens == len(ids) and result.output_tokens == 2
     with pytest.raises(InvalidParameterError, match="has 151936 tokens; the model's vocabulary has only 256"):

@@ -23,7 +23,7 @@ def test_every_case_is_an_in_place_edit_of_one_field(request, name):
         edit = plan_edit(model, text, case.field_span(text), case.new)
         assert edit.in_place, case.name
         assert model.decode(edit.old_ids[edit.start : edit.end]).strip() == case.old, case.name
-        assert edit.new_ids == model.encode(model.render(case.messages(case.new), add_generation_prompt=False))
+        assert edit.new_ids == model.encode_chat(case.messages(case.new), add_generation_prompt=False)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -81,7 +81,7 @@ def test_cached_reasoning_mode_caches_the_reasoning_before_the_edit(request, nam
     reasoning = rows[0]["cached_reasoning"]
     assert reasoning and all(r["cached_reasoning"] == reasoning for r in rows)
     text = model.render(case[0].messages(case[0].old), add_generation_prompt=False)
-    assert rows[0]["context_tokens"] > len(model.encode(text)) + 4  # the question and the reasoning are cached too
+    assert rows[0]["context_tokens"] > len(model.encode_rendered(text)) + 4  # the question and reasoning are cached too
     for r in rows:
         if r["way"] == "full":
             assert r["agree_text"] and r["fraction"] == 1.0

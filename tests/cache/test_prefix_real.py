@@ -22,7 +22,7 @@ SYSTEM = ("You are a careful assistant for a small bakery. Answer in one or two 
 
 
 def chat_ids(model, user, system=SYSTEM):
-    return model.encode(model.render([{"role": "system", "content": system}, {"role": "user", "content": user}]))
+    return model.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": user}])
 
 
 class Reference:
@@ -53,10 +53,11 @@ def engines(smollm2, reference):
 def test_greedy_tokens_identical_for_0_50_99_100_percent_sharing(smollm2, engines):
     plain, engine = engines
     base = chat_ids(smollm2, QUESTION)
-    other = smollm2.encode(" Tell me about the sourdough loaves and rye breads you bake every morning, please.")
+    other = smollm2.encode_rendered(" Tell me about the sourdough loaves and rye breads you bake every morning, "
+                                    "please.")
     prompts = {"0%": chat_ids(smollm2, "Do you sell gluten-free cakes?", system="You are a pirate. Speak like one."),
                "50%": base[: len(base) // 2] + other[: len(base) - len(base) // 2],
-               "99%": base[:-1] + smollm2.encode(" Thanks!")[:1],
+               "99%": base[:-1] + smollm2.encode_rendered(" Thanks!")[:1],
                "100%": base}
     first = engine.generate(base, GREEDY).run()
     assert first.timings.cached_tokens == 0 and first.token_ids == plain.generate(base).token_ids
@@ -80,7 +81,7 @@ def test_a_prefix_ending_inside_a_block_is_reused_exactly(smollm2, engines):
     cache, runner = engine.prefix_cache, smollm2.runner
     base = chat_ids(smollm2, QUESTION)
     engine.generate(base, GREEDY).run()
-    tail = smollm2.encode(" Also, do you bake rye bread on Sundays?")
+    tail = smollm2.encode_rendered(" Also, do you bake rye bread on Sundays?")
     cuts = [n for n in range(len(base) - 12, 0, -1) if n % 16][:2]  # leave the cache inside a block
     prompts = [base[:n] + tail for n in cuts]
     kv, n, handle = cache.prepare(prompts[0], runner)
@@ -114,7 +115,7 @@ def test_a_hit_reads_the_cached_blocks_in_place_and_copies_only_a_partial_one(na
     cache = attach_prefix_cache(engine, budget_bytes=64 << 20)
     base = chat_ids(model, QUESTION)
     engine.generate(base, GREEDY).run()
-    prompt = base[:40] + model.encode(" And rye bread?")  # 2 full blocks of 16 and 8 tokens of a third
+    prompt = base[:40] + model.encode_rendered(" And rye bread?")  # 2 full blocks of 16 and 8 tokens of a third
     kv, n, handle = cache.prepare(prompt, runner)
     assert runner.cpu_decode and n == 40 and cache.stats()["copied_tokens"] == 8
     assert [b.data_ptr() for b in kv.layers[5].blocks] == [b.data_ptr() for b in
@@ -146,7 +147,7 @@ def test_requests_that_read_one_cached_prefix_in_place_run_together_under_a_smal
     plain, engine = engines
     prefix = chat_ids(smollm2, QUESTION)
     engine.prefix_cache.pin(prefix)
-    a, b = prefix + smollm2.encode(" In euros."), prefix + smollm2.encode(" And on Sundays?")
+    a, b = prefix + smollm2.encode_rendered(" In euros."), prefix + smollm2.encode_rendered(" And on Sundays?")
     sched = BatchScheduler(engine, max_running=2, prefill_budget=512, kv_budget_tokens=len(prefix) + 40)
     ga, gb = sched.submit(a, GREEDY), sched.submit(b, GREEDY)
     sched.step()
@@ -206,7 +207,7 @@ def test_pin_system_prompt_over_http_then_hit(smollm2, engines):
     system = [{"role": "system", "content": SYSTEM}]
     r = client.post("/v1/cache/pin", json={"messages": system})
     assert r.status_code == 200, r.text
-    n_system = len(smollm2.encode(smollm2.render(system, add_generation_prompt=False)))
+    n_system = len(smollm2.encode_chat(system, add_generation_prompt=False))
     assert r.json()["tokens"] == n_system and r.json()["pinned_tokens"] == n_system // 16 * 16
     got = engine.generate(chat_ids(smollm2, "Are you open on Sunday?"), GREEDY).run()
     assert got.timings.cached_tokens == n_system // 16 * 16

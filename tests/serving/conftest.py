@@ -102,6 +102,13 @@ def vllm_qwen_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def vllm_gemma_server(tmp_path_factory):
+    from kvtool.testing.models import gemma3_gguf
+
+    yield from _vllm_server(gemma3_gguf(), tmp_path_factory, 8)
+
+
+@pytest.fixture(scope="session")
 def gemma_server(gemma3):
     srv = start_server(gemma3, default_max_tokens=8)
     yield srv

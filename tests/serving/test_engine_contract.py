@@ -1,6 +1,7 @@
 """One HTTP contract, two engines: every test runs on kvtool's own engine and on --engine vllm, with SmolLM2
 and Qwen2.5 (the official `openai` client, the Responses route, the raw token stream, the render route, cached
-tokens, bad input, a client that hangs up). The vLLM cases skip only where vLLM is not installed."""
+tokens, bad input, a client that hangs up), and Gemma 3 for add_special_tokens (its tokenizer adds <bos>). The vLLM
+cases skip only where vLLM is not installed."""
 
 from __future__ import annotations
 
@@ -309,3 +310,57 @@ def test_metrics(http, server):
     assert "kvtool_generation_tokens_total" in text and "kvtool_time_to_first_token_seconds_bucket" in text
     if server.engine == "vllm":
         assert "vllm:prompt_tokens" in text
+
+
+GEMMA = {"kvtool": "gemma_server", "vllm": "vllm_gemma_server"}
+FRANCE = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def gemma_reference():
+    """transformers on Gemma 3's converted folder: the tokenizer's ids of FRANCE (<bos> first) and of a chat, and
+    the greedy 8-token continuations of FRANCE with and without <bos>."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvtool.models.loading import load_text
+    from kvtool.testing.models import gemma3_gguf
+
+    folder = str(load_text(str(gemma3_gguf())).folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = tok.encode(FRANCE)
+    with torch.no_grad():
+        def greedy(prompt):
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+            return tok.decode(out[0, len(prompt):], skip_special_tokens=True)
+
+        texts = greedy(ids), greedy(ids[1:])
+    chat = tok.apply_chat_template(ASK, tokenize=True, add_generation_prompt=True, return_dict=False)
+    return {"ids": ids, "text": texts[0], "bare_text": texts[1], "chat": list(chat),
+            "chat_doubled": tok.encode(tok.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True))}
+
+
+@pytest.mark.parametrize("engine", list(GEMMA), ids=lambda e: f"{e}-gemma")
+def test_add_special_tokens_as_the_tokenizer_adds_them(engine, request, gemma_reference):
+    """Gemma 3 (its tokenizer adds <bos>): a raw prompt gets it unless add_special_tokens is false, and then
+    continues as transformers does; a chat prompt has the template's one <bos> unless add_special_tokens is true."""
+    ref, srv = gemma_reference, request.getfixturevalue(GEMMA[engine])
+    with httpx.Client(base_url=srv.base_url, timeout=300) as http:
+        def complete(**extra):
+            body = {"prompt": FRANCE, "temperature": 0, "max_tokens": 8, "ignore_eos": True, **extra}
+            out = http.post("/v1/completions", json=body).json()
+            return out["choices"][0]["text"], out["usage"]["prompt_tokens"]
+
+        def chat_prompt_tokens(**extra):
+            body = {"messages": ASK, "max_tokens": 1, **extra}
+            return http.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
+
+        assert complete() == (ref["text"], len(ref["ids"]))
+        assert complete(add_special_tokens=False) == (ref["bare_text"], len(ref["ids"]) - 1)
+        assert ref["bare_text"] != ref["text"]
+        assert http.post("/tokenize", json={"prompt": FRANCE}).json()["tokens"] == ref["ids"]
+        assert http.post("/tokenize", json={"messages": ASK}).json()["tokens"] == ref["chat"]
+        assert chat_prompt_tokens() == len(ref["chat"])
+        assert chat_prompt_tokens(add_special_tokens=True) == len(ref["chat_doubled"]) == len(ref["chat"]) + 1

@@ -51,7 +51,7 @@ def test_unset_fields_are_the_models_and_named_ones_win(smol):
 def test_python_api_takes_the_defaults_where_the_caller_named_none(smollm2):
     assert smollm2.sampling_defaults == SamplingDefaults(**SMOL_CARD)
     engine = Engine(smollm2)
-    prompt = smollm2.encode(smollm2.render(FRANCE))
+    prompt = smollm2.encode_chat(FRANCE)
     gen = engine.generate(prompt, kvtool.SamplingParams(max_tokens=16, seed=1)).run()
     assert (gen.params.temperature, gen.params.top_p, gen.params.top_k) == (0.2, 0.9, 0)
     named = engine.generate(prompt, kvtool.SamplingParams(max_tokens=16, seed=1, **CARD_VALUES)).run()

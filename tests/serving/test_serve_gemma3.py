@@ -19,7 +19,7 @@ def test_chat_stream_and_usage_through_the_openai_client(gemma3, gemma_server):
     name = client.models.list().data[0].id
     assert name.startswith("gemma-3-270m")
     out = client.chat.completions.create(model=name, messages=ASK, temperature=0, max_tokens=8)
-    prompt = gemma3.encode(gemma3.render(ASK))
+    prompt = gemma3.encode_chat(ASK)
     want = Engine(gemma3).generate(prompt, SamplingParams(temperature=0, max_tokens=8)).run()
     assert out.choices[0].message.content == want.text.strip() or out.choices[0].message.content == want.text
     assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == len(want.token_ids)

@@ -81,3 +81,14 @@ def test_engine_kwargs_defaults_then_user():
     gpu = engine_kwargs("/m", "auto", on_gpu=True, user={})
     assert gpu["dtype"] == "auto" and "enforce_eager" not in gpu and gpu["enable_prefix_caching"]
     assert gpu["structured_outputs_config"] == {"backend": "guidance"}  # llguidance, as on kvtool's engine
+
+
+def test_a_config_naming_no_architecture_gets_the_causal_lm_for_its_model_type():
+    """A converted GGUF's config names no architecture; vLLM would load Gemma 3's as an embedding model."""
+    from kvtool.engines.vllm.settings import engine_kwargs
+
+    named = engine_kwargs("/m", "auto", on_gpu=False, user={}, model_type="gemma3_text")
+    assert named["hf_overrides"] == {"architectures": ["Gemma3ForCausalLM"]}
+    assert "hf_overrides" not in engine_kwargs("/m", "auto", on_gpu=False, user={})
+    mine = {"architectures": ["Mine"]}
+    assert engine_kwargs("/m", "auto", False, {"hf_overrides": mine}, "gemma3_text")["hf_overrides"] == mine

@@ -46,7 +46,7 @@ def conversation_ids(model, catalog, *names):
     for name in names:
         msgs += catalog.messages(name)
     msgs.append({"role": "user", "content": "Now write them."})
-    return model.encode(model.render(msgs))
+    return model.encode_chat(msgs)
 
 
 def test_render_is_a_whole_turn_and_boundary_safe(smollm2, catalog):
@@ -83,7 +83,7 @@ def test_block_metadata_records_the_setup(smollm2, catalog):
 
 def test_relocated_layer0_kv_equals_full_prefill(smollm2, catalog):
     blocks = [catalog.block("haiku"), catalog.block("limerick")]
-    prefix, suffix = smollm2.encode("<|im_start|>user\nHello there, poet.<|im_end|>\n"), [198]
+    prefix, suffix = smollm2.encode_rendered("<|im_start|>user\nHello there, poet.<|im_end|>\n"), [198]
     out = compose(smollm2.runner, prefix, blocks, suffix, repair="none")
     seq = prefix + blocks[0].token_ids + blocks[1].token_ids + suffix
     ref = smollm2.runner.new_cache(len(seq) + 1)
@@ -221,7 +221,7 @@ def test_qwen25_compile_and_relocate(qwen25):
     block = compile_skill(qwen25, parse_skill(HAIKU), preamble="none")
     assert block.meta["boundary_safe"] == "true" and block.token_ids[0] == 151644  # <|im_start|>
     assert block.canonical_start == 0
-    prefix = qwen25.encode("<|im_start|>user\nHi<|im_end|>\n")
+    prefix = qwen25.encode_rendered("<|im_start|>user\nHi<|im_end|>\n")
     out = compose(qwen25.runner, prefix, [block], [], repair="none")
     ref = qwen25.runner.new_cache()
     qwen25.runner.prefill(prefix + block.token_ids, ref)

@@ -34,7 +34,7 @@ def test_status_bar_focus_on_qwen25(qwen25, tmp_path):
 
 
 def test_position_buckets_and_needle_on_qwen25(qwen25, tmp_path):
-    ids = qwen25.encode(needle_prompt(qwen25, 150, 0.5, NEEDLES[0], seed=3))
+    ids = qwen25.encode_rendered(needle_prompt(qwen25, 150, 0.5, NEEDLES[0], seed=3))
     res = position_stats(qwen25, ids, rows=list(range(4, len(ids))), n_buckets=8)
     record = res.to_json()
     assert abs(sum(record["by_position_mean"]) - 1) < 1e-4 and abs(sum(record["by_distance_mean"]) - 1) < 1e-4

@@ -192,7 +192,9 @@ def load_backend(model: str, dtype: str = "auto", engine_args: dict | None = Non
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    kwargs = engine_kwargs(str(text.folder), dtype, torch.cuda.is_available(), engine_args or {})
+    named = getattr(text.hf_config, "architectures", None)
+    kwargs = engine_kwargs(str(text.folder), dtype, torch.cuda.is_available(), engine_args or {},
+                           None if named else text.hf_config.model_type)
     if isinstance(kwargs.get("structured_outputs_config"), dict):  # EngineArgs keeps a dict as it is
         from vllm.config import StructuredOutputsConfig
 

@@ -127,9 +127,16 @@ def parse_value(key: str, raw: str, hint) -> object:
     raise InvalidParameterError(f"--engine-arg {key}={raw!r}: expected {names} (dicts and lists as JSON)")
 
 
-def engine_kwargs(folder: str, dtype: str, on_gpu: bool, user: dict) -> dict:
-    """EngineArgs keyword arguments: kvtool's defaults, then the user's --engine-arg values on top."""
+def engine_kwargs(folder: str, dtype: str, on_gpu: bool, user: dict, model_type: str | None = None) -> dict:
+    """EngineArgs keyword arguments: kvtool's defaults, then the user's --engine-arg values on top. model_type: that
+    of a config naming no architecture (a converted GGUF's), which then names transformers' causal LM for it (vLLM
+    would guess, and for gemma3_text guesses an embedding model)."""
     kwargs = {"model": folder, "dtype": "float32" if dtype == "auto" and not on_gpu else dtype,
               **ENGINE_DEFAULTS, **({} if on_gpu else CPU_ENGINE_DEFAULTS)}
+    if model_type:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            kwargs["hf_overrides"] = {"architectures": [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]}
     kwargs.update(user)
     return kwargs
