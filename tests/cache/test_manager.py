@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvtool import SamplingParams
 from kvtool.cache.kv import KVCache
 from kvtool.cache.manager import PrefixCache, attach_prefix_cache, memory_split
-from kvtool.config import EngineConfig
+from kvtool.config import EngineConfig, SamplingDefaults
 from kvtool.engine import Engine
 from kvtool.errors import InvalidParameterError, PrefixCacheWarning
 from kvtool.testing.tiny import tiny_checkpoint, tiny_runner
@@ -30,6 +30,8 @@ class CharTokenizer:
 
 class TinyModel:
     """What Engine needs from a LoadedModel."""
+
+    sampling_defaults = SamplingDefaults()  # the plain ones: no generation config
 
     def __init__(self, runner):
         self.runner, self.tokenizer, self.context_window = runner, CharTokenizer(), 512
