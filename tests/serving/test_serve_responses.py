@@ -79,9 +79,11 @@ def test_stream_a_function_call_then_answer_its_result(qwen_server):
     assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
     assert json.loads(call.arguments) == {"city": "Paris"} and call.call_id.startswith("call_")
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}
-    # tool_choice none: the 0.5B model would call again; the stored call and its result render as chat turns
+    # tool_choice none: the 0.5B model would call again; the stored call and its result render as chat turns. Its
+    # generation_config's repetition_penalty 1.05 has greedy Qwen2.5-Coder-0.5B write the call again as text: off
     answer = oai.responses.create(model=final.model, input=[result], tools=[WEATHER], tool_choice="none",
-                                  previous_response_id=final.id, temperature=0, max_output_tokens=30)
+                                  previous_response_id=final.id, temperature=0, max_output_tokens=30,
+                                  extra_body={"repetition_penalty": 1.0})
     assert answer.output[0].type == "message" and "24" in answer.output_text
 
 
