@@ -21,7 +21,8 @@ VLLM_TESTS="tests/test_no_shadowing.py tests/test_install.py
   tests/bench/test_grammar_engines_bench.py tests/test_jsonschemabench_xgrammar.py"
 # the HTTP contract's kvtool-engine cases ran in .venv already: here only the vLLM ones (parity runs both engines)
 VLLM_ONLY="not kvtool-smol and not kvtool-qwen and not kvtool-gemma"
-VLLM_ALONE="tests/serving/test_skill_cache_contract.py tests/serving/test_vllm_cache_file.py"
+VLLM_ALONE="tests/serving/test_skill_cache_contract.py tests/serving/test_vllm_cache_file.py
+  tests/serving/test_vllm_standalone.py"
 status=0
 .venv/bin/python -m pytest -q "$@" || status=$?
 if [ $# -eq 0 ]; then

@@ -69,6 +69,15 @@ class Layout:
             out.append(parent.hex())
         return out
 
+    def tail_key(self, tokens: Sequence[int]) -> str | None:
+        """The key of the partial block that ends ``tokens`` (after its whole blocks), as hex; None if none. Its
+        record's payload is a whole block's, the positions past the tail zero."""
+        whole = len(tokens) // self.block_size * self.block_size
+        if whole == len(tokens):
+            return None
+        keys = self.keys(tokens)
+        return chain_key(bytes.fromhex(keys[-1]) if keys else self.root, tokens[whole:]).hex()
+
 
 def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + struct.pack(f"<{len(tokens)}q", *tokens), digest_size=16).digest()

@@ -77,6 +77,12 @@ class DirStore(KVStore):
         except FileNotFoundError:
             return None
 
+    def held(self, keys: Sequence[str]) -> int:
+        for i, key in enumerate(keys):
+            if not self.path(key).is_file():
+                return i
+        return len(keys)
+
     def put(self, key: str, record: bytes) -> bool:
         path = self.path(key)
         if path.exists():

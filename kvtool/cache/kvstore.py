@@ -34,6 +34,13 @@ class KVStore(ABC):
     def put(self, key: str, record: bytes) -> bool:
         """Publish ``record`` under ``key`` atomically; False (and nothing written) when the key is there already."""
 
+    def held(self, keys: Sequence[str]) -> int:
+        """How many of ``keys``, from the first, are stored now (a chain's run; no record is read whole)."""
+        for i, key in enumerate(keys):
+            if self.get(key) is None:
+                return i
+        return len(keys)
+
     @abstractmethod
     def touch(self, keys: Sequence[str]) -> None:
         """Mark ``keys`` used now, the first the most recently (a chain root first, so its leaves evict first)."""

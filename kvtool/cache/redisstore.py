@@ -120,6 +120,10 @@ class RedisStore(KVStore):
     def get(self, key: str) -> bytes | None:
         return self._call("GET", PREFIX + key)
 
+    def held(self, keys: Sequence[str]) -> int:
+        found = self._pipeline([("EXISTS", PREFIX + k) for k in keys]) if keys else []
+        return next((i for i, n in enumerate(found) if not n), len(keys))
+
     def put(self, key: str, record: bytes) -> bool:
         return self._call("SET", PREFIX + key, record, "NX") == "OK"
 

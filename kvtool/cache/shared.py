@@ -24,6 +24,7 @@ from kvtool.cache.kvlog import block_bytes
 from kvtool.cache.kvstore import KVStore, open_store
 from kvtool.errors import PrefixCacheWarning
 
+TAIL = -1  # in a queued job: the partial block that ends its tokens (Layout.tail_key)
 READ_BATCH = 64  # blocks read from the store before they go into the cache
 MAX_QUEUED_BLOCKS = 1024  # blocks waiting for the writer; a commit's blocks beyond it are not shared (counted in
 # store_dropped_blocks): the chain's first blocks are, so what the store gets is still a prefix
@@ -103,15 +104,27 @@ class SharedBlocks:
 
     def save(self, tokens: Sequence[int], new: list[tuple[int, int]], block_store) -> None:
         """Queue the blocks ``new`` = [(block index in tokens, block id in block_store)] for the store."""
-        room = 0
-        while room < len(new) and self._room.acquire(blocking=False):
-            room += 1
-        self.stats["store_dropped_blocks"] += len(new) - room
-        if not (new := sorted(new)[:room]):
+        if not (new := sorted(new)[:self._room_for(len(new))]):
             return
         blocks = block_store.tensors([block_id for _, block_id in new])
         end = (new[-1][0] + 1) * self.layout.block_size
         self._queue.put((list(tokens[:end]), [(i, kv) for (i, _), kv in zip(new, blocks)]))
+
+    def queue(self, tokens: Sequence[int], blocks: list[tuple[int, torch.Tensor]]) -> int:
+        """Queue KV [2, L, H, B, D] for the store: (i, kv) for the i-th whole block of ``tokens``, (TAIL, kv) for the
+        partial block that ends them (zero past the tail). Returns the blocks queued (the rest are dropped, counted:
+        the writer is behind)."""
+        if room := self._room_for(len(blocks)):
+            self._queue.put((list(tokens), blocks[:room]))
+        return room
+
+    def _room_for(self, n: int) -> int:
+        """How many of n more blocks the queue takes now; the others are counted as dropped."""
+        room = 0
+        while room < n and self._room.acquire(blocking=False):
+            room += 1
+        self.stats["store_dropped_blocks"] += n - room
+        return room
 
     def flush(self) -> None:
         """Wait until every queued block is written."""
@@ -162,18 +175,25 @@ def _write_loop(jobs: queue.Queue, store: KVStore, layout: Layout, stats: dict, 
     while (job := jobs.get()) is not None:
         tokens, blocks = job
         try:
-            keys, bs = layout.keys(tokens), layout.block_size
-            for i, kv in blocks:
-                record = encode(layout, keys[i], keys[i - 1] if i else None, tokens[i * bs : (i + 1) * bs],
-                                block_bytes(kv))
-                stats["store_written_blocks"] += store.put(keys[i], record)
-            store.touch(keys)
+            write(store, layout, stats, tokens, blocks)
         except Exception as exc:
             warn("writing", exc)
         finally:
             room.release(len(blocks))
             jobs.task_done()
     jobs.task_done()
+
+
+def write(store: KVStore, layout: Layout, stats: dict, tokens: Sequence[int], blocks) -> None:
+    """Publish blocks [(i, kv)] of ``tokens`` (as SharedBlocks.queue takes them) to ``store``, now."""
+    keys, bs = layout.keys(tokens), layout.block_size
+    for i, kv in blocks:
+        if i == TAIL:
+            key, parent, held = layout.tail_key(tokens), keys[-1] if keys else None, tokens[len(keys) * bs:]
+        else:
+            key, parent, held = keys[i], keys[i - 1] if i else None, tokens[i * bs : (i + 1) * bs]
+        stats["store_written_blocks"] += store.put(key, encode(layout, key, parent, held, block_bytes(kv)))
+    store.touch(keys)
 
 
 def _stop(jobs: queue.Queue, thread: threading.Thread) -> None:

@@ -41,6 +41,8 @@ def export_store(store: KVStore, path: str | Path, model: str | None = None) -> 
         header, payload = found
         d = header["layout"]
         layout = Layout.from_dict(d)
+        if len(header["tokens"]) != layout.block_size:  # a partial tail (Layout.tail_key): no block of a .kvc
+            continue
         if model is None or d["setup"].get("model") == model:
             layouts[layout.root.hex()] = layout
             records.setdefault(layout.root.hex(), {})[key] = (header["parent"], header["tokens"], payload)

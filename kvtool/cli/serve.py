@@ -100,8 +100,6 @@ def run(args) -> int:
     from kvtool.skill_settings import canonical_preamble
 
     cfg = config_from_args(args)
-    if getattr(args, "kv_store", None) is not None and args.engine != "kvtool":
-        raise InvalidParameterError("--kv-store is read by kvtool's own engine; with --engine vllm leave it out")
     if args.engine == "vllm":
         from kvtool.cli.serve_vllm import run_vllm
 

@@ -44,21 +44,31 @@ def check_options(args) -> dict:
 
 
 def kv_config(args, engine_args: dict):
-    """The EngineConfig of kvtool's connector (--skills, --skill-*, --cache-file, --cache-bytes), checked before
-    anything loads; its skills_dir and cache_file None when neither is given (no connector)."""
+    """The EngineConfig of kvtool's connector (--skills, --skill-*, --kv-store, --cache-file), checked before
+    anything loads; its skills_dir, kv_store and cache_file None when none is given (no connector). The connector
+    places blocks with repair none (it computes nothing itself): that is the default here, and another repair
+    named is refused."""
     from kvtool.cli.common import check_writable
     from kvtool.config import EngineConfig
+    from kvtool.engines.vllm.mount import MountSettings
     from kvtool.skill_settings import canonical_preamble
 
     canonical_preamble(args.skill_preamble)
+    repair = "none" if args.skill_repair == ENGINE.skill_repair else args.skill_repair
+    MountSettings.from_extra({"repair": repair})
     kv = EngineConfig(cache_bytes=args.cache_bytes, cache_file=args.cache_file, skills_dir=args.skills,
-                      skill_repair=args.skill_repair, skill_preamble=args.skill_preamble,
+                      kv_store=getattr(args, "kv_store", None), kv_store_bytes=getattr(args, "kv_store_bytes", None),
+                      skill_repair=repair, skill_preamble=args.skill_preamble,
                       skill_min_tokens=getattr(args, "skill_min_tokens", ENGINE.skill_min_tokens),
                       generation_config=args.generation_config).validate()
     check_writable(args.cache_file, "--cache-file")
-    if (kv.skills_dir or kv.cache_file) and "kv_transfer_config" in engine_args:
-        raise InvalidParameterError("--skills and --cache-file install kvtool's KV connector on vLLM; they cannot be "
-                                    "combined with --engine-arg kv_transfer_config")
+    if (kv.skills_dir or kv.cache_file or kv.kv_store) and "kv_transfer_config" in engine_args:
+        raise InvalidParameterError("--skills, --kv-store and --cache-file mount kvtool's KV connector on vLLM; they "
+                                    "cannot be combined with --engine-arg kv_transfer_config")
+    if kv.kv_store is not None:  # a store that cannot open (a file, no Redis server there) fails before the load
+        from kvtool.cache.kvstore import open_store
+
+        open_store(kv.kv_store, kv.kv_store_bytes).close()
     return kv
 
 

@@ -76,6 +76,7 @@ class SkillCatalog:
     blocks: dict[str, SkillBlock] = field(default_factory=dict)
     paths: dict[str, Path] = field(default_factory=dict)
     index: BlockIndex = field(default_factory=BlockIndex)
+    sizes: dict[str, int] = field(default_factory=dict)  # each block's KV bytes, kept when without_kv drops the KV
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -112,7 +113,17 @@ class SkillCatalog:
 
     def summary(self) -> list[dict]:
         return [{"name": n, "tokens": len(self.blocks[n]), "description": self.skills[n].description,
-                 "bytes": self.blocks[n].nbytes, "file": str(self.paths.get(n, ""))} for n in self.names()]
+                 "bytes": self.sizes.get(n, self.blocks[n].nbytes), "file": str(self.paths.get(n, ""))}
+                for n in self.names()]
+
+    def without_kv(self) -> "SkillCatalog":
+        """This catalog with its blocks' KV released (another engine reads the .kvb files); names, token ids and
+        sizes stay for listing and matching."""
+        for name, block in self.blocks.items():
+            self.sizes[name] = block.nbytes
+            empty = (*block.keys.shape[:2], 0, block.keys.shape[3])
+            block.keys, block.values = block.keys.new_empty(empty), block.values.new_empty(empty)
+        return self
 
 
 def load_catalog(folder: str | Path, model, cache_dir: str | Path | None = None, render: str = "tool",

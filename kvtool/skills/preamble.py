@@ -48,11 +48,11 @@ def preamble_ids(model, skill, rendered, spec: str) -> tuple[list[int], int]:
     tokens = min(tokens, model.runner.spec.max_position - len(rendered.head_ids) - len(rendered.ids) - 16)
     if name == "conversation" or tokens < 1:  # a window too small for depth keeps the conversation head
         return list(rendered.head_ids), 0
-    base, turn = RENDER_MODES[rendered.mode](skill)
+    base, turns = RENDER_MODES[rendered.mode](skill)
     system = [{"role": "system", "content": _generic_system(model, tokens)}]
     shared_text = model.render(system, add_generation_prompt=False)
     head = model.render(system + base, add_generation_prompt=False)
-    full = model.render(system + base + [turn], add_generation_prompt=False)
+    full = model.render(system + base + turns, add_generation_prompt=False)
     shared, ids = model.encode_rendered(shared_text), model.encode_rendered(head)
     if not head.startswith(shared_text) or full != head + rendered.text or ids[:len(shared)] != shared:
         raise KvtoolError(f"the chat template of {model.name} renders the skill {skill.name!r} differently after a "

@@ -1,8 +1,10 @@
-"""Render a skill exactly as it appears in context: one whole chat turn, cut out of the chat template.
+"""Render a skill exactly as it appears in context: whole chat turns, cut out of the chat template.
 
-A turn starts with a special token (`<|im_start|>`) and is followed by one, so BPE merges cannot
-cross its edges and the prompt's tokenization contains the block's ids verbatim. `boundary_safe`
-records whether that held for this model's tokenizer (checked, not assumed).
+The "tool" mode's block is the assistant's Skill call and the tool turn that answers it, so skills loaded one
+after another are adjacent blocks with no text between them (an engine that only supplies a prompt's prefix,
+as vLLM's KV connector does, can place them all). A turn starts with a special token (`<|im_start|>`) and is
+followed by one, so BPE merges cannot cross its edges and the prompt's tokenization contains the block's ids
+verbatim. `boundary_safe` records whether that held for this model's tokenizer (checked, not assumed).
 """
 
 from __future__ import annotations
@@ -29,31 +31,27 @@ class RenderedSkill:
         return hashlib.sha256(self.text.encode()).hexdigest()
 
 
-def _tool_turn(skill: Skill) -> tuple[list[dict], dict]:
-    """The Skill tool's result: an assistant tool call, then the tool message with the instructions."""
+def _tool_turn(skill: Skill) -> tuple[list[dict], list[dict]]:
+    """The assistant's Skill tool call, then the tool message with the instructions."""
     call = {"role": "assistant", "content": "",
             "tool_calls": [{"type": "function", "function": {"name": "Skill", "arguments": {"name": skill.name}}}]}
-    base = [{"role": "user", "content": f"Use the {skill.name} skill."}, call]
-    return base, {"role": "tool", "content": skill.content}
+    return [{"role": "user", "content": f"Use the {skill.name} skill."}], [call, {"role": "tool",
+                                                                                   "content": skill.content}]
 
 
-def _user_turn(skill: Skill) -> tuple[list[dict], dict]:
+def _user_turn(skill: Skill) -> tuple[list[dict], list[dict]]:
     base = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hello! How can I help?"}]
-    return base, {"role": "user", "content": skill.content}
+    return base, [{"role": "user", "content": skill.content}]
 
 
-# mode -> (conversation before the turn, the turn). Feeds the CLI's --render choices.
-RENDER_MODES: dict[str, Callable[[Skill], tuple[list[dict], dict]]] = {"tool": _tool_turn, "user": _user_turn}
+# mode -> (conversation before the block, the block's turns). Feeds the CLI's --render choices.
+RENDER_MODES: dict[str, Callable[[Skill], tuple[list[dict], list[dict]]]] = {"tool": _tool_turn, "user": _user_turn}
 
 
 def skill_messages(skill: Skill, mode: str = "tool") -> list[dict]:
-    """Messages to add to a conversation so that it contains this skill's turn (for explicit requests).
-
-    For "tool" this is the assistant's Skill call plus its result; the template renders the result
-    as the block's exact text only when it directly follows an assistant message.
-    """
-    base, turn = _render_fn(mode)(skill)
-    return ([base[-1]] if mode == "tool" else []) + [turn]
+    """Messages to add to a conversation so that it contains this skill's block (for explicit requests): for
+    "tool" the assistant's Skill call plus its result, for "user" the user turn."""
+    return _render_fn(mode)(skill)[1]
 
 
 def _render_fn(mode: str):
@@ -63,17 +61,17 @@ def _render_fn(mode: str):
 
 
 def render_skill(model, skill: Skill, mode: str = "tool") -> RenderedSkill:
-    """Cut the skill's turn out of the model's chat template; tokenize it and its preamble."""
-    base, turn = _render_fn(mode)(skill)
+    """Cut the skill's block (its turns) out of the model's chat template; tokenize it and its preamble."""
+    base, turns = _render_fn(mode)(skill)
     if not model.chat_template:
         raise KvtoolError(f"model {model.name} has no chat template; skills are rendered as chat turns")
     head = model.render(base, add_generation_prompt=False)
-    full = model.render(base + [turn], add_generation_prompt=False)
+    full = model.render(base + turns, add_generation_prompt=False)
     if not full.startswith(head):
         raise KvtoolError(f"the chat template of {model.name} re-renders earlier turns when a {mode!r} turn is "
                           f"added, so the skill {skill.name!r} has no fixed text; try --render user")
     text = full[len(head):]
     ids, head_ids = model.encode_rendered(text), model.encode_rendered(head)
-    after = model.render(base + [turn], add_generation_prompt=True)[len(full):]
+    after = model.render(base + turns, add_generation_prompt=True)[len(full):]
     safe = model.encode_rendered(head + text + after) == head_ids + ids + model.encode_rendered(after)
     return RenderedSkill(skill.name, mode, text, ids, head_ids, safe)

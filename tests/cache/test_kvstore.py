@@ -235,8 +235,6 @@ def test_cache_info_reads_a_store_and_serve_refuses_a_store_it_cannot_open(tmp_p
     port = str(free_port())
     assert main(["serve", "--port", port, "--kv-store", str(tmp_path / "file")]) == 2
     assert "is a file; give a folder" in capsys.readouterr().err
-    assert main(["serve", "--port", port, "--kv-store", str(tmp_path / "store"), "--engine", "vllm"]) == 2
-    assert "--kv-store is read by kvtool's own engine" in capsys.readouterr().err
 
 
 def test_a_store_exports_to_a_kvc_file_that_imports_into_another_store(tmp_path, capsys):

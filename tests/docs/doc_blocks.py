@@ -99,6 +99,7 @@ def commands(text: str) -> list[str]:
 
 
 SETUP = {"pip", "pip3"}
+VLLM_SERVER = "vllm.entrypoints.openai.api_server"  # a plain vLLM server (kvtool's connector in it)
 
 
 def plan(block: Block) -> list[Step]:
@@ -124,7 +125,8 @@ def plan(block: Block) -> list[Step]:
         elif head == "bash" and len(argv) > 1 and argv[1].startswith("scripts/"):
             steps.append(Step("script", block, argv))
         elif head in SETUP or (head.startswith("python") and len(argv) > 1
-                               and (argv[1:3] == ["-m", "venv"] or argv[1].startswith("benchmarks/"))):
+                               and (argv[1:3] in (["-m", "venv"], ["-m", VLLM_SERVER])
+                                    or argv[1].startswith("benchmarks/"))):
             steps.append(Step("setup", block, argv))
         else:
             raise Unclassified(f"{block.where}: no rule runs or parses {cmd.strip()[:80]!r}")
@@ -147,6 +149,8 @@ def subject(step: Step) -> str:
         return argv[1]
     if argv[1:3] == ["-m", "venv"]:
         return "venv"
+    if argv[1:3] == ["-m", VLLM_SERVER]:  # and the connector's module, when the command mounts it
+        return VLLM_SERVER + (" kvtool.engines.vllm.connector" if "KvtoolConnector" in " ".join(argv) else "")
     if argv[1].startswith("benchmarks/"):
         return Path(argv[1]).name
     # pip install/uninstall: the first package named (the extra of `.[extra]`), not an option's value

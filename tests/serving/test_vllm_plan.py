@@ -1,11 +1,14 @@
-"""kvtool.engines.vllm.plan: what the connector supplies for a request, over plain token ids (no vLLM, no model)."""
+"""kvtool.engines.vllm.plan: the prefix run the connector supplies for a request, over plain token ids (no vLLM, no
+model): store blocks, the saved tail of the prefix's last block, then skill blocks back to back."""
 
 from __future__ import annotations
 
-from kvtool.engines.vllm.plan import plan_request
+from kvtool.engines.vllm.plan import Piece, plan_request
 from kvtool.skills.match import BlockIndex
 
 A, B = list(range(100, 140)), list(range(200, 230))  # two blocks: 40 and 30 tokens
+SYSTEM = list(range(1, 21))  # 20 tokens: one whole 16-token block and a 4-token tail
+BS = 16
 
 
 def index():
@@ -15,39 +18,54 @@ def index():
     return idx
 
 
-PROMPT = [1, 2, 3] + A + [4, 5] + B + [6, 7, 8]  # blocks at [3, 43) and [45, 75); 78 tokens
+PROMPT = SYSTEM + A + B + [6, 7, 8]  # a at [20, 60), b at [60, 90); 93 tokens
 
 
-def test_blocks_after_the_hit_are_supplied_with_the_text_between_them():
-    plan = plan_request(PROMPT, 0, 0, index().find)
-    assert plan.path == "splice" and plan.cut == 0 and plan.ready == 75 and plan.supplied == 75
-    assert plan.segments == [("ids", [1, 2, 3]), ("block", "a"), ("ids", [4, 5]), ("block", "b")]
+def tail_at(start, end):
+    return lambda s, e: (s, e) == (start, end)
 
 
-def test_a_query_guided_repair_runs_to_the_last_token_which_vllm_computes():
-    plan = plan_request(PROMPT, 0, 0, index().find, query_guided=True)
-    assert plan.ready == len(PROMPT) - 1 and plan.segments[-1] == ("ids", [6, 7])
+def test_adjacent_blocks_after_the_prefix_and_its_saved_tail_are_supplied():
+    plan = plan_request(PROMPT, 16, 0, index().find, BS, tail_at(16, 20))
+    assert plan.pieces == [Piece("tail", 16, 20), Piece("block", 20, 60, "a", 20), Piece("block", 60, 90, "b", 60)]
+    assert plan.ready == 90 and plan.supplied == 74 and plan.block_tokens == 70 and plan.tail_at == 20
+    assert plan.skill_path == "composed" and plan.path == "splice"
 
 
-def test_vllm_hit_inside_a_block_restarts_the_composition_at_the_block():
-    plan = plan_request(PROMPT, 16, 0, index().find)  # vLLM holds 16 tokens: a's first 13
-    assert plan.cut == 3 and plan.local == 16 and plan.supplied == 75 - 16
-    assert plan.segments[0] == ("block", "a")
+def test_without_the_tail_vllm_computes_the_text_before_the_first_block_and_the_blocks():
+    plan = plan_request(PROMPT, 16, 0, index().find, BS)
+    assert plan.supplied == 0 and plan.prefilled == ["a", "b"] and plan.skill_path == "prefilled"
+    assert "the text before a has no KV until vLLM computes it" in plan.skill_reason
+    assert plan.tail_at == 20  # so the save keeps the tail for the next request
+
+
+def test_text_between_blocks_ends_the_run():
+    prompt = SYSTEM + A + [4, 5] + B + [6]
+    plan = plan_request(prompt, 16, 0, index().find, BS, tail_at(16, 20))
+    assert plan.block_names == ["a"] and plan.prefilled == ["b"] and plan.ready == 60
+    assert "b prefilled by vLLM" in plan.skill_reason
+
+
+def test_a_hit_inside_a_block_supplies_the_rest_of_it():
+    plan = plan_request(PROMPT, 32, 0, index().find, BS)  # vLLM holds 32 tokens: a's first 12
+    assert plan.pieces[0] == Piece("block", 32, 60, "a", 20) and plan.ready == 90
 
 
 def test_short_blocks_are_left_to_the_prefill():
-    plan = plan_request(PROMPT, 0, 0, index().find, min_block_tokens=35)
-    assert plan.block_names == ["a"] and plan.skipped == ["b"] and plan.ready == 43
+    plan = plan_request(PROMPT, 16, 0, index().find, BS, tail_at(16, 20), min_block_tokens=35)
+    assert plan.block_names == ["a"] and plan.skipped == ["b"] and plan.ready == 60
 
 
 def test_the_store_supplies_what_it_holds_beyond_vllm():
-    plain = list(range(1000, 1100))
-    plan = plan_request(plain, 32, 96, index().find)
-    assert plan.path == "stored" and plan.ready == 96 and plan.supplied == 64
-    assert plan_request(plain, 0, 100, index().find).ready == 99  # never the last token
-    assert plan_request(plain, 64, 48, index().find).path == "prefill"
+    plan = plan_request(PROMPT, 16, 48, index().find, BS)  # the store holds 3 blocks: into a
+    assert plan.pieces[:2] == [Piece("store", 16, 48), Piece("block", 48, 60, "a", 20)] and plan.ready == 90
+    plain = plan_request(list(range(1, 70)), 0, 64, BlockIndex().find, BS)
+    assert plain.pieces == [Piece("store", 0, 64)] and plain.path == "stored" and plain.skill_path == "prefilled"
 
 
-def test_nothing_to_supply_when_vllm_holds_the_blocks():
-    plan = plan_request(PROMPT, 77, 0, index().find)
-    assert plan.path == "prefill" and plan.supplied == 0
+def test_nothing_to_supply_when_vllm_holds_the_blocks_and_the_last_token_is_vllms():
+    held = plan_request(PROMPT, 90, 0, index().find, BS)
+    assert held.supplied == 0 and held.skill_path == "cached"
+    ending = SYSTEM + A
+    plan = plan_request(ending, 16, 0, index().find, BS, tail_at(16, 20))
+    assert plan.ready == len(ending) - 1 and plan.pieces[-1] == Piece("block", 20, 59, "a", 20)

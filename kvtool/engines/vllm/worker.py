@@ -3,9 +3,9 @@ serving Worker drives as it drives kvtool's own: between two engine steps its th
 and aborts the cancelled ones, then steps; vLLM does the scheduling (continuous
 batching, chunked prefill, automatic prefix caching) and the forward passes. Each new token id goes
 through kvtool's OutputText, so pieces, text, stop strings, timings and finish reasons are kvtool's.
-Cached tokens are vLLM's own count (RequestOutput.num_cached_tokens); with kvtool's KV connector installed,
-its account of the request splits them into vLLM's prefix cache plus the kvtool store (cached) and the skill
-blocks it supplied (skill_block_tokens).
+Cached tokens are vLLM's own count (RequestOutput.num_cached_tokens); with kvtool's KV connector mounted, its
+account of the request (the finished output's kv_transfer_params["kvtool"]) splits them into vLLM's prefix cache
+plus the block store (cached) and the skill blocks it supplied (skill_block_tokens).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ class VllmCore:
     shares_forks = False  # each choice is its own vLLM request (vLLM's prefix cache shares the prompt's blocks)
     scheduler = None  # (kvtool's BatchScheduler gauges: none here; vLLM's metrics are exposed instead)
 
-    def __init__(self, engine, model, max_running: int = 16, side=None):
+    def __init__(self, engine, model, max_running: int = 16, catalog=None):
         """engine: a vllm LLMEngine; model: the TextModel (tokenizer, end of turn, context window) it serves;
-        side: the KvtoolSide of kvtool's connector, if installed (its per-request accounts)."""
-        self.engine, self.model, self.side, self.max_running = engine, model, side, max_running
+        catalog: the skills kvtool's connector supplies, if mounted (responses then report each request's path)."""
+        self.engine, self.model, self.catalog, self.max_running = engine, model, catalog, max_running
         self.end_of_turn = frozenset(model.end_of_turn_ids())
         self.specials = {a.content: i for i, a in model.tokenizer.added_tokens_decoder.items()}
         self._live: dict[str, VllmRequest] = {}  # vLLM request id -> request
@@ -123,7 +123,8 @@ class VllmCore:
         completion = out.outputs[0] if out.outputs else None
         if completion is not None:
             if output.t_first is None and completion.token_ids:
-                self._account(req, out.num_cached_tokens or 0)
+                n = len(gen.prompt_ids)
+                gen.timings.account(n, min(out.num_cached_tokens or 0, n))
             lps = completion.logprobs or []
             for j, tok in enumerate(completion.token_ids):
                 if gen.finish_reason:
@@ -138,22 +139,22 @@ class VllmCore:
         if gen.finish_reason and not out.finished:  # kvtool's stop came first (e.g. a stop string)
             self._abort([req])
         elif out.finished:
+            self._account(req, (getattr(out, "kv_transfer_params", None) or {}).get("kvtool"))
             if gen.finish_reason is None:
                 gen.finish_reason = completion.finish_reason if completion and completion.finish_reason in (
                     "stop", "length") else "abort"
             self._end(req)
 
-    def _account(self, req: VllmRequest, cached: int) -> None:
-        gen, n = req.gen, len(req.gen.prompt_ids)
-        acc = self.side.take_account(req.request_id) if self.side is not None else None
+    def _account(self, req: VllmRequest, acc: dict | None) -> None:
+        """The connector's account (kvtool.engines.vllm.connector.account) splits vLLM's cached tokens."""
         if acc is None:
-            gen.timings.account(n, min(cached, n))
             return
-        gen.timings.account(n, min(acc.local + acc.stored, n))
-        gen.timings.skill_block_tokens = acc.block_tokens
-        if self.side.catalog is not None:
-            gen.timings.skill_path, gen.timings.skill_path_reason = acc.skill_path, acc.skill_reason
-        gen.timings.prefill_tokens = n - gen.timings.cached_tokens - acc.block_tokens
+        gen, n = req.gen, len(req.gen.prompt_ids)
+        gen.timings.account(n, min(acc["local_tokens"] + acc["store_tokens"], n))
+        gen.timings.skill_block_tokens = acc["block_tokens"]
+        if self.catalog is not None:
+            gen.timings.skill_path, gen.timings.skill_path_reason = acc["skill_path"], acc["skill_path_reason"]
+        gen.timings.prefill_tokens = n - gen.timings.cached_tokens - acc["block_tokens"]
 
     def _end(self, req: VllmRequest, error: BaseException | None = None) -> None:
         self._live.pop(req.request_id, None)
