@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 def test_every_engine_gets_the_same_prompts_and_only_its_own_address():
     cfg = PeersConfig(quick=True).sized()
-    a = client_args(cfg, "http://127.0.0.1:1", "m1", "/tok", Path("/r/a.json"))
-    b = client_args(cfg, "http://127.0.0.1:2", "m2", "/tok", Path("/r/b.json"))
+    a = client_args(cfg, "vllm-bench", "http://127.0.0.1:1", "m1", "/tok", Path("/r/a.json"))
+    b = client_args(cfg, "vllm-bench", "http://127.0.0.1:2", "m2", "/tok", Path("/r/b.json"))
     differ = {x for x, y in zip(a, b) if x != y}
     assert differ == {"http://127.0.0.1:1", "m1", "a.json"}
     for flag, value in (("--dataset-name", "random"), ("--random-prefix-len", "64"), ("--seed", "0"),
