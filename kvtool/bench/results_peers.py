@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvtool.bench.peers.judge import CLIENT_ROWS, client_load
-from kvtool.bench.peers.report import client_load_text, equal_table
+from kvtool.bench.peers.report import client_load_text, equal_table, threads_text
 from kvtool.bench.peers.rounds import figure
 from kvtool.bench.peers.vllm_client import result_key
 
@@ -124,7 +124,7 @@ def quiet_block(peers: list[tuple[Path, dict]], readme: Path) -> list[str]:
     latest: dict[tuple[str, str], tuple[Path, dict]] = {}
     for path, rec in sorted(((p, r) for p, r in peers if is_quiet(r)), key=lambda pr: pr[1]["date"]):
         for workload in dict.fromkeys(wl for wl, _, _ in workload_rows(rec)):
-            latest[(f"{rec['model']}, {_threads(rec)}", workload)] = (path, rec)
+            latest[(f"{rec['model']}, {threads_text(rec)}", workload)] = (path, rec)
     if not latest:
         noisy = len(peers)
         return ["(no quiet `kvtool bench peers` record yet: " + (f"the {noisy} recorded here are noisy, their load "
@@ -149,16 +149,12 @@ def quiet_block(peers: list[tuple[Path, dict]], readme: Path) -> list[str]:
     for path, rec in used.items():
         head, rows = equal_table(rec)
         if rows:
-            lines += ["", f"Equal precision, {path.parent.name} ({rec['model']}, {_threads(rec)}): kvtool's ratio to "
-                          "each peer, above 1 in kvtool's favour; a `bench serve` row gives output tok/s, TPOT p50, "
-                          "TTFT p50, TTFT p90.", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            lines += ["", f"Equal precision, {path.parent.name} ({rec['model']}, {threads_text(rec)}): kvtool's "
+                          "ratio to each peer, above 1 in kvtool's favour; a `bench serve` row gives output tok/s, "
+                          "TPOT p50, TTFT p50, TTFT p90.", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
                       *["| " + " | ".join(row) + " |" for row in rows]]
     lines += ["", "Reproduce a record with its command:", ""]
     for path, rec in used.items():
         lines.append(f"- {path.parent.name} ({rec['date'][:10]}, {load_text(rec)}): `{rec['command']}`")
     return lines
 
-
-def _threads(record: dict) -> str:
-    n = record.get("threads")
-    return f"{n} thread{'s' if n != 1 else ''}" if n else "threads not recorded"

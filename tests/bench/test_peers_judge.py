@@ -67,6 +67,8 @@ def test_engines_pair_at_equal_precision_and_best_against_best():
     assert rows[0] == ["decode bs=1 (tok/s)", "1.50x", "0.80x", "0.75x", "0.75x", "1.20x"]
     assert rows[2][0] == "serve-long: 32 x 0+512 -> 128 tokens, 16 at once"
     assert rows[2][1] == "1.25x, 1.10x, 1.00x, 0.92x"  # output tok/s, TPOT p50, TTFT p50, TTFT p90
+    record["config"]["workloads"].remove("decode")
+    assert [row[0].split(":")[0] for row in equal_table(record)[1]] == ["vllm-bench", "serve-long", "serve-shared"]
 
 
 def test_targets_judge_equal_precision_first_met_missed_or_not_measured():
@@ -161,5 +163,5 @@ def test_the_report_shows_the_equal_precision_table():
                             scenario_requests=1)
     md = markdown(record, {})
     assert "## Equal precision" in md and "| kvtool / vllm, fp32 |" in md.replace("workload | ", "")
-    assert "at 2 threads for every engine" in md
+    assert "at 2 threads for every engine" in md and "| decode bs=1" in md
     assert "| kvtool >= 1.0x vllm at fp32: serve-long (output tok/s, TPOT p50, TTFT p50, TTFT p90) | 1.00x |" in md

@@ -139,18 +139,23 @@ def equal_table(record: dict) -> tuple[list[str], list[list[str]]]:
     cols = [(f"{p['kvtool']} / {p['peer']}, {p['precision']}", p["ratios"]) for p in record.get("pairs", [])]
     cols += [(f"kvtool best / {fam} best", {m: v["ratio"] for m, v in rows.items()})
              for fam, rows in record.get("best", {}).items()]
-    lines = [("decode bs=1 (tok/s)", ["decode_tok_s"])] + [
+    lines = [("decode bs=1 (tok/s)", ["decode_tok_s"])] * ("decode" in record["config"]["workloads"]) + [
         (f"{w}: {client_load_text(record['config'], w)}", [f"{result_key(w)}_{m}" for m in ROW_METRICS])
         for w in CLIENT_ROWS if w in record["config"]["workloads"]]
     rows = [[label, *[", ".join(_ratio(r.get(m)) for m in ms) for _, r in cols]] for label, ms in lines]
     return ["workload", *[c for c, _ in cols]], rows if cols else []
 
 
+def threads_text(record: dict) -> str:
+    n = record.get("threads")
+    return f"{n} thread{'s' if n != 1 else ''}" if n else "threads not recorded"
+
+
 def _equal_md(record: dict) -> list[str]:
     head, rows = equal_table(record)
     if not rows:
         return ["(no kvtool variant ran beside a peer)"]
-    return [f"Ratios above 1 favour kvtool, at {record['threads']} threads for every engine; a `bench serve` row "
+    return [f"Ratios above 1 favour kvtool, at {threads_text(record)} for every engine; a `bench serve` row "
             f"gives {', '.join(ROW_METRICS.values())}.", "", *_table(head, rows)]
 
 
