@@ -157,4 +157,3 @@ def quiet_block(peers: list[tuple[Path, dict]], readme: Path) -> list[str]:
     for path, rec in used.items():
         lines.append(f"- {path.parent.name} ({rec['date'][:10]}, {load_text(rec)}): `{rec['command']}`")
     return lines
-

@@ -4,7 +4,7 @@ loopback port, and which weights it runs. A peer that is not installed says how 
     PEERS["llama.cpp"].command(files, port, options)  ->  (argv, env)
 
 Each peer names the precision it computes in (fp32, bf16, int4, ...), so the report pairs engines of equal
-precision (report.pairs).
+precision (judge.pairs).
 """
 
 from __future__ import annotations
