@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvtool.bench.peers.judge import CLIENT_ROWS, client_load
+from kvtool.bench.peers.report import client_load_text, equal_table, threads_text
 from kvtool.bench.peers.rounds import figure
+from kvtool.bench.peers.vllm_client import result_key
 
-PEER_COLUMNS = ("kvtool", "kvtool-int4", "kvtool-bf16", "llama.cpp", "vllm", "transformers")
+PEER_COLUMNS = ("kvtool", "kvtool-int4", "kvtool-bf16", "llama.cpp", "vllm", "vllm-bf16", "transformers")
 VLLM_BENCH_ROWS = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT median (ms)"),
-                   ("p99_ttft_ms", "TTFT p99 (ms)"), ("median_tpot_ms", "TPOT median (ms)"),
-                   ("p99_tpot_ms", "TPOT p99 (ms)"))
+                   ("p90_ttft_ms", "TTFT p90 (ms)"), ("p99_ttft_ms", "TTFT p99 (ms)"),
+                   ("median_tpot_ms", "TPOT median (ms)"), ("p99_tpot_ms", "TPOT p99 (ms)"))
 
 
 def is_quiet(record: dict) -> bool:
@@ -55,11 +58,10 @@ def workload_rows(record: dict) -> list[tuple[str, str, object]]:
               lambda e, n=n: spread(e, f"streams_{n}.tok_s")) for n in c["streams"]]
     rows.append(("layouts", "context layouts: mean cached after 1st",
                  lambda e: f"{100 * _mean([x['hit_rate_after_first'] for x in e['results']['layouts'].values()]):.0f}%"))
-    if "client_prompts" in c:
-        what = (f"vLLM bench serve, {c['client_prompts']} x {c['client_prefix_tokens']}+{c['client_input_tokens']}"
-                f" tokens -> {c['client_output_tokens']}, {c['client_concurrency']} at once")
-        rows += [("vllm-bench", f"{what}: {label}", lambda e, key=key: spread(e, f"vllm_bench.{key}"))
-                 for key, label in VLLM_BENCH_ROWS]
+    for w in CLIENT_ROWS:
+        if client_load(c, w) and w in c.get("workloads", []):
+            rows += [(w, f"{w} (vLLM bench serve), {client_load_text(c, w)}: {label}",
+                      lambda e, key=key, w=w: spread(e, f"{result_key(w)}.{key}")) for key, label in VLLM_BENCH_ROWS]
     return [r for r in rows if r[0].split()[0] in c.get("workloads", [])]
 
 
@@ -117,12 +119,12 @@ def _x(v) -> str:
 
 
 def quiet_block(peers: list[tuple[Path, dict]], readme: Path) -> list[str]:
-    """The README's peer table: per model and workload, the latest quiet record's figures, and per record the
-    command that reproduces it."""
+    """The README's peer table: per model, thread count and workload, the latest quiet record's figures; then each
+    record's ratios at equal precision (report.equal_table) and the command that reproduces it."""
     latest: dict[tuple[str, str], tuple[Path, dict]] = {}
     for path, rec in sorted(((p, r) for p, r in peers if is_quiet(r)), key=lambda pr: pr[1]["date"]):
         for workload in dict.fromkeys(wl for wl, _, _ in workload_rows(rec)):
-            latest[(rec["model"], workload)] = (path, rec)
+            latest[(f"{rec['model']}, {threads_text(rec)}", workload)] = (path, rec)
     if not latest:
         noisy = len(peers)
         return ["(no quiet `kvtool bench peers` record yet: " + (f"the {noisy} recorded here are noisy, their load "
@@ -143,7 +145,15 @@ def quiet_block(peers: list[tuple[Path, dict]], readme: Path) -> list[str]:
                                  f" | [{path.parent.name}]({link}) |")
                     first = False
     lines += ["", "Each cell is the median of the record's rounds (every engine run at least twice, in alternating "
-                  "order), min-max in brackets. Reproduce a record with its command:", ""]
+                  "order), min-max in brackets."]
+    for path, rec in used.items():
+        head, rows = equal_table(rec)
+        if rows:
+            lines += ["", f"Equal precision, {path.parent.name} ({rec['model']}, {threads_text(rec)}): kvtool's "
+                          "ratio to each peer, above 1 in kvtool's favour; a `bench serve` row gives output tok/s, "
+                          "TPOT p50, TTFT p50, TTFT p90.", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+                      *["| " + " | ".join(row) + " |" for row in rows]]
+    lines += ["", "Reproduce a record with its command:", ""]
     for path, rec in used.items():
         lines.append(f"- {path.parent.name} ({rec['date'][:10]}, {load_text(rec)}): `{rec['command']}`")
     return lines

@@ -148,7 +148,9 @@ def add_peers_parser(sub) -> None:
     p.add_argument("--kv-mib", type=int, default=c.kv_mib, help="KV budget of every server (MiB)")
     p.add_argument("--prefix-cache-mib", type=int, default=c.prefix_cache_mib,
                    help="kvtool's prefix-cache budget (MiB)")
-    p.add_argument("--threads", type=int, default=c.threads, help="threads of every engine (default: all cores)")
+    p.add_argument("--threads", nargs="+", default=c.threads, metavar="N",
+                   help="thread counts: one pass of every engine per count, each given the same count; 'all' is "
+                        "every core (default: 1 all)")
     p.add_argument("--vllm-python", default=c.vllm_python,
                    help="python of the environment vLLM is installed in (default: $KVTOOL_VLLM_PYTHON, else this one)")
     p.add_argument("--vllm-dtype", default=c.vllm_dtype, choices=["float32", "bfloat16", "float16"])
@@ -283,12 +285,13 @@ def run_all(args) -> int:
 
 def run_peers(args) -> int:
     from kvtool.bench.peers import PeersConfig, run_peers as run
+    from kvtool.bench.peers.config import parse_threads
 
     cfg = PeersConfig(model=args.model, engines=args.engines, workloads=args.workloads, quick=args.quick,
                       repeats=args.repeats, warmup=args.warmup, scenarios=args.scenarios,
                       scenario_requests=args.scenario_requests,
                       decode_tokens=args.decode_tokens, ttft_lengths=args.ttft_lengths,
-                      streams=args.streams, stream_tokens=args.stream_tokens, threads=args.threads,
+                      streams=args.streams, stream_tokens=args.stream_tokens, threads=parse_threads(args.threads),
                       rounds=args.rounds, client_prompts=args.client_prompts,
                       client_prefix_tokens=args.client_prefix_tokens, client_input_tokens=args.client_input_tokens,
                       client_output_tokens=args.client_output_tokens, client_concurrency=args.client_concurrency,
@@ -299,5 +302,5 @@ def run_peers(args) -> int:
 
     # a SIGTERM (a time limit, say) unwinds like Ctrl-C, so the running peer server is stopped, not orphaned
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    record = run(cfg, log=_log, command=" ".join(["kvtool", *sys.argv[1:]]))
-    return 1 if any(e["status"] == "failed" for e in record["engines"].values()) else 0
+    records = run(cfg, log=_log, command=" ".join(["kvtool", *sys.argv[1:]]))
+    return 1 if any(e["status"] == "failed" for r in records for e in r["engines"].values()) else 0

@@ -14,7 +14,7 @@ import pytest
 
 from kvtool.bench.peers import PeersConfig, run_peers
 from kvtool.bench.peers.engines import cpu_key, find_llama_server, vllm_python
-from kvtool.bench.peers.report import ratios, targets
+from kvtool.bench.peers.judge import best, ratios, targets
 from kvtool.bench.peers.servers import PeerError, ServerProcess, free_port
 from kvtool.errors import InvalidParameterError
 
@@ -122,13 +122,13 @@ def test_ratios_and_targets_from_one_run():
                                                   "layouts": layouts(0.95)}},
         "vllm": {"status": "missing", "reason": "not installed"}}
     record = {"engines": engines, "config": {"ttft_lengths": [512, 2048]}}
-    record["ratios"] = ratios(engines)
+    record["ratios"], record["best"] = ratios(engines), best(engines)
     assert record["ratios"]["kvtool"]["llama.cpp"]["decode_tok_s"] == 0.4
     assert record["ratios"]["kvtool"]["llama.cpp"]["ttft_ms_2048"] == 0.5  # a time: theirs / ours
     assert "kvtool-int4" not in record["ratios"]["kvtool"] and "vllm" not in record["ratios"]["kvtool"]
     rows = {t["target"].split(" ")[0]: t for t in targets(record)}
-    assert rows["ahead"]["status"] == "n/a"
-    assert rows["decode"]["ratio"] == 0.9 and rows["decode"]["status"] == "missed"
+    assert rows["best"]["status"] == "not measured"  # no vLLM
+    assert rows["cold"]["status"] == "missed"
     assert rows["cold"]["ratio"] == pytest.approx(2000 / 3900, abs=1e-3)  # the better kvtool variant
     assert rows["cached-token"]["ratio"] == pytest.approx(0.9 / 0.95, abs=1e-3)
     assert rows["cached-token"]["status"] == "missed" and "shared-prefix (90.0% vs llama.cpp 95.0%)" in \
@@ -144,11 +144,13 @@ def test_quick_run_against_llama_server_and_kvtool_serve(tmp_path, capsys):
         pytest.skip(str(exc))
     # every workload but vllm-bench (vLLM's client lives in its own environment: tests/bench/test_peers_vllm_client.py)
     cfg = PeersConfig(model="smollm2", engines=["kvtool", "llama.cpp"], quick=True, out_dir=str(tmp_path),
-                      workloads=["memory", "decode", "ttft", "prefix", "streams", "layouts"])
-    record = run_peers(cfg, log=lambda s: None)
+                      workloads=["memory", "decode", "ttft", "prefix", "streams", "layouts"], threads=[2])
+    [record] = run_peers(cfg, log=lambda s: None)  # one record per thread count
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["benchmark"] == "peers" and last["engines"].keys() == record["engines"].keys()
     assert record["gguf_type"] == "Q4_1"
+    assert record["threads"] == 2 and record["thread_counts"] == [2] and record["config"]["threads"] == [2]
+    assert {n: e["precision"] for n, e in record["engines"].items()} == {"kvtool": "fp32", "llama.cpp": "int4"}
     assert record["order"] == ["kvtool #1", "llama.cpp #1", "llama.cpp #2", "kvtool #2"]
     assert isinstance(record["quiet"], bool) and record["load"]["samples"] >= 4
     assert record["load"]["others_cpu_max"] >= 0  # the CPU that processes outside the run took, beside the load
@@ -173,9 +175,10 @@ def test_quick_run_against_llama_server_and_kvtool_serve(tmp_path, capsys):
     assert record["engines"]["llama.cpp"]["weights"] == "GGUF Q4_1"
     assert set(record["ratios"]["kvtool"]["llama.cpp"]) >= {"decode_tok_s", "ttft_ms_128", "prefix_hit_ms",
                                                              "streams_4_tok_s", "layout_shared-prefix_hit_after_first"}
-    assert [t["status"] for t in record["targets"]][0] == "n/a"  # no vLLM in this run
+    vllm = [t for t in record["targets"] if "vllm" in t["target"].lower()]
+    assert vllm and {t["status"] for t in vllm} == {"not measured"}  # no vLLM in this run
     md = (tmp_path / "report.md").read_text()
-    for section in ("## Engines", "## Targets", "## Decode, cold TTFT and prefix hit", "## Concurrent streams",
+    for section in ("## Engines", "## Targets", "## Equal precision", "## Decode, cold TTFT and prefix hit", "## Concurrent streams",
                     "## Context layouts", "## Ratios", "GGUF Q4_1"):
         assert section in md
     for plot in record["files"]["plots"].values():

@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 def test_every_engine_gets_the_same_prompts_and_only_its_own_address():
     cfg = PeersConfig(quick=True).sized()
-    a = client_args(cfg, "http://127.0.0.1:1", "m1", "/tok", Path("/r/a.json"))
-    b = client_args(cfg, "http://127.0.0.1:2", "m2", "/tok", Path("/r/b.json"))
+    a = client_args(cfg, "vllm-bench", "http://127.0.0.1:1", "m1", "/tok", Path("/r/a.json"))
+    b = client_args(cfg, "vllm-bench", "http://127.0.0.1:2", "m2", "/tok", Path("/r/b.json"))
     differ = {x for x, y in zip(a, b) if x != y}
     assert differ == {"http://127.0.0.1:1", "m1", "a.json"}
     for flag, value in (("--dataset-name", "random"), ("--random-prefix-len", "64"), ("--seed", "0"),
@@ -40,8 +40,8 @@ def test_vllm_client_and_memory_row_against_kvtool_serve_on_smollm2(tmp_path):
     pytest.importorskip("vllm", reason="vLLM's client lives in the vLLM environment (.venv-vllm)")
     from kvtool.bench.peers.harness import model_files, run_server_peer
 
-    cfg = PeersConfig(model="smollm2", engines=["kvtool"], workloads=["memory", "vllm-bench"], quick=True,
-                      vllm_python=sys.executable).validate().sized()
+    cfg = PeersConfig(model="smollm2", engines=["kvtool"], workloads=["memory", "vllm-bench", "serve-shared"],
+                      quick=True, threads=[2], vllm_python=sys.executable).validate().sized()
     files = model_files(cfg.model, lambda s: None)
     row = run_server_peer("kvtool", files, cfg, tmp_path, lambda s: None, label="kvtool-round1")
     assert row["status"] == "ok", row.get("reason")
@@ -58,8 +58,32 @@ def test_vllm_client_and_memory_row_against_kvtool_serve_on_smollm2(tmp_path):
     assert saved["completed"] == bench["completed"] and saved["output_throughput"] == bench["output_throughput"]
     assert r["vllm_bench_command"].startswith("vllm bench serve --backend openai")
     assert "--random-prefix-len 64" in r["vllm_bench_command"]
+    # serve-shared at its own sizes (smoke: 4 requests of 64 shared + 16 random tokens, 8 out, 2 at once)
+    shared, load = r["serve_shared"], cfg.client_loads["serve-shared"]
+    assert shared["completed"] == load.prompts and shared["max_concurrency"] == load.concurrency == 2
+    assert shared["total_input_tokens"] == load.prompts * (load.prefix_tokens + load.input_tokens)
+    assert shared["total_output_tokens"] == load.prompts * load.output_tokens
+    assert Path(r["serve_shared_file"]).parent.name == "serve-shared"
     # the server tree's resident memory holds at least SmolLM2's fp32 weights (135M parameters)
     assert r["memory"]["rss_mib"] > 135e6 * 4 / 2**20 and r["memory"]["processes"] >= 1
     assert row["budgets"] == {"kv": f"{cfg.kv_mib} MiB (--kv-bytes)",
                               "prefix_cache": f"{cfg.prefix_cache_mib} MiB (--cache-bytes)"}
     assert f"--kv-bytes {cfg.kv_mib << 20}" in row["command"]
+
+
+def test_vllm_bf16_serves_the_long_prompt_load_in_bfloat16_on_smollm2(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM's server lives in the vLLM environment (.venv-vllm)")
+    from kvtool.bench.peers.harness import model_files, run_server_peer
+
+    cfg = PeersConfig(model="smollm2", engines=["vllm-bf16"], workloads=["serve-long"], quick=True, threads=[1],
+                      vllm_python=sys.executable).validate().sized()
+    files = model_files(cfg.model, lambda s: None)
+    row = run_server_peer("vllm-bf16", files, cfg, tmp_path, lambda s: None, label="vllm-bf16-round1")
+    assert row["status"] == "ok", row.get("reason")
+    assert row["precision"] == "bf16" and row["weights"] == "bfloat16" and "--dtype bfloat16" in row["command"]
+    assert "dtype=torch.bfloat16" in Path(row["log"]).read_text()  # what vLLM itself says it loaded
+    bench, load = row["results"]["serve_long"], cfg.client_loads["serve-long"]
+    assert bench["completed"] == load.prompts and bench["errors"] == 0
+    assert bench["total_input_tokens"] == load.prompts * load.input_tokens  # no shared prefix
+    assert bench["total_output_tokens"] == load.prompts * load.output_tokens
+    assert f"--max-concurrency {load.concurrency}" in row["results"]["serve_long_command"]

@@ -23,7 +23,7 @@ def _peers(date: str, decode: float, quiet: bool | None, workloads=("memory", "d
                "layouts": {"shared-prefix": {"hit_rate_after_first": 0.9}, "timestamp": {"hit_rate_after_first": 0.1}}}
     row = {"status": "ok", "weights": "fp32 dense", "results": results, "load_avg": [1.5, 1.9],
            "spread": {"memory.rss_mib": {"min": 690.0, "max": 720.0, "n": 2}}}
-    record = {"benchmark": "peers", "model": "SmolLM2", "device": "Xeon x2", "date": date,
+    record = {"benchmark": "peers", "model": "SmolLM2", "device": "Xeon x2", "date": date, "threads": 2,
               "command": f"kvtool bench peers --model smollm2 --decode-tokens {int(decode)}",
               "config": {"decode_tokens": 256, "ttft_lengths": [512], "prefix_tokens": 2048, "suffix_tokens": 64,
                          "streams": [8], "stream_tokens": 128, "rounds": 2, "workloads": list(workloads)},
@@ -66,7 +66,7 @@ def test_the_readme_shows_the_latest_quiet_record_per_model_and_workload(tmp_pat
     table = body.split(BEGIN)[1].split(END)[0]
     # decode from the newest quiet record; the other workloads only the older quiet record ran
     assert "|  | decode bs=1, 256 tokens (tok/s) | 42.0 (41.0-44.0) | 42.0 (41.0-44.0) | not run | missing |" in table
-    assert "| SmolLM2 | RSS after one request (MiB) | 700 (690-720) |" in table
+    assert "| SmolLM2, 2 threads | RSS after one request (MiB) | 700 (690-720) |" in table
     assert "| cold TTFT @512 (ms) | 900 | 900 | not run | missing |" in table and "10.0 (9.00-12.0)" not in table
     assert "99.0" not in table and "77.0" not in table  # noisy records stay out
     assert "`kvtool bench peers --model smollm2 --decode-tokens 42`" in table
@@ -87,8 +87,34 @@ def test_a_record_of_other_stream_counts_keeps_the_older_counts_in_the_readme(tm
     readme.write_text(f"{BEGIN}\n{END}\n")
     update(results, readme)
     table = readme.read_text()
-    assert "| 8 streams x 128 (tok/s) | 90.0 | 90.0 | not run | missing | not run | not run | [peers-8]" in table
+    assert "| 8 streams x 128 (tok/s) | 90.0 | 90.0 | not run | missing | not run | not run | not run | [peers-8]" \
+        in table
     assert "|  | 16 streams x 128 (tok/s) | 70.0 |" in table and "|  | 64 streams x 128 (tok/s) | 85.0 |" in table
+
+
+def test_each_thread_count_keeps_its_rows_and_its_ratios_at_equal_precision(tmp_path):
+    from kvtool.bench.peers.judge import best, pairs
+
+    results = tmp_path / "benchmarks" / "results"
+    for threads, decode in ((1, 10.0), (2, 18.0)):
+        rec = _peers(f"2026-12-0{threads} 08:00", decode, True, ("decode",))
+        rec["threads"] = threads
+        kvtool = rec["engines"]["kvtool"] = {**rec["engines"]["kvtool"], "precision": "fp32"}
+        kvtool["results"] = {"decode_tok_s": kvtool["results"]["decode_tok_s"]}
+        rec["engines"]["kvtool-int4"] = {"status": "missing"}
+        rec["engines"]["vllm"] = {**rec["engines"]["kvtool"], "results": {"decode_tok_s": _summary(decode / 2)}}
+        rec["pairs"], rec["best"] = pairs(rec["engines"]), best(rec["engines"])
+        _write(results / f"peers-{threads}t", "report.json", rec)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{BEGIN}\n{END}\n")
+    update(results, readme)
+    table = readme.read_text()
+    # the newer 2-thread record does not hide the 1-thread one: like is compared with like
+    assert "| SmolLM2, 1 thread | decode bs=1, 256 tokens (tok/s) | 10.0 (9.00-12.0) |" in table
+    assert "| SmolLM2, 2 threads | decode bs=1, 256 tokens (tok/s) | 18.0 (17.0-20.0) |" in table
+    assert "Equal precision, peers-1t (SmolLM2, 1 thread)" in table
+    assert "| workload | kvtool / vllm, fp32 | kvtool best / vllm best |" in table
+    assert table.count("| decode bs=1 (tok/s) | 2.00x | 2.00x |") == 2
 
 
 def test_without_a_quiet_record_the_readme_says_so(tmp_path):

@@ -1,7 +1,8 @@
-"""`kvtool bench peers`: kvtool serve beside llama.cpp's llama-server, vLLM and transformers on one model.
+"""`kvtool bench peers`: kvtool serve beside llama.cpp's llama-server, vLLM and transformers on one model, at
+equal precision and equal threads.
 
     from kvtool.bench.peers import PeersConfig, run_peers
-    record = run_peers(PeersConfig(model="smollm2", engines=["kvtool", "llama.cpp"], quick=True))
+    records = run_peers(PeersConfig(model="smollm2", engines=["kvtool", "llama.cpp"], threads=[1, 2], quick=True))
 """
 
 from kvtool.bench.peers.config import PeersConfig

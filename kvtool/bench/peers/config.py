@@ -1,5 +1,5 @@
-"""`kvtool bench peers` settings: which engines, the model, how many rounds, the size of every workload (--quick:
-tiny) and the KV and prefix-cache budgets every engine gets."""
+"""`kvtool bench peers` settings: which engines, the model, how many rounds, the thread counts, the size of every
+workload (--quick: tiny) and the KV and prefix-cache budgets every engine gets."""
 
 from __future__ import annotations
 
@@ -8,8 +8,39 @@ from dataclasses import dataclass, field, replace
 
 from kvtool.errors import InvalidParameterError
 
-ENGINE_NAMES = ("kvtool", "kvtool-int4", "kvtool-bf16", "llama.cpp", "vllm", "transformers")
-WORKLOAD_NAMES = ("memory", "decode", "ttft", "prefix", "streams", "layouts", "vllm-bench")
+ENGINE_NAMES = ("kvtool", "kvtool-int4", "kvtool-bf16", "llama.cpp", "vllm", "vllm-bf16", "transformers")
+WORKLOAD_NAMES = ("memory", "decode", "ttft", "prefix", "streams", "layouts", "vllm-bench", "serve-long",
+                  "serve-shared")
+
+
+@dataclass(frozen=True)
+class ClientLoad:
+    """One workload of vLLM's `bench serve` client: ``prompts`` requests of ``prefix_tokens`` (one prefix all share)
+    + ``input_tokens`` random tokens, ``output_tokens`` out, ``concurrency`` in flight at once."""
+    prompts: int
+    prefix_tokens: int
+    input_tokens: int
+    output_tokens: int
+    concurrency: int
+
+    def context(self) -> int:
+        return self.concurrency * (self.prefix_tokens + self.input_tokens + self.output_tokens + 8)
+
+
+# long prompts under concurrency: arriving prefills interleave with running decodes, as on a real server
+CLIENT_LOADS = {"serve-long": ClientLoad(32, 0, 512, 128, 16), "serve-shared": ClientLoad(24, 1024, 128, 64, 8)}
+QUICK_LOADS = {"serve-long": ClientLoad(4, 0, 32, 8, 2), "serve-shared": ClientLoad(4, 64, 16, 8, 2)}
+
+
+def parse_threads(values: list) -> list[int]:
+    """--threads values as counts: "all" is every core; each count once, in the order given."""
+    try:
+        counts = [(os.cpu_count() or 1) if str(v) == "all" else int(v) for v in values]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise InvalidParameterError(f"--threads {' '.join(map(str, values))}: give counts >= 1 or 'all'")
+    return list(dict.fromkeys(counts))
 
 
 def _all_scenarios() -> list[str]:
@@ -45,7 +76,9 @@ class PeersConfig:
     rounds: int = 2  # every engine runs once per round, the rounds in alternating order (A B C C B A ...)
     kv_mib: int = 2048  # KV budget of every server's running requests (llama.cpp: its --ctx-size instead)
     prefix_cache_mib: int = 1024  # kvtool's prefix-cache budget (vLLM and llama.cpp keep prefixes in their KV)
-    threads: int = field(default_factory=lambda: os.cpu_count() or 1)  # every engine gets all the cores
+    # one pass of every engine per count, each engine given the same count (harness.run_peers: one record per pass)
+    threads: list[int] = field(default_factory=lambda: parse_threads([1, "all"]))
+    client_loads: dict[str, ClientLoad] = field(default_factory=lambda: dict(CLIENT_LOADS))
     vllm_python: str | None = None  # None: $KVTOOL_VLLM_PYTHON, else this python
     vllm_dtype: str = "float32"  # as kvtool on CPU (the converted folders are fp32)
     settle_max_s: float = 180.0  # before each engine, wait up to this long for the load to decay (0: no wait)
@@ -61,6 +94,7 @@ class PeersConfig:
                        stream_tokens=8, stream_prompt_tokens=16, scenarios=["shared-prefix", "timestamp"],
                        scenario_requests=2, policy_paragraphs=0, tools=1, repeats=1, warmup=1, client_prompts=4,
                        client_prefix_tokens=64, client_input_tokens=32, client_output_tokens=8, client_concurrency=2,
+                       client_loads=dict(QUICK_LOADS),
                        settle_max_s=0.0)  # a smoke test times nothing worth waiting for
 
     def validate(self) -> "PeersConfig":
@@ -72,8 +106,9 @@ class PeersConfig:
         sizes = {"decode_tokens": self.decode_tokens, "prompt_tokens": self.prompt_tokens,
                  "prefix_tokens": self.prefix_tokens, "suffix_tokens": self.suffix_tokens,
                  "stream_tokens": self.stream_tokens, "stream_prompt_tokens": self.stream_prompt_tokens,
-                 "scenario_requests": self.scenario_requests, "repeats": self.repeats, "threads": self.threads,
-                 "client_prompts": self.client_prompts, "client_input_tokens": self.client_input_tokens,
+                 "scenario_requests": self.scenario_requests, "repeats": self.repeats,
+                 "threads": min(self.threads, default=0), "client_prompts": self.client_prompts,
+                 "client_input_tokens": self.client_input_tokens,
                  "client_output_tokens": self.client_output_tokens, "client_concurrency": self.client_concurrency,
                  "kv_mib": self.kv_mib, "prefix_cache_mib": self.prefix_cache_mib}
         bad = {k: v for k, v in sizes.items() if v < 1}
@@ -97,10 +132,22 @@ class PeersConfig:
         """KV tokens a server must hold at once: the longest request, or all streams together."""
         longest = max(self.ttft_lengths + [self.prefix_tokens + self.suffix_tokens + 8, 4096])
         together = max(self.streams) * (self.stream_prompt_tokens + self.stream_tokens + 8)
-        client = self.client_concurrency * (self.client_prefix_tokens + self.client_input_tokens
-                                            + self.client_output_tokens + 8)
-        return max(longest, together, client) + 256
+        client = [self.client_load(name).context() for name in ("vllm-bench", *self.client_loads)]
+        return max(longest, together, *client) + 256
 
     def concurrency(self) -> int:
         """The most requests any workload sends at once."""
-        return max(self.streams + [self.client_concurrency])
+        return max(self.streams + [self.client_load(n).concurrency for n in ("vllm-bench", *self.client_loads)])
+
+    def client_load(self, workload: str) -> ClientLoad:
+        """The sizes of one `bench serve` workload: vllm-bench's from the --client-* options, the others fixed."""
+        if workload == "vllm-bench":
+            return ClientLoad(self.client_prompts, self.client_prefix_tokens, self.client_input_tokens,
+                              self.client_output_tokens, self.client_concurrency)
+        return self.client_loads[workload]
+
+    def pass_threads(self) -> int:
+        """The thread count of one pass's config (run_peers gives each pass a config of one count)."""
+        if len(self.threads) != 1:
+            raise ValueError(f"a pass runs at one thread count, not {self.threads}")
+        return self.threads[0]

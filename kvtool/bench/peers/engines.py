@@ -1,7 +1,10 @@
 """The engines `kvtool bench peers` starts: how to find each one, the command that serves the model on a
 loopback port, and which weights it runs. A peer that is not installed says how to get it.
 
-    PEERS["llama.cpp"].command(files, port, threads)  ->  (argv, env)
+    PEERS["llama.cpp"].command(files, port, options)  ->  (argv, env)
+
+Each peer names the precision it computes in (fp32, bf16, int4, ...), so the report pairs engines of equal
+precision (judge.pairs).
 """
 
 from __future__ import annotations
@@ -97,6 +100,17 @@ def vllm_python(option: str | None) -> str:
     return python
 
 
+DTYPE_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def gguf_precision(file_type: str | None) -> str:
+    """The precision a GGUF quantization stands for: Q4_1, Q4_K_M, IQ4_NL -> int4; Q8_0 -> int8; F16 -> fp16."""
+    t = (file_type or "").upper().removeprefix("I")
+    if t[:1] == "Q" and t[1:2].isdigit():
+        return f"int{t[1]}"
+    return {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}.get(t, t.lower() or "unknown")
+
+
 @dataclass(frozen=True)
 class PeerOptions:
     threads: int
@@ -119,6 +133,7 @@ class Peer:
     weights: Callable[[ModelFiles, PeerOptions], str]  # the label every row of this peer carries
     command: Callable[[ModelFiles, int, PeerOptions], tuple[list[str], dict]]
     budgets: Callable[[PeerOptions], dict]  # the KV and prefix-cache budgets the command gives the engine
+    precision: Callable[[ModelFiles, PeerOptions], str]  # what its products compute in: fp32, bf16, int4, ...
     startup_s: float = 300.0
 
 
@@ -144,11 +159,16 @@ def _llama(files: ModelFiles, port: int, opt: PeerOptions):
     return argv, {}
 
 
-def _vllm(files: ModelFiles, port: int, opt: PeerOptions):
+def _vllm(dtype: str | None):
+    """The command of a vLLM peer in its own dtype (vllm-bf16), else in --vllm-dtype (vllm)."""
+    return lambda files, port, opt: _vllm_command(files, port, opt, dtype or opt.vllm_dtype)
+
+
+def _vllm_command(files: ModelFiles, port: int, opt: PeerOptions, dtype: str):
     python = vllm_python(opt.vllm_python)
     # eager (no torch.compile: minutes of C++ builds on a small CPU); the model's own context window at most
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(files.folder), "--served-model-name",
-            files.name, "--host", "127.0.0.1", "--port", str(port), "--dtype", opt.vllm_dtype, "--enforce-eager",
+            files.name, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--enforce-eager",
             "--max-model-len", str(min(opt.context, files.max_position or opt.context)),
             "--max-num-seqs", str(opt.streams), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
     # one engine process without a separate worker (vLLM's multiprocess CPU executor reserves a core of two and
@@ -173,13 +193,21 @@ def _vllm_budgets(opt: PeerOptions) -> dict:
             "prefix_cache": "in the KV pool (--enable-prefix-caching)"}
 
 
+def _fixed(precision: str):
+    return lambda files, opt: precision
+
+
 PEERS: dict[str, Peer] = {p.name: p for p in (
     Peer("kvtool", "kvtool serve", lambda f, o: "fp32 dense (HF folder from the GGUF)", _kvtool("dense"),
-         _kvtool_budgets),
+         _kvtool_budgets, _fixed("fp32")),
     Peer("kvtool-int4", "kvtool serve --weights int4", lambda f, o: "int4 projections, bf16 head", _kvtool("int4"),
-         _kvtool_budgets),
+         _kvtool_budgets, _fixed("int4")),
     Peer("kvtool-bf16", "kvtool serve --weights bf16", lambda f, o: "bf16 projections and head, bf16 GEMMs",
-         _kvtool("bf16"), _kvtool_budgets),
-    Peer("llama.cpp", "llama-server", lambda f, o: f"GGUF {f.gguf_type or '(none)'}", _llama, _llama_budgets),
-    Peer("vllm", "vLLM OpenAI server", lambda f, o: o.vllm_dtype, _vllm, _vllm_budgets, startup_s=900.0),
+         _kvtool("bf16"), _kvtool_budgets, _fixed("bf16")),
+    Peer("llama.cpp", "llama-server", lambda f, o: f"GGUF {f.gguf_type or '(none)'}", _llama, _llama_budgets,
+         lambda f, o: gguf_precision(f.gguf_type)),
+    Peer("vllm", "vLLM OpenAI server", lambda f, o: o.vllm_dtype, _vllm(None), _vllm_budgets,
+         lambda f, o: DTYPE_PRECISION[o.vllm_dtype], startup_s=900.0),
+    Peer("vllm-bf16", "vLLM OpenAI server --dtype bfloat16", lambda f, o: "bfloat16", _vllm("bfloat16"),
+         _vllm_budgets, _fixed("bf16"), startup_s=900.0),
 )}

@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from kvtool.bench.peers.config import WORKLOAD_NAMES, PeersConfig
@@ -64,10 +64,11 @@ def run_server_peer(name: str, files: ModelFiles, cfg: PeersConfig, out_dir: Pat
     from kvtool.bench.backends import first_model, open_client
 
     peer = PEERS[name]
-    opts = PeerOptions(threads=cfg.threads, context=cfg.context(), streams=cfg.concurrency(),
+    opts = PeerOptions(threads=cfg.pass_threads(), context=cfg.context(), streams=cfg.concurrency(),
                        vllm_python=cfg.vllm_python, vllm_dtype=cfg.vllm_dtype, kv_mib=cfg.kv_mib,
                        prefix_cache_mib=cfg.prefix_cache_mib)
-    row = {"engine": peer.engine, "weights": peer.weights(files, opts), "budgets": peer.budgets(opts)}
+    row = {"engine": peer.engine, "weights": peer.weights(files, opts), "precision": peer.precision(files, opts),
+           "budgets": peer.budgets(opts)}
     label = label or name
     port = free_port()
     try:
@@ -93,8 +94,9 @@ def run_server_peer(name: str, files: ModelFiles, cfg: PeersConfig, out_dir: Pat
 def run_transformers(files: ModelFiles, cfg: PeersConfig, log) -> dict:
     from kvtool.bench.peers import inprocess
 
-    row = {"engine": "transformers (in process)", "weights": "fp32 dense (HF folder from the GGUF)"}
-    hf = inprocess.load_hf(files.folder, cfg.threads)
+    row = {"engine": "transformers (in process)", "weights": "fp32 dense (HF folder from the GGUF)",
+           "precision": "fp32"}
+    hf = inprocess.load_hf(files.folder, cfg.pass_threads())
     try:
         row.update(_run_workloads(inprocess.WORKLOADS, hf, cfg, log, inprocess.UNSUPPORTED))
     finally:
@@ -107,7 +109,7 @@ def engine_row(runs: list[dict]) -> dict:
     spread of every figure, the load while it ran, and each run as it was."""
     ok = [r for r in runs if r["status"] == "ok"]
     last = ok[-1] if ok else runs[-1]
-    row = {k: last[k] for k in ("engine", "weights", "budgets", "command", "reason") if k in last}
+    row = {k: last[k] for k in ("engine", "weights", "precision", "budgets", "command", "reason") if k in last}
     row["status"] = "ok" if ok else last["status"]
     row["results"], row["spread"] = combine([r.get("results") or {} for r in ok])
     row["unsupported"] = {k: v for r in ok for k, v in (r.get("unsupported") or {}).items()
@@ -125,22 +127,32 @@ def engine_row(runs: list[dict]) -> dict:
 
 
 def run_peers(cfg: PeersConfig | None = None, log=lambda s: print(s, file=sys.stderr, flush=True),
-              command: str | None = None) -> dict:
-    """Run every engine in cfg.engines through cfg.workloads, cfg.rounds times in alternating order; write the
-    report (report.md, report.json, PNGs) and return its record (also printed as the last stdout line)."""
+              command: str | None = None) -> list[dict]:
+    """Run every engine in cfg.engines through cfg.workloads, once per thread count in cfg.threads (a pass: every
+    engine given that count), each pass cfg.rounds times in alternating order. Each pass writes its own report
+    (report.md, report.json, PNGs) in the out folder, or in <out folder>-<N>threads when there are several counts,
+    and prints its record as a stdout line. Returns the records, one per thread count."""
+    cfg = (cfg or PeersConfig()).validate()
+    files = model_files(cfg.model, log)
+    slug = "".join(c if c.isalnum() else "-" for c in files.name.lower()).strip("-")
+    base = cfg.out_dir or f"benchmarks/results/peers-{slug}{'-quick' if cfg.quick else ''}"
+    return [run_pass(replace(cfg, threads=[n]), files, Path(base if len(cfg.threads) == 1 else f"{base}-{n}threads"),
+                     log, command, thread_counts=cfg.threads) for n in cfg.threads]
+
+
+def run_pass(cfg: PeersConfig, files: ModelFiles, out_dir: Path, log, command: str | None,
+             thread_counts: list[int]) -> dict:
+    """Every engine at cfg's one thread count, cfg.rounds times in alternating order; the pass's record."""
     from kvtool.bench.peers.report import write_report
     from kvtool.bench.protocol import versions
 
-    cfg = (cfg or PeersConfig()).validate()
     sized = cfg.sized()
-    files = model_files(cfg.model, log)
-    slug = "".join(c if c.isalnum() else "-" for c in files.name.lower()).strip("-")
-    out_dir = Path(cfg.out_dir or f"benchmarks/results/peers-{slug}{'-quick' if cfg.quick else ''}")
     order = alternating_order(cfg.engines, sized.rounds)
     engines, seconds, runs, samples, phases, others = {}, {}, {name: [] for name in cfg.engines}, [], [], []
     record = {"benchmark": "peers", "model": files.name, "gguf": str(files.gguf) if files.gguf else None,
               "gguf_type": files.gguf_type, "folder": str(files.folder), "device": _cpu_name(),
-              "threads": sized.threads, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              "threads": sized.pass_threads(), "thread_counts": thread_counts,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               "command": command or f"run_peers({cfg!r})", "config": asdict(sized),
               "order": [f"{name} #{r}" for r, name in order], "engines": engines, "seconds": seconds,
               "versions": versions()}

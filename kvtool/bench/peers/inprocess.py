@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from kvtool.bench.peers.config import CLIENT_LOADS
 from kvtool.bench.protocol import measure
 
 NO_CACHE = "transformers keeps no KV cache across requests: nothing to reuse between them"
@@ -74,4 +75,4 @@ def _streams(hf, cfg, prompts, log) -> dict:
 WORKLOADS = {"decode": _decode, "ttft": _ttft, "prefix": _prefix, "streams": _streams}
 UNSUPPORTED = {"layouts": NO_CACHE,  # workload -> why this column has none
                "memory": "runs inside the benchmark's own process: no server process tree to measure",
-               "vllm-bench": "no HTTP server for vLLM's client to call"}
+               **{name: "no HTTP server for vLLM's client to call" for name in ("vllm-bench", *CLIENT_LOADS)}}

@@ -7,100 +7,11 @@ from pathlib import Path
 
 import json
 
+from kvtool.bench.peers.judge import CLIENT_ROWS, ROW_METRICS, best, client_load, pairs, ratios, targets
 from kvtool.bench.peers.rounds import figure
+from kvtool.bench.peers.vllm_client import result_key
 from kvtool.bench.protocol import emit, portable
 from kvtool.bench.report_md import _num, _ratio, _stat, _table
-
-KVTOOL = ("kvtool", "kvtool-int4", "kvtool-bf16")
-
-
-def metrics(results: dict) -> dict[str, tuple[float, bool]]:
-    """{metric: (value, higher is better)} of one engine's results, flat, for ratios."""
-    out = {}
-    for key, value in results.items():
-        if key == "decode_tok_s":
-            out[key] = (value["median"], True)
-        elif key.startswith("ttft_ms_") or key == "prefix_hit_ms":
-            out[key] = (value["median"], False)
-        elif key.startswith("streams_"):
-            out[f"{key}_tok_s"] = (value["tok_s"]["median"], True)
-            for m in ("itl_ms_p50", "itl_ms_p99"):
-                if value.get(m) is not None:
-                    out[f"{key}_{m}"] = (value[m], False)
-        elif key == "memory":
-            out["memory_rss_mib"] = (value["rss_mib"], False)
-        elif key == "vllm_bench":
-            out["vllm_bench_output_tok_s"] = (value.get("output_throughput"), True)
-            for m in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms"):
-                out[f"vllm_bench_{m}"] = (value.get(m), False)
-        elif key == "layouts":
-            for name, row in value.items():
-                out[f"layout_{name}_ttft_ms_p50"] = (row["ttft_ms_p50"], False)
-                if row.get("hit_rate_after_first") is not None:
-                    out[f"layout_{name}_hit_after_first"] = (row["hit_rate_after_first"], True)
-    return out
-
-
-def ratio(ours: tuple[float, bool], theirs: tuple[float, bool]) -> float | None:
-    """> 1: ours is better (faster, or more tokens cached). None where a value is 0 or missing."""
-    (a, higher), (b, _) = ours, theirs
-    if a is None or b is None:
-        return None
-    if higher:
-        return round(a / b, 3) if b else (1.0 if a == b else None)
-    return round(b / a, 3) if a else None
-
-
-def ratios(engines: dict) -> dict:
-    """{kvtool variant: {peer: {metric: ratio}}} over the metrics both measured."""
-    flat = {name: metrics(e.get("results", {})) for name, e in engines.items() if e.get("status") == "ok"}
-    return {k: {p: {m: ratio(flat[k][m], flat[p][m]) for m in flat[k] if m in flat[p]}
-                for p in flat if p not in KVTOOL} for k in KVTOOL if k in flat}
-
-
-def _best(rs: dict, peer: str, metric: str) -> tuple[float | None, str | None]:
-    """The better kvtool variant's ratio to ``peer`` on ``metric``."""
-    found = [(rs[k][peer][metric], k) for k in KVTOOL if peer in rs.get(k, {}) and rs[k][peer].get(metric) is not None]
-    return max(found) if found else (None, None)
-
-
-def targets(record: dict) -> list[dict]:
-    """The issue's targets on this run's ratios: met, missed, or n/a (an engine or workload did not run)."""
-    rs, engines, rows = record["ratios"], record["engines"], []
-
-    def row(label, value, detail, ok=None):
-        status = "n/a" if value is None else ("met" if (value >= 1.0 if ok is None else ok) else "missed")
-        rows.append({"target": label, "ratio": value, "detail": detail, "status": status})
-
-    vs_vllm = {m: _best(rs, "vllm", m) for m in next((rs[k].get("vllm", {}) for k in KVTOOL if k in rs), {})}
-    worst = min(((r, m, k) for m, (r, k) in vs_vllm.items() if r is not None), default=None)
-    row("ahead of vLLM-CPU on every workload", worst and worst[0],
-        f"lowest: {worst[1]} ({worst[2]})" if worst else "no ratio: vLLM or kvtool did not run")
-    r = rs.get("kvtool-int4", {}).get("llama.cpp", {}).get("decode_tok_s")
-    row("decode bs=1 with --weights int4 >= 1.0x llama.cpp", r, "kvtool-int4 / llama.cpp tok/s")
-    length = max(record["config"]["ttft_lengths"])
-    r, k = _best(rs, "llama.cpp", f"ttft_ms_{length}")
-    row(f"cold TTFT at {length} tokens >= 1.0x llama.cpp", r, f"llama.cpp / {k} ms" if k else "not measured")
-    ours = next(((engines[k].get("results") or {}).get("layouts") for k in KVTOOL
-                 if (engines.get(k, {}).get("results") or {}).get("layouts")), None)
-    peers = {n: e["results"]["layouts"] for n, e in engines.items()
-             if n not in KVTOOL and e.get("status") == "ok" and "layouts" in e.get("results", {})}
-    if ours and peers:
-        short, worst = [], 1.0
-        for name, mine in ours.items():
-            best = max(((p[name].get("hit_rate_after_first") or 0.0, n) for n, p in peers.items() if name in p),
-                       default=(0.0, None))
-            have = mine.get("hit_rate_after_first") or 0.0
-            if best[0] > 0:
-                worst = min(worst, have / best[0])
-            if have + 1e-9 < best[0]:
-                short.append(f"{name} ({100 * have:.1f}% vs {best[1]} {100 * best[0]:.1f}%)")
-        row("cached-token share per context layout >= best peer", round(worst, 3),
-            "every layout" if not short else "behind on " + ", ".join(short), ok=not short)
-    else:
-        row("cached-token share per context layout >= best peer", None, "no layouts from kvtool and a peer")
-    return rows
-
 
 # ---- markdown ---------------------------------------------------------------------------------
 
@@ -190,23 +101,62 @@ def _memory_md(record: dict) -> list[str]:
 
 
 VLLM_BENCH_COLUMNS = (("output tok/s", "output_throughput"), ("TTFT median (ms)", "median_ttft_ms"),
-                      ("TTFT p99 (ms)", "p99_ttft_ms"), ("TPOT median (ms)", "median_tpot_ms"),
-                      ("TPOT p99 (ms)", "p99_tpot_ms"), ("ITL p99 (ms)", "p99_itl_ms"), ("E2E median (ms)",
-                                                                                         "median_e2el_ms"))
+                      ("TTFT p90 (ms)", "p90_ttft_ms"), ("TTFT p99 (ms)", "p99_ttft_ms"),
+                      ("TPOT median (ms)", "median_tpot_ms"), ("TPOT p99 (ms)", "p99_tpot_ms"),
+                      ("ITL p99 (ms)", "p99_itl_ms"), ("E2E median (ms)", "median_e2el_ms"))
+
+
+def client_load_text(config: dict, workload: str) -> str:
+    """A `bench serve` workload's sizes as the record's config gives them: 32 x 0+512 -> 128 tokens, 16 at once."""
+    load = client_load(config, workload)
+    return (f"{load['prompts']} x {load['prefix_tokens']}+{load['input_tokens']} -> {load['output_tokens']} tokens, "
+            f"{load['concurrency']} at once")
 
 
 def _vllm_bench_md(record: dict) -> list[str]:
-    have = {n: e for n, e in record["engines"].items() if "vllm_bench" in (e.get("results") or {})}
-    if not have:
+    rows, command = [], None
+    for w in CLIENT_ROWS:
+        key = result_key(w)
+        for n, e in record["engines"].items():
+            if key in (e.get("results") or {}):
+                rows.append([w, n, e.get("precision", ""),
+                             *[spread_text(e, f"{key}.{k}") for _, k in VLLM_BENCH_COLUMNS]])
+                command = command or e["results"][f"{key}_command"]
+    if not rows:
         return ["(no engine ran vLLM's client)"]
-    c = record["config"]
-    rows = [[n, *[spread_text(e, f"vllm_bench.{key}") for _, key in VLLM_BENCH_COLUMNS]] for n, e in have.items()]
-    command = next(iter(have.values()))["results"]["vllm_bench_command"]
-    return [f"vLLM's own client (`vllm bench serve`, random dataset): {c['client_prompts']} prompts of "
-            f"{c['client_prefix_tokens']} shared + {c['client_input_tokens']} random tokens, "
-            f"{c['client_output_tokens']} tokens out (ignore_eos, greedy), {c['client_concurrency']} at once. "
-            "Its command for one engine (the base URL and model differ per engine):", "", f"`{command}`", "",
-            *_table(["engine", *[label for label, _ in VLLM_BENCH_COLUMNS]], rows)]
+    loads = "; ".join(f"{w}: {client_load_text(record['config'], w)}" for w in CLIENT_ROWS
+                      if w in record["config"]["workloads"])
+    return [f"vLLM's own client (`vllm bench serve`, random dataset, ignore_eos, greedy), prompts of shared prefix + "
+            f"random tokens -> tokens out: {loads}. One of its commands (the base URL, model and sizes differ per "
+            "engine and workload):", "", f"`{command}`", "",
+            *_table(["workload", "engine", "precision", *[label for label, _ in VLLM_BENCH_COLUMNS]], rows)]
+
+
+def equal_table(record: dict) -> tuple[list[str], list[list[str]]]:
+    """kvtool against each peer of its precision, then each engine's best against kvtool's best (record["pairs"],
+    record["best"]): (header, rows), one row per workload, a `bench serve` cell giving the four ratios the targets
+    judge; no rows where no kvtool variant ran beside a peer."""
+    cols = [(f"{p['kvtool']} / {p['peer']}, {p['precision']}", p["ratios"]) for p in record.get("pairs", [])]
+    cols += [(f"kvtool best / {fam} best", {m: v["ratio"] for m, v in rows.items()})
+             for fam, rows in record.get("best", {}).items()]
+    lines = [("decode bs=1 (tok/s)", ["decode_tok_s"])] * ("decode" in record["config"]["workloads"]) + [
+        (f"{w}: {client_load_text(record['config'], w)}", [f"{result_key(w)}_{m}" for m in ROW_METRICS])
+        for w in CLIENT_ROWS if w in record["config"]["workloads"]]
+    rows = [[label, *[", ".join(_ratio(r.get(m)) for m in ms) for _, r in cols]] for label, ms in lines]
+    return ["workload", *[c for c, _ in cols]], rows if cols else []
+
+
+def threads_text(record: dict) -> str:
+    n = record.get("threads")
+    return f"{n} thread{'s' if n != 1 else ''}" if n else "threads not recorded"
+
+
+def _equal_md(record: dict) -> list[str]:
+    head, rows = equal_table(record)
+    if not rows:
+        return ["(no kvtool variant ran beside a peer)"]
+    return [f"Ratios above 1 favour kvtool, at {threads_text(record)} for every engine; a `bench serve` row "
+            f"gives {', '.join(ROW_METRICS.values())}.", "", *_table(head, rows)]
 
 
 def _load_line(record: dict) -> str:
@@ -241,15 +191,17 @@ def markdown(record: dict, plots: dict[str, str]) -> str:
                  f"within a round, the median of {record['config']['repeats']} runs after "
                  f"{record['config']['warmup']} warm-up.", "",
              "## Engines", "",
-             *_table(["engine", "what", "weights", "status", "rounds", "start-up (s)", "load min/max",
+             *_table(["engine", "what", "weights", "precision", "status", "rounds", "start-up (s)", "load min/max",
                       "why not / note"],
-                     [[n, e.get("engine", ""), e.get("weights", ""), e["status"], str(e.get("rounds", "")),
+                     [[n, e.get("engine", ""), e.get("weights", ""), e.get("precision", ""), e["status"],
+                       str(e.get("rounds", "")),
                        _num(e.get("startup_s")), "/".join(f"{x:.1f}" for x in e.get("load_avg", [])),
                        e.get("reason", "").split("\n")[0]] for n, e in engines.items()]),
              "", _load_line(record),
              "", "## Targets", "", *_table(["target", "ratio", "detail", "status"],
                                            [[t["target"], _ratio(t["ratio"]), t["detail"], t["status"]]
                                             for t in record["targets"]]),
+             "", "## Equal precision", "", *_equal_md(record),
              "", "## Decode, cold TTFT and prefix hit", "", *_single_md(record),
              "", "## Concurrent streams", "", *_streams_md(record),
              "", "## Context layouts", "", *_layouts_md(record),
@@ -328,6 +280,7 @@ def write_report(record: dict, out_dir: Path, log=print, quiet: bool = False) ->
     targets and the record (its last line) on stdout."""
     out_dir.mkdir(parents=True, exist_ok=True)
     record["ratios"] = ratios(record["engines"])
+    record["pairs"], record["best"] = pairs(record["engines"]), best(record["engines"])
     record["targets"] = targets(record)
     plots, errors = {}, {}
     for key, draw in PLOTS.items():

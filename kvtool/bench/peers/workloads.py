@@ -1,5 +1,6 @@
 """The workloads `kvtool bench peers` runs against every engine's OpenAI API, the same requests for each:
-decode at batch 1, cold TTFT, a prefix hit, N concurrent streams and the context layouts of `bench ttft`.
+decode at batch 1, cold TTFT, a prefix hit, N concurrent streams, the context layouts of `bench ttft`, and vLLM's
+own `bench serve` client on the loads of config.CLIENT_LOADS (vllm_client).
 
 Prompts are token ids (POST /v1/completions takes them on kvtool serve, llama-server and vLLM), drawn at
 random with ids below 32000 (batching.random_prompts), fresh for every cold request so no engine's cache
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from kvtool.bench.backends import sse_chunks
+from kvtool.bench.peers.config import CLIENT_LOADS
+from kvtool.bench.peers.vllm_client import workload as client_workload
 from kvtool.bench.protocol import measure
 
 
@@ -158,11 +161,5 @@ def memory(ep: Endpoint, cfg, prompts: TokenSource, log) -> dict:
     return {"memory": row}
 
 
-def _vllm_bench(ep, cfg, prompts, log) -> dict:
-    from kvtool.bench.peers.vllm_client import vllm_bench
-
-    return vllm_bench(ep, cfg, prompts, log)
-
-
 WORKLOADS = {"memory": memory, "decode": decode_b1, "ttft": cold_ttft, "prefix": prefix_hit, "streams": streams,
-             "layouts": layouts, "vllm-bench": _vllm_bench}
+             "layouts": layouts, **{name: client_workload(name) for name in ("vllm-bench", *CLIENT_LOADS)}}
