@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run the whole test suite (real-model tests included) after setting everything up from the locks: the suite in
 # .venv, then the --engine vllm tests again in .venv-vllm, where vLLM is installed (in .venv they skip).
-# The skill/cache-file contract runs in a pytest process of its own there: its Qwen2.5 servers (vLLM's with the
-# connector holds ~8.4 GB) must not share 24 GB with the session-scoped servers and models of the other vLLM tests.
+# The skill/cache-file contract and the plain vLLM server with kvtool's connector run in a pytest process of their own
+# there: their Qwen2.5 servers must not share 24 GB with the session-scoped servers and models of the other vLLM tests.
 # Arguments go to the first run only; with arguments the vLLM runs are left out.
 #   scripts/test.sh --latest [ARGS]   the release canary: the fast tests (no real model, not slow) in
 #                                     .venv-latest, set up with the newest releases pyproject.toml allows
