@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -230,7 +231,7 @@ class KvtoolConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not meta.loads:
             return
-        layers = self._layers()
+        layers, t0 = self._layers(), time.perf_counter()
         for load in meta.loads:
             for piece in load.pieces:
                 if not self._load(layers, load, piece):  # vLLM recomputes from the page this piece starts in
@@ -239,6 +240,7 @@ class KvtoolConnector(KVConnectorBase_V1):
                     self._errors.update(load.block_ids[first:last])
                     self.stats.add(load_errors=last - first)
                     break
+        self.stats.add(load_ms=(time.perf_counter() - t0) * 1000.0)
 
     def _load(self, layers: list, load: Load, piece: Piece) -> bool:
         """Write one piece into the request's pages; False when the store no longer holds it."""
@@ -281,12 +283,13 @@ class KvtoolConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not meta.saves or self.shared is None:
             return
-        layers = self._layers()
+        layers, t0 = self._layers(), time.perf_counter()
         for save in meta.saves:
             try:
                 self._save(layers, save)
             except Exception:  # the store is a cache: a failed copy must not fail the request
                 log.exception("copying a prompt's KV into the kvtool block store failed")
+        self.stats.add(save_ms=(time.perf_counter() - t0) * 1000.0)
 
     def _save(self, layers: list, save: Save) -> None:
         """Copy the prompt's whole blocks from `save.first` (and the seam tail) out of vLLM's pages, for the writer."""

@@ -17,6 +17,8 @@ COUNTERS = {
     "saved_blocks": "KV blocks the connector queued for the store",
     "dropped_blocks": "KV blocks not saved because the store's writer was behind",
     "load_errors": "vLLM blocks whose KV the store no longer held (recomputed by vLLM)",
+    "load_ms": "milliseconds the workers spent writing supplied KV into vLLM's pages, before the forward",
+    "save_ms": "milliseconds the workers spent copying prompts' KV out of vLLM's pages, after the forward",
 }
 
 
@@ -39,7 +41,7 @@ class KvtoolStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        return {k: round(v, 1) if isinstance(v, float) else v for k, v in self.data.items()}
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
