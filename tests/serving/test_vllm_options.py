@@ -92,3 +92,19 @@ def test_a_config_naming_no_architecture_gets_the_causal_lm_for_its_model_type()
     assert "hf_overrides" not in engine_kwargs("/m", "auto", on_gpu=False, user={})
     mine = {"architectures": ["Mine"]}
     assert engine_kwargs("/m", "auto", False, {"hf_overrides": mine}, "gemma3_text")["hf_overrides"] == mine
+
+
+@needs_vllm
+def test_the_connectors_counters_sum_across_halves_and_reset_when_taken():
+    from kvtool.engines.vllm.connector import KvtoolConnector
+    from kvtool.engines.vllm.stats import COUNTERS, KvtoolStats
+
+    scheduler, worker = KvtoolStats(), KvtoolStats()
+    assert scheduler.take() is None  # nothing to report
+    scheduler.add(block_tokens=700, store_tokens=34, composed_requests=1)
+    worker.add(saved_blocks=49, load_ms=2.25)
+    sent = KvtoolConnector.build_kv_connector_stats(worker.take().to_dict())  # as vLLM rebuilds it in its logger
+    total = sent.aggregate(scheduler.take())
+    assert set(total.data) == set(COUNTERS) and total.reduce()["block_tokens"] == 700
+    assert total.reduce()["saved_blocks"] == 49 and total.reduce()["load_ms"] == 2.2  # rounded to 0.1 ms
+    assert worker.is_empty() and scheduler.is_empty()

