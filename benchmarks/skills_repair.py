@@ -78,6 +78,7 @@ def request_rows(record: dict, num_layers: int) -> list[dict]:
                     "first_token_agree": q["greedy_match_tokens"] >= 1, "kl_top20_next": q["kl_top20_next"],
                     "kl_next": q["kl_next"], "kl_mean": q["kl_mean"], "top1": q["top1"],
                     "greedy_identical": q["greedy_exact"], "greedy_match_tokens": q["greedy_match_tokens"],
+                    "misses": q["misses"], "near_tie_misses": q["near_tie_misses"],
                     "speedup_cold": row["speedup_cold"]})
     return out
 
@@ -109,6 +110,8 @@ def summarise(rows: list[dict], bar: dict = BAR) -> list[dict]:
              "kl_top20_max": max(r["kl_top20_next"] for r in rs), "kl_next_mean": mean("kl_next"),
              "kl_greedy_steps_mean": mean("kl_mean"), "top1_teacher_forced": mean("top1"),
              "greedy_identical": mean("greedy_identical"), "greedy_match_tokens_mean": mean("greedy_match_tokens"),
+             "misses": sum(r.get("misses", 0) for r in rs),  # teacher-forced steps whose argmax differs
+             "near_tie_misses": sum(r.get("near_tie_misses", 0) for r in rs),
              "speedup_cold_median": sorted(r["speedup_cold"] for r in rs)[n // 2]}
         s["meets_bar"] = meets_bar(s, bar)
         out.append(s)

@@ -68,8 +68,8 @@ def test_knobs_and_labels_are_read_from_repair_specs(bench):
 
 
 def test_request_rows_count_the_runs_and_each_repairs_extra_pass(bench):
-    q = {"greedy_match_tokens": 0, "kl_top20_next": 0.1, "kl_next": 0.2, "kl_mean": 0.3, "top1": 0.0,
-         "greedy_exact": False}
+    q = {"greedy_match_tokens": 0, "kl_top20_next": 0.1, "kl_next": 0.2, "kl_mean": 0.3, "top1": 0.0, "misses": 3,
+         "near_tie_misses": 1, "greedy_exact": False}
     record = {"prompt_tokens": 1000, "prefix_tokens": 100, "block_tokens": 800, "query_tokens": 30, "repairs": [
         {"repair": "recompute_deviation:ratio=0.1,layer=1,score=kv,first=0", "strategy": "recompute_deviation",
          "recomputed_tokens": 80, "per_query": [q], "speedup_cold": 2.0},
@@ -78,7 +78,7 @@ def test_request_rows_count_the_runs_and_each_repairs_extra_pass(bench):
     deviation, attended = bench.request_rows(record, num_layers=20)
     assert deviation["computed_tokens"] == 100 + 80 and deviation["extra_token_equivalents"] == 800 * 2 / 20
     assert attended["computed_tokens"] == 108 and attended["extra_token_equivalents"] == 30
-    assert not attended["first_token_agree"] and not attended["greedy_identical"]
+    assert not attended["first_token_agree"] and not attended["greedy_identical"] and attended["near_tie_misses"] == 1
 
 
 def test_top20_kl_is_taken_over_the_references_top_tokens_renormalised():
