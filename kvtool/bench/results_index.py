@@ -95,6 +95,14 @@ def _skills_vllm(r):
         for name, row in r["models"].items())
 
 
+@headline("skills_repair")
+def _skills_repair(r):
+    best = next((s for s in r["summary"] if s["repair"] == r["cheapest_meeting_bar"]), None)
+    n = f" ({len(r['requests'])} requests)"
+    return (f"cheapest repair meeting the fidelity bar: {best['label']}, {100 * best['uncomputed_share']:.1f}% of "
+            "prompt tokens not computed" if best else "no repair meets the fidelity bar") + n
+
+
 @headline("skill_breakeven")
 def _skill_breakeven(r):
     return (f"{r.get('engine', 'kvtool')}: composition pays from {r['break_even_tokens'] or 'n/a'} block tokens "

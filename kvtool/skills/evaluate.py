@@ -8,6 +8,8 @@ Metrics (all vs the full-prefill reference, which also defines the greedy contin
 - greedy_exact: the composed model's own greedy output equals the reference's. Greedy decoding
   diverges exactly at the first teacher-forced mismatch, so this is top1 == 1 and
   `greedy_match_tokens` (the common prefix) is the index of that first mismatch;
+- kl_top20_next / kl_top20_mean: KL over the reference's TOP_K most likely tokens, both distributions
+  renormalised there (what a server's top-20 logprobs allow; kvtool's server benchmarks score the same);
 - misses / near_tie_misses: teacher-forced steps where the argmaxes differ, and those of them where
   the reference itself was nearly undecided (log p1 - log p2 < NEAR_TIE nats). A small model's
   greedy path has such steps, and any change to the context (even recomputing half the block
@@ -36,6 +38,7 @@ DEFAULT_SWEEP = ("none", "recompute_first_k:k=4", "recompute_first_k:k=16", "rec
                  "recompute_attended:ratio=0.05", "recompute_attended:ratio=0.1")
 
 NEAR_TIE = 0.5  # nats between the reference's top two tokens
+TOP_K = 20  # kl_top20: the reference's most likely tokens the top-k KL is taken over
 CHUNK = EngineConfig.prefill_chunk  # full prefill and composed token runs prefill as the engine does
 
 
@@ -152,7 +155,8 @@ def extra_query_scores(runner, base_cache, queries: list[list[int]], refs: list[
 def aggregate(per_query: list[dict]) -> dict:
     """Means over queries (cos_min: the minimum); greedy_exact only if exact for every query."""
     mean = lambda key: sum(m[key] for m in per_query) / len(per_query)  # noqa: E731
-    out = {k: mean(k) for k in ("kl_next", "kl_mean", "cos_next", "cos_mean", "top1", "greedy_match_tokens")}
+    out = {k: mean(k) for k in ("kl_next", "kl_mean", "kl_top20_next", "kl_top20_mean", "cos_next", "cos_mean",
+                                "top1", "greedy_match_tokens")}
     out.update(cos_min=min(m["cos_min"] for m in per_query), greedy_exact=all(m["greedy_exact"] for m in per_query),
                greedy_exact_rate=mean("greedy_exact"), queries=len(per_query),
                misses=sum(m["misses"] for m in per_query), near_tie_misses=sum(m["near_tie_misses"] for m in per_query))
@@ -162,6 +166,9 @@ def aggregate(per_query: list[dict]) -> dict:
 def fidelity(ref_rows: torch.Tensor, rows: torch.Tensor, tokens: list[int]) -> dict:
     ref_lp, lp = F.log_softmax(ref_rows.float(), -1), F.log_softmax(rows.float(), -1)
     kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1)
+    top = ref_lp.topk(min(TOP_K, ref_lp.shape[-1]), -1).indices  # [n, k]
+    ref_top, top_lp = F.log_softmax(ref_lp.gather(-1, top), -1), F.log_softmax(lp.gather(-1, top), -1)
+    kl_top = (ref_top.exp() * (ref_top - top_lp)).sum(-1)
     cos = F.cosine_similarity(ref_rows.float(), rows.float(), dim=-1)
     agree = (rows.argmax(-1).cpu() == torch.tensor(tokens)).tolist()
     first_miss = agree.index(False) if False in agree else len(agree)
@@ -169,7 +176,8 @@ def fidelity(ref_rows: torch.Tensor, rows: torch.Tensor, tokens: list[int]) -> d
     margin = (top2[:, 0] - top2[:, 1]).cpu().tolist()
     missed = [m for m, ok in zip(margin, agree) if not ok]
     return {"misses": len(missed), "near_tie_misses": sum(m < NEAR_TIE for m in missed),
-            "kl_next": float(kl[0]), "kl_mean": float(kl.mean()), "cos_next": float(cos[0]),
+            "kl_next": float(kl[0]), "kl_mean": float(kl.mean()), "kl_top20_next": float(kl_top[0]),
+            "kl_top20_mean": float(kl_top.mean()), "cos_next": float(cos[0]),
             "cos_mean": float(cos.mean()), "cos_min": float(cos.min()), "top1": sum(agree) / len(agree),
             "greedy_exact": first_miss == len(agree), "greedy_match_tokens": first_miss}
 
