@@ -32,7 +32,7 @@ import os
 from collections import Counter
 from typing import Iterable, Sequence
 
-from kvtool.cache.blocks import EVICTION_POLICIES, Block, IndexStats, InsertResult, register_eviction_policy
+from kvtool.cache.eviction import EVICTION_POLICIES, Block, IndexStats, InsertResult, register_eviction_policy
 from kvtool.errors import InvalidParameterError
 
 __all__ = ["EVICTION_POLICIES", "Block", "IndexStats", "InsertResult", "PrefixIndex", "common_prefix",

@@ -5,8 +5,8 @@ layer (kvtool.models.runner) spends many on casts and small elementwise ops. Her
 RMSNorm with its weight in one op; one QKV matmul; Qwen3's q and k norms as one normalisation
 over all q and k heads times a per-head weight table; RoPE for q and k at once
 (x * cos + roll(x, D/2) * sin_signed, the rotate_half identity); the new K/V written in place;
-one attention call. About 20 ops a layer where the reference dispatches ~39 in bf16 (571 vs 1,090
-for a Qwen3-0.6B step). The math is the reference's; only rounding order differs (fp32 agrees to
+one attention call: about half the ops the reference dispatches per layer in bf16 (docs/benchmarks.md,
+"kvtool.engine.decode_step"). The math is the reference's; only rounding order differs (fp32 agrees to
 ~1e-6; tests hold both paths to the same tokens).
 
 Two shapes use it. step(): one token for each of n rows, attention as one SDPA call whose

@@ -222,9 +222,8 @@ inline Vec vset(float f) { return KVTOOL_PS(set1)(f); }
 // one chain of FMAs in a lane of its own, then ((q0 + q1) + q2) + q3: the same bits whatever the vector width
 // (AVX2 or AVX-512), R or thread count. The quarters are read side by side, four weight streams for one row and
 // two for more, KT k values at a time, C vectors of outputs per pass (as many accumulators as the registers
-// hold). One thread, weights streaming from memory, against the row-major gemv over the same values (Intel
-// Xeon, AVX-512): Qwen2.5's 9,728 x 896 gate_up 1.22x at one row, 1.09x at two; its 896 x 4,864 down 1.05x
-// and 0.91x; its head 1.18x and 1.07x. One weight stream, or blocks side by side, read 0.85-0.95x.
+// hold). Streams side by side read faster than one stream, or than blocks side by side (docs/benchmarks.md,
+// "kvtool.kernels.cpu_decode").
 template <int R, typename Finish>
 void blocked_gemv(const float* w, const float* xp, int64_t k, int64_t blocks, const Finish& finish) {
   constexpr int PER = BLOCK / VW, BUDGET = VW == 16 ? 16 : 12;  // accumulator registers
@@ -274,9 +273,7 @@ void blocked_gemv(const float* w, const float* xp, int64_t k, int64_t blocks, co
 // step, w in fp32 or bf16 (widened exactly; sums in fp32). Each thread streams its share of the weight rows
 // front to back. Weights (fp32 or bf16) go four rows at a time for one or two x rows and two at a time for three
 // or four (dots): A streams side by side keep more of the memory bus busy than one, and each x chunk is loaded
-// once for all A. One thread, weights streaming from memory, the one-row-at-a-time form and this alternating
-// (Intel Xeon, AVX-512 machine, AVX2 code): Qwen2.5's 1,152 x 896 qkv at one row 0.357 -> 0.312 ms, its head
-// 44.3 -> 39.0 ms; at two rows 0.443 -> 0.323 and 54.2 -> 40.7.
+// once for all A.
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                 const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2, "gemv: x must be contiguous fp32 "
@@ -802,7 +799,7 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
   return out;
 }
 
-// All decoder layers of one decode step in one call (kvtool.kernels.cpu_decode.DecodeStep), each as the
+// All decoder layers of one decode step in one call (kvtool.models.cpu_step.DecodeStep), each as the
 // eight ops above: RMSNorm, the qkv product (+ bias), attend, the o product + residual, RMSNorm, gate_up,
 // silu * up, down + residual. Per layer: norms holds the input and post-attention RMSNorm weights; mats
 // the qkv, o, gate_up and down weights, each one fp32 or bf16 tensor, or with q4 its codes and

@@ -1,38 +1,26 @@
 """fp32 decode steps on the CPU: the work between the matmuls, and the matmuls of few rows, in C++.
 
-A SmolLM2 decode step on the 2-core x86_64 machine kvtool is built on took ~42 ms with the projections
-packed (kvtool.kernels.cpu_gemm), of which the 121 matmuls take ~30 ms when run alone. Most of the other
-~11 ms are small ops run one by one: F.rms_norm decomposes into ~7 ATen ops on the CPU and takes 27 us
-for one 576-wide row (61 a step), RoPE, the KV write, a GQA SDPA call of ~30 us, silu and the residual
-adds. Here each layer is eight calls: three C++ ops from cpu_decode.cpp (an RMSNorm, `attend`: Qwen3's
-q/k norms, RoPE, the KV write and the attention of the one query, and silu(gate) * up) and the four
-matmuls, which add the residual themselves. That took a step to ~37 ms (27 against 22 tok/s for the
-reference forward, medians of 5 interleaved runs of 64 tokens).
+Each decoder layer of a decode step is eight calls: three ops of cpu_decode.cpp (`rms_norm`; `attend`: Qwen3's
+q/k norms, RoPE, the KV write and the attention of the one new query; `silu_mul`, silu(gate) * up) and the
+four matmuls, which add the residual themselves. On the CPU the reference forward runs the same work as many
+small ATen ops (RMSNorm alone decomposes into ~7), each dispatched on its own.
 
-The matmuls of a decode step read every weight once, so they are bound by memory. oneDNN's packed GEMM
-moves ~16 GB/s at one row here; `gemv`, which streams each thread's share of the weight rows front to
-back with AVX2 FMAs and a prefetch a few rows ahead, moves 24-28 GB/s (a `sum` reaches ~30). Up to
-GEMV_MAX_ROWS rows the matmuls and the dense head take it: a step then took ~28 ms (35.4 against 21.7 tok/s,
-same tokens). The math is the reference's; only summation order differs (logits within ~5e-5 on SmolLM2).
-gemv reads the bytes of oneDNN's packed copies where they are laid out as [N / 64, K, 64] (each output
-sums four quarters of K, each in one FMA chain, four weight streams side by side for one row), so the
-dense copies can go (kvtool.kernels.cpu_gemm); whole Qwen2.5 steps at one row took 118-121 against
-137-141 ms over the dense rows, and SmolLM2's 34 against 44.
+The matmuls of a decode step read every weight once, so memory bandwidth bounds them. `gemv` streams each
+thread's share of the weight rows front to back with FMAs and a prefetch a few rows ahead. It takes the
+products gemv_takes() gives it, up to GEMV_MAX_ROWS rows (three or four only while their x rows fit in
+MANY_X_BYTES: longer ones no longer stay in L1 beside the weight stream), and the dense head; the runner's
+own products (oneDNN) take the rest. gemv reads the bytes of oneDNN's packed copies where they are laid out
+as [N / 64, K, 64] (each output sums four quarters of K, each in one FMA chain), so the dense copies can go
+(kvtool.kernels.cpu_gemm). The math is the reference's; only summation order differs (logits within ~5e-5
+on SmolLM2).
 
-Called one by one from Python, those ops cost ~3 us each to dispatch, and a step makes ~240 of them
-plus the Python around them. When every product of a step runs in C++ (up to GEMV_MAX_ROWS rows, or
-quant.MAX_ROWS with int4 weights), one more op, `layers`, runs all the layers' ops in turn from one
-call: SmolLM2 steps took 25.5 against 28.7 ms (dense) and 15.3 against 18.0 ms (int4), medians of 5
-interleaved runs of 64 tokens, the same tokens. More rows go layer by layer, their products through
-the runner's own (oneDNN).
+When every product of a step runs in C++ (each taken by gemv_takes(), or up to quant.MAX_ROWS rows with
+int4 weights), one more op, `layers`, runs all the layers' ops in turn from one call, so a step pays one
+dispatch from Python instead of ~240. Other steps go layer by layer.
 
-Attention reads each sequence's whole cache, so at long contexts it rivals the matmuls: at 2,048 keys
-(SmolLM2's 9 query and 3 KV heads of 64) one layer's `attend` took 321 us, ~9.6 ms a step. Its softmax
-now takes eight exps at a time (Cephes' expf in AVX2, ~1 ulp) and the weighted sum of values keeps
-each head's output in registers across the keys: 138 us at 2,048 keys (the 3 MB of K and V at 25 GB/s
-is ~120), 475 against 1,170 at 8,192. silu(gate) * up goes through ATen's silu, which is the reference
-forward's own and vectorized: a scalar loop of exps took 13 ms of a 64-stream step. A 64-stream step
-(~150 keys each) went from ~260 to ~200 ms with both.
+`attend` reads each sequence's whole cache, so at long contexts it rivals the matmuls: its softmax takes eight
+exps at a time (Cephes' expf, ~1 ulp; cpu_simd.h) and the weighted sum of values keeps each head's output in
+registers across the keys. `silu_mul` goes through ATen's silu, vectorized and the reference forward's own.
 
 ModelRunner.run (forward, forward_batch) takes this path for one new token of each sequence, without a tap,
 once `use_cpu_decode()` turned it on (kvtool.load does, for fp32 CPU models). Prefill chunks take
@@ -44,21 +32,19 @@ Int4 weights (`weights="int4"`, kvtool.kernels.quant) have two more ops here, wh
 uses wherever it multiplies few rows once the library is loaded (loaded()), in this path and the reference
 forward alike: `gemv_q4` (4-bit codes and bf16 scales and zeros per group of 32 against x at 16 bits per
 group, integer dots, sums in fp32) for up to quant.MAX_ROWS rows, and `gemv` over bf16 weights (widened
-exactly) for the bf16 copy of the head. A SmolLM2 int4 step then reads ~123 MB and took 18.7 ms against
-27.1 with torch's int4 kernel and bf16 head (medians of 5 interleaved runs of 64 tokens, 1.45x; before
-`layers`), and its next-token KL to the dense model of its grid values went from 0.00038 to 0.00017.
+exactly) for the bf16 copy of the head.
 
 The same library holds the prefill ops of cpu_prefill.cpp and cpu_attention.cpp (kvtool.models.cpu_prefill
-documents them), and the
-many-row paths of `rms_norm` and `silu_mul` that prefill uses: rows split over the threads, each row by one
-thread, so the same bits at any thread count.
+documents them), and the many-row paths of `rms_norm` and `silu_mul` that prefill uses: rows split over the
+threads, each row by one thread, so the same bits at any thread count.
 
 The C++ files are compiled once per machine with the system compiler (`CXX`, default c++) against the
 installed torch's headers, into `<kvtool cache>/ext` (KVTOOL_CACHE, default ~/.cache/kvtool), named by a
-hash of the sources, torch version, flags and CPU, so a new torch or CPU builds anew (~15 s on 2 cores).
-When no compiler is found or the build fails, the runner keeps the reference forward and one line on
-stderr says why. FLAGS are gcc's, as built and measured on x86_64 Linux; Apple's clang has no -fopenmp
-and is expected to take that fallback. `KVTOOL_CPU_DECODE=0` keeps the reference forward.
+hash of the sources, torch version, flags and CPU, so a new torch or CPU builds anew. When no compiler is
+found or the build fails, the runner keeps the reference forward and one line on stderr says why. FLAGS are
+gcc's, for x86_64 Linux; Apple's clang has no -fopenmp and is expected to take that fallback.
+`KVTOOL_CPU_DECODE=0` keeps the reference forward. docs/benchmarks.md ("Why the CPU kernels are shaped as
+they are") has the measurements behind these choices.
 """
 
 from __future__ import annotations
@@ -84,13 +70,11 @@ SOURCES = (SOURCE, *(SOURCE.with_name(f"cpu_{name}.cpp") for name in ("prefill",
 HEADER = SOURCE.with_name("cpu_simd.h")
 FLAGS = ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w"]
 BUILD_TIMEOUT_S = 600
-# Up to this many rows the ops' own gemv beats oneDNN's packed GEMM (30 distinct weights of each SmolLM2
-# shape, so they stream from memory: at 1 row 71 vs 126 us for a 960 x 576 qkv, 259 vs 332 for gate_up,
-# 4.2 vs 5.5 ms for the head; even at 8 rows; oneDNN ahead from 16).
+# Up to this many rows the ops' own gemv beats oneDNN's packed GEMM on weights streaming from memory
+# (docs/benchmarks.md, "kvtool.kernels.cpu_decode").
 GEMV_MAX_ROWS = 4
-# Three or four rows take gemv only while they hold at most this many bytes: whole 4-row decode steps of Qwen2.5
-# (896-wide x, 14 KiB) took 124 ms with every product in oneDNN against 131 with gemv taking the 896-wide ones
-# (~1,100-token contexts, one thread; 104 against 121 at 3 rows, 10.5 KiB); SmolLM2's 4 rows (9 KiB) tied.
+# Three or four rows take gemv only while they hold at most this many bytes: Qwen2.5's 896-wide rows (10.5 KiB
+# at 3, 14 KiB at 4) ran faster whole in oneDNN, SmolLM2's 4 rows (9 KiB) tied.
 MANY_X_BYTES = 12288
 
 

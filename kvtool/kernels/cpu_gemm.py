@@ -1,12 +1,10 @@
 """fp32 projections on the CPU through oneDNN's prepacked GEMM, with plain F.linear as the reference.
 
-torch's F.linear on the CPU calls MKL's sgemm on the weight as stored. On the 2-core AMD EPYC (AVX2)
-kvtool is built on, that is slow for the few rows a decode step has: all 120 SmolLM2 projections
-take ~30 ms at 1 row and ~50 ms at 8 rows (the head 8 ms and 20 ms), where the bytes they read
-allow ~25 ms either way. oneDNN's linear over a weight reordered once into its blocked layout
-(`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU freezing uses) takes ~24 ms
-and ~31 ms (head 5 ms and 7 ms), and is no slower at prefill sizes. Results differ from
-F.linear only by summation order (~1e-4 on SmolLM2's projections).
+torch's F.linear on the CPU calls MKL's sgemm on the weight as stored, which is slow for the few rows a
+decode step has: well below what the bytes it reads allow. oneDNN's linear over a weight reordered once
+into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU freezing
+uses) comes close to that bound, and is no slower at prefill sizes. Results differ from F.linear only by
+summation order (~1e-4 on SmolLM2's projections).
 
 The reordered weight is an opaque oneDNN tensor beside the dense one. Where its bytes are laid out as
 [N / 64, K, 64] (checked value for value; that is what oneDNN picked for every kvtool shape on AVX2
@@ -18,9 +16,9 @@ weights are held once. Otherwise packing costs one more copy of the projection a
 or AVX-512 BF16 where the CPU has them), x and the output rounded to bf16, and the head's products of a few rows
 (decode steps, a prompt's last token) run the C++ gemv over its bf16 values, widened exactly, so the logits
 keep fp32's resolution. Its top-1 agreement with fp32 is in `kvtool bench decode`.
-It is on by default on x86_64, where it was measured. `KVTOOL_CPU_GEMM=0` keeps plain F.linear (to
-compare, or where oneDNN misbehaves); `KVTOOL_CPU_GEMM=1` turns it on elsewhere too (arm64, where
-F.linear may already be fast).
+It is on by default on x86_64, where it was measured (docs/benchmarks.md, "kvtool.kernels.cpu_gemm").
+`KVTOOL_CPU_GEMM=0` keeps plain F.linear (to compare, or where oneDNN misbehaves); `KVTOOL_CPU_GEMM=1` turns
+it on elsewhere too (arm64, where F.linear may already be fast).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """4-bit projection weights and a bf16 output head for CPU decode, with dense fp32 references.
 
 At batch 1 a CPU decode step reads every weight once and does two flops with it, so memory
-bandwidth sets the speed: SmolLM2-135M in fp32 is 540 MB a token, which the two cores' fp32
-GEMMs stream at 11.5 GB/s (F.linear) to 17.5 GB/s (oneDNN, kvtool.kernels.cpu_gemm) and the C++
-decode ops' gemv at 24-28 GB/s (kvtool.kernels.cpu_decode). With its
-projections in 4 bits (plus a bf16 scale and zero per 32 weights) and its head in bf16 it reads
-123 MB.
+bandwidth sets the speed. With its projections in 4 bits (plus a bf16 scale and zero per 32 weights)
+and its head in bf16, SmolLM2-135M reads 123 MB a token instead of fp32's 540 MB.
 
 Int4: per output row, groups of 32 input columns; w = (q - 8) * scale + zero with q in 0..15.
 The codes come from round-to-nearest between the group's min and max, then scale and zero are
@@ -18,7 +15,7 @@ MAX_ROWS rows (prefill, many streams; BF16_WIDE_MAX_ROWS with a bf16 `wide`) mul
 same values packed for oneDNN (kvtool.kernels.cpu_gemm) when ModelRunner.quantize_int4 made one, else
 by `dense`; the fp32 reference multiplies by `dense`. `wide` is in bf16 where oneDNN's bf16 GEMM runs
 (AMX or AVX-512 BF16; wide_dtype), as `weights="bf16"` is: x, the weights and the product rounded to
-bf16, so prefill and batched decode run ~2x faster and the copy is half the size; in fp32 elsewhere
+bf16, so prefill and batched decode run faster and the copy is half the size; in fp32 elsewhere
 (AVX2), where it multiplies by the grid values exactly. The runner's precision then reads
 "float32/int4+bf16", so KV computed either way is never mixed.
 
@@ -26,12 +23,10 @@ Two kernels take the products of up to MAX_ROWS rows. Once the C++ decode ops ar
 (kvtool.kernels.cpu_decode; kvtool.load loads them for CPU models), `gemv_q4`: x goes in at 16 bits
 per group of 32 (each value moved by at most 2^-16 of its group's largest), integer dots, sums in
 fp32. Otherwise torch's `_weight_int4pack_mm_for_cpu`, which rounds x and its output to bf16 (2^-9
-of each value). Against the dense model of the grid values on SmolLM2 (32 greedy steps), gemv_q4
-gave a mean next-token KL of 0.00017 and torch's kernel 0.00038; an 8-bit x (llama.cpp's Q8 vectors,
-~1.3x faster again) gave 0.0089, since SmolLM2's activations have outliers that take a group's range.
-At one row gemv_q4 took 9.6 ms over all of SmolLM2's projections (30 distinct weights of each
-shape, 66 MB) against 13.0 for torch's kernel; from two rows on the two are even, as its time grows
-with the rows (the unpacked codes are shared by up to four rows, but the dots are per row).
+of each value). gemv_q4 takes x at 16 bits rather than 8 (llama.cpp's Q8 vectors) because SmolLM2's
+activations have outliers that take a group's range: 8 bits moved the next-token distribution ~50x
+more. gemv_q4's time grows with the rows (the unpacked codes are shared by up to four rows, but the
+dots are per row), so it pays most at one row.
 
 The output head is not packed in 4 bits: that moved SmolLM2's next-token distribution 70x more
 than all 210 projections together (KL 0.059 vs 0.0008). It is copied to bf16 for decode, whose
@@ -52,19 +47,15 @@ import torch.nn.functional as F
 from kvtool.kernels import cpu_decode, cpu_gemm
 
 GROUP = 32
-# At more rows per call than this the dense fp32 GEMM beats the int4 kernels (AVX2; gemv_q4 against oneDNN's
-# packed fp32 GEMM, 24 distinct weights of each shape: 4x at 1 row; at 4 rows 1.0-1.3x on one thread, 1.2-1.5x
-# on two, in Qwen2.5's and SmolLM2's shapes; at 5 rows 0.82-1.17x; at 6 and 8 rows 0.64-1.11x, mostly ~0.8x.
-# An older measure over SmolLM2 on two cores had them even at 8 rows).
+# At more rows per call than this oneDNN's packed fp32 GEMM over the dense values beats the int4 kernels (AVX2;
+# docs/benchmarks.md, "kvtool.kernels.quant").
 MAX_ROWS = 4
-# Against oneDNN's bf16 GEMM (AMX), where `wide` is bf16, gemv_q4 wins up to 3 rows: Qwen2.5's four shapes, six
-# distinct weights each, one thread (two): 0.44 (0.38-0.43) of its time at 1 row, 0.72-0.78 (0.66-0.76) at 2,
-# 0.97-1.04 (0.90-1.01) at 3, 1.25-1.28 (1.12-1.19) at 4. Three rows stay with the int4 kernel, in one C++ call.
+# Against oneDNN's bf16 GEMM (AMX), where `wide` is bf16, gemv_q4 wins at 1 and 2 rows and ties at 3; three
+# rows stay with the int4 kernel, in one C++ call.
 BF16_WIDE_MAX_ROWS = 3
 EXACT_TOP = 64  # head logits recomputed in fp32 per row
 # torch's bf16 head pass reads the whole head once per row on AVX2 (no bf16 dot instructions), so with a
-# oneDNN-packed dense head at hand it only pays at one row: SmolLM2's head took 4.7 ms against 5.3 dense
-# at 1 row, 8.3 against 5.2 at 2 and 32 against 7.5 at 8. (The C++ gemv reads it once for all rows.)
+# oneDNN-packed dense head at hand it only pays at one row. (The C++ gemv reads it once for all rows.)
 HALF_HEAD_MAX_ROWS = 1
 
 

@@ -1,17 +1,15 @@
 """fp32 prefill on the CPU: the work between the matmuls through the C++ ops of kvtool/kernels/cpu_prefill.cpp.
 
-A 2,048-token SmolLM2 prefill through the reference forward spent ~11% of its time in small elementwise ATen
-ops on a quiet machine, ~45% at a load average near 10 (benchmarks/results/prefill-profile-cpu.json), where
-these memory-bound ops suffer most: RMSNorm as pow/sum/mul, RoPE as rotate_half (neg, cat, mul, add),
-silu(gate) * up, the residual adds and the copies of K and V into the cache. Here each layer is:
-`rms_norm` (rows split over the threads), the fused qkv product, `rope_qkv` (Qwen3's q/k norms, RoPE of q
-and k, K and V written straight into the cache's blocks or buffers, rows split over the threads),
-`prefill_attention` (kvtool/kernels/cpu_attention.cpp: causal, each KV head's whole group of query heads scored
-at once, with no mask; a paged cache's blocks read in place), the o product with the residual added by oneDNN as a
-post-op, `rms_norm`, the gate_up product, `silu_mul` (ATen's silu over blocks of rows, multiplied by up while in
-cache) and the down product, again with the residual. Each row is computed by one thread, so the result does not
-depend on the thread count. Afterwards (prefill-profile-cpu-fused.json) they are ~7%: the GEMMs take 61% and
-ATen's flash attention, since replaced by `prefill_attention` (1.7x ATen's at 512 tokens, 1.2x at 2,048), 32%.
+The reference forward runs the memory-bound work between a prefill's matmuls as small ATen ops, each a pass
+over the activations: RMSNorm as pow/sum/mul, RoPE as rotate_half (neg, cat, mul, add), silu(gate) * up, the
+residual adds and the copies of K and V into the cache. Here each layer is: `rms_norm` (rows split over the
+threads), the fused qkv product, `rope_qkv` (Qwen3's q/k norms, RoPE of q and k, K and V written straight into
+the cache's blocks or buffers, rows split over the threads), `prefill_attention` (kvtool/kernels/cpu_attention.cpp:
+causal, each KV head's whole group of query heads scored at once, with no mask; a paged cache's blocks read in
+place), the o product with the residual added by oneDNN as a post-op, `rms_norm`, the gate_up product,
+`silu_mul` (ATen's silu over blocks of rows, multiplied by up while in cache) and the down product, again with
+the residual. Each row is computed by one thread, so the result does not depend on the thread count.
+docs/benchmarks.md ("kvtool.models.cpu_prefill", "Where the time goes on a CPU") has the profiles behind this.
 
 Numerics: RoPE, silu * up and the K/V copies give the reference's bits; RMSNorm sums its squares in another
 order (SmolLM2 logits within 1.5e-3 of the reference forward's over 700 tokens, greedy tokens the same).
