@@ -196,6 +196,7 @@ def main(argv=None) -> int:
                     "machine, where spin-waiting threads measure the neighbours")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    command = " ".join(["python", "benchmarks/skill_breakeven.py", *(sys.argv[1:] if argv is None else argv)])
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.repair is None:
@@ -204,9 +205,9 @@ def main(argv=None) -> int:
         ap.error(f"--repair {args.repair}: kvtool's vLLM connector computes nothing itself, so it runs only repair "
                  "none (docs/vllm.md); pass --repair none, or measure the repair with --engine kvtool")
     lengths = sorted(int(x) for x in args.lengths.split(","))
-    record = {"benchmark": "skill_breakeven", "engine": args.engine, "loadavg_start": os.getloadavg(),
-              "repair": args.repair, "repeats": args.repeats, "threads": torch.get_num_threads(),
-              "versions": versions(), "models": {}}
+    record = {"benchmark": "skill_breakeven", "command": command, "engine": args.engine,
+              "loadavg_start": os.getloadavg(), "repair": args.repair, "repeats": args.repeats,
+              "threads": torch.get_num_threads(), "versions": versions(), "models": {}}
     if args.engine == "vllm":
         from vllm_standalone import describe
 

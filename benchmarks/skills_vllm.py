@@ -184,6 +184,7 @@ def main(argv=None) -> int:
     ap.add_argument("--note", help="a line kept in the record, e.g. why the run is smaller than the defaults")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    command = " ".join(["python", "benchmarks/skills_vllm.py", *(sys.argv[1:] if argv is None else argv)])
     from vllm_standalone import describe
 
     from kvtool.models.loading import load, resolve_folder
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
     from kvtool.testing.models import qwen25_gguf, smollm2_gguf
 
     # repair none on both engines: the connector computes nothing, so it runs no other (docs/vllm.md)
-    record = {"benchmark": "skills_vllm", "loadavg_start": os.getloadavg(), "repair": "none",
+    record = {"benchmark": "skills_vllm", "command": command, "loadavg_start": os.getloadavg(), "repair": "none",
               "requests": args.requests, "vllm": describe(), "versions": versions(), "models": {}}
     if args.note:
         record["note"] = args.note

@@ -51,3 +51,4 @@ def test_a_short_run_measures_both_paths_per_length(bench, tmp_path, capsys):
     assert [abs(r["block_tokens"] - n) <= 4 for r, n in zip(got, (32, 96))] == [True, True], got
     assert all(r["prefilled_ms"]["n"] == 1 and r["composed_ms"]["n"] == 1 for r in got)
     assert "loadavg_start" in record and "loadavg_end" in record
+    assert record["command"].startswith("python benchmarks/skill_breakeven.py --models smollm2 --lengths 32,96")
