@@ -35,7 +35,7 @@ class MountSettings:
     kv_store_bytes: int | None = None
     kv_store_block: int = EngineConfig.prefix_block
     repair: str = "none"
-    skill_min_tokens: int = 0
+    skill_min_tokens: int = EngineConfig.skill_min_tokens
     model_name: str | None = None
 
     @classmethod
@@ -53,7 +53,7 @@ class MountSettings:
                 "computes nothing itself (vLLM's forward computes only what follows the supplied prefix); mount the "
                 "blocks with repair 'none' (docs/skills.md measures its fidelity), or serve them on kvtool's own "
                 "engine, which runs every repair")
-        minimum = extra.get("skill_min_tokens", 0)
+        minimum = extra.get("skill_min_tokens", cls.skill_min_tokens)
         if not isinstance(minimum, int) or minimum < 0:
             raise InvalidParameterError(f"KvtoolConnector: skill_min_tokens must be a whole number >= 0, got "
                                         f"{minimum!r}")
