@@ -69,3 +69,11 @@ def test_nothing_to_supply_when_vllm_holds_the_blocks_and_the_last_token_is_vllm
     ending = SYSTEM + A
     plan = plan_request(ending, 16, 0, index().find, BS, tail_at(16, 20))
     assert plan.ready == len(ending) - 1 and plan.pieces[-1] == Piece("block", 20, 59, "a", 20)
+
+
+def test_a_stored_prefix_reaching_into_the_first_block_stops_at_it_so_the_block_is_spliced_whole():
+    plan = plan_request(PROMPT, 0, 32, index().find, BS, tail_at(16, 20))  # the store holds [0, 32): a's first 12
+    assert plan.pieces[:3] == [Piece("store", 0, 16), Piece("tail", 16, 20), Piece("block", 20, 60, "a", 20)]
+    assert plan.block_tokens == 70
+    kept = plan_request(PROMPT, 0, 32, index().find, BS)  # no tail saved: the stored tokens are used as they are
+    assert kept.pieces[:2] == [Piece("store", 0, 32), Piece("block", 32, 60, "a", 20)]

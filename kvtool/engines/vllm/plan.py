@@ -66,6 +66,10 @@ def plan_request(prompt: Sequence[int], local: int, stored: int, find: Callable,
     hit = min(max(local, stored), limit)
     found = find(prompt)
     choice = choose_path(found, hit, min_block_tokens)
+    if choice.kept and local <= (at := choice.kept[0].start) < hit:  # the store's hit reaches into the first block:
+        cut = max(local, at // block_size * block_size)  # splice it whole from its start, as kvtool's engine does
+        if cut == at or has_tail(cut, at):
+            hit = cut
     plan = Plan(local, stored, hit, [], [m.name for m in choice.skipped], [], choice.path, choice.reason,
                 found[0].start if found else None)
     if hit > local:
