@@ -173,9 +173,10 @@ def _vllm_command(files: ModelFiles, port: int, opt: PeerOptions, dtype: str):
             "--max-num-seqs", str(opt.streams), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
     # one engine process without a separate worker (vLLM's multiprocess CPU executor reserves a core of two and
     # hung in its shared-memory broadcast here); a KV pool sized for the workloads, which also skips profiling;
-    # OMP_NUM_THREADS, or vLLM's CPU backend runs the model on one thread
+    # OMP_NUM_THREADS, or vLLM's CPU backend runs the model on one thread; vLLM's INFO log in the run's log (what it
+    # loaded, in which dtype), whatever the calling process's environment says
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(opt.vllm_kv_gib),
-           "OMP_NUM_THREADS": str(opt.threads)}
+           "OMP_NUM_THREADS": str(opt.threads), "VLLM_LOGGING_LEVEL": "INFO"}
     return argv, env
 
 
