@@ -167,12 +167,15 @@ class Shelf:
     def kv(self, name: str, rope: RopeFrame, heads: tuple[int, int], first: int, last: int, at: int, dtype):
         """(keys, values) [L, heads, last - first, D] of block tokens [first, last), keys re-rotated from the block's
         canonical positions to the block starting at prompt position `at`, in `dtype`."""
+        from safetensors import safe_open
+
         from kvtool.skills.repair import rerotate_layers
 
-        block = _read(self.files[name], rope)
-        keys = block.keys[:, heads[0]:heads[1], first:last].float()
-        values = block.values[:, heads[0]:heads[1], first:last]
-        keys = rerotate_layers(rope, keys.contiguous(), at - block.canonical_start)
+        # the file was checked whole when mounted (Shelf.load): here only the window placed is read
+        with safe_open(self.files[name], framework="pt") as f:
+            keys = f.get_slice("keys")[:, heads[0]:heads[1], first:last].float()
+            values = f.get_slice("values")[:, heads[0]:heads[1], first:last]
+        keys = rerotate_layers(rope, keys.contiguous(), at - self.starts[name])
         return keys.to(dtype), values.to(dtype)
 
     def summary(self) -> list[dict]:
