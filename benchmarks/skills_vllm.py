@@ -47,6 +47,18 @@ def generated_skills(folder: Path, n: int, words: int, seed: int) -> None:
                                                 f"{rng.choice(WORDS)} work.\n---\n# Procedure {i}\n{steps}\n")
 
 
+def library(tmp: Path, generated: int, words: int, seed: int) -> Path:
+    """tmp/skills: kvtool's example skills plus `generated` generated ones."""
+    folder = tmp / "skills"
+    folder.mkdir()
+    for skill in Path(__file__).resolve().parent.parent.joinpath("examples", "skills").iterdir():
+        if (skill / "SKILL.md").is_file():
+            (folder / skill.name).mkdir()
+            (folder / skill.name / "SKILL.md").write_text((skill / "SKILL.md").read_text())
+    generated_skills(folder, generated, words, seed)
+    return folder
+
+
 def requests(model, catalog, n: int, seed: int) -> list[list[int]]:
     rng, names, out = random.Random(seed), catalog.names(), []
     for i in range(n):
@@ -197,13 +209,7 @@ def main(argv=None) -> int:
     if args.note:
         record["note"] = args.note
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "skills"
-        folder.mkdir()
-        for skill in Path(__file__).resolve().parent.parent.joinpath("examples", "skills").iterdir():
-            if (skill / "SKILL.md").is_file():
-                (folder / skill.name).mkdir()
-                (folder / skill.name / "SKILL.md").write_text((skill / "SKILL.md").read_text())
-        generated_skills(folder, args.generated, args.skill_words, args.seed)
+        folder = library(Path(tmp), args.generated, args.skill_words, args.seed)
         for name in args.models:
             gguf = smollm2_gguf() if name == "smollm2" else qwen25_gguf()
             model = load(str(gguf), device="cpu", dtype="float32", progress=False)

@@ -28,6 +28,7 @@ def llama(tmp_path_factory):
     ({"kv_store_bytes": 0}, "kv_store_bytes must be a positive whole number"),
     ({"kv_store_block": "16"}, "kv_store_block must be a positive whole number"),
     ({"blocks": "no/such/folder"}, "is neither a folder nor a .kvb file"),
+    ({"load": "later"}, "load must be 'auto', 'async' or 'sync'"),
 ])
 def test_settings_say_what_is_wrong(extra, message):
     with pytest.raises(InvalidParameterError, match=None) as err:

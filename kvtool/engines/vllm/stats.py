@@ -17,7 +17,8 @@ COUNTERS = {
     "saved_blocks": "KV blocks the connector queued for the store",
     "dropped_blocks": "KV blocks not saved because the store's writer was behind",
     "load_errors": "vLLM blocks whose KV the store no longer held (recomputed by vLLM)",
-    "load_ms": "milliseconds the workers spent writing supplied KV into vLLM's pages, before the forward",
+    "load_ms": "milliseconds the workers spent writing supplied KV into vLLM's pages (a loader thread, "
+               "beside the other requests' steps, unless load is 'sync')",
     "save_ms": "milliseconds the workers spent copying prompts' KV out of vLLM's pages, after the forward",
 }
 
