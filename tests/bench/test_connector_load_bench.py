@@ -1,5 +1,5 @@
 """benchmarks/connector_load.py's pieces that need no vLLM server: the connector's counter read from Prometheus
-text, and the summary of alternating runs (medians per mode, the spread, sync over auto)."""
+text, and the summary of alternating runs (medians per mode, the spread, each mode over auto)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,15 @@ def test_the_counter_is_summed_over_label_sets_and_nothing_else(bench):
     assert bench.metric_total(text, "vllm:kvtool_load_ms_total") == 15.0
 
 
-def test_the_summary_takes_medians_per_mode_and_compares_sync_with_auto(bench):
+def test_the_summary_takes_medians_per_mode_and_divides_by_auto(bench):
     def run(mode, ttft, tpot):
-        return {"mode": mode, "ttft_ms_p50": ttft, "ttft_ms_p90": ttft * 2, "tpot_ms_p50": tpot, "tpot_ms_p90": tpot,
-                "tpot_ms_max": tpot * 3, "load_ms_per_request": 10.0, "load_share_of_ttft": 0.1}
+        return {"mode": mode, "idle_ttft_ms_p50": ttft / 2, "idle_ttft_ms_p90": ttft, "ttft_ms_p50": ttft,
+                "ttft_ms_p90": ttft * 2, "tpot_ms_p50": tpot, "tpot_ms_p90": tpot, "tpot_ms_max": tpot * 3,
+                "idle_load_ms_per_request": 5.0, "load_ms_per_request": 10.0, "load_share_of_ttft": 0.1}
 
-    out = bench.summarize([run("sync", 100, 90), run("auto", 120, 30), run("auto", 140, 50), run("sync", 300, 70)])
+    out = bench.summarize([run("sync", 100, 90), run("async", 150, 40), run("auto", 120, 30), run("auto", 140, 50),
+                           run("async", 170, 60), run("sync", 300, 70)])
     assert out["sync"]["ttft_ms_p50"] == 200 and out["auto"]["tpot_ms_p50"] == 40
     assert out["sync"]["spread"]["tpot_ms_p90"] == [70, 90]
-    assert out["ratios_sync_over_auto"]["tpot_ms_p50"] == 2.0 and out["ratios_sync_over_auto"]["ttft_ms_p50"] == 1.538
+    assert out["ratios_over_auto"]["sync"]["tpot_ms_p50"] == 2.0
+    assert out["ratios_over_auto"]["async"]["idle_ttft_ms_p50"] == 1.231 and "auto" not in out["ratios_over_auto"]
