@@ -3,7 +3,8 @@
     kvtool bench decode                                    # default model (SmolLM2 offline)
     kvtool bench decode --shape qwen3-0.6b --ttft-lengths 512 4096   # random weights, GPU targets
 
-On a CPU it also times copies of the model with int4 projections (`--weights int4`, decode) and with bf16
+Decode is also timed through Engine.generate (decode_tok_s_engine: the scheduler's whole step at bs=1, what a
+streaming client's time per output token comes from). On a CPU it also times copies of the model with int4 projections (`--weights int4`, decode) and with bf16
 weights (`--weights bf16`, decode and TTFT) in the same runs, and records how far each copy's next tokens move
 from the dense model's (for bf16 also over one prefill of the prompt and the dense model's greedy tokens).
 """
@@ -18,7 +19,7 @@ import torch
 
 from kvtool.bench.protocol import device_name, emit, measure_side_by_side, paired_speedup, versions
 from kvtool.bench.targets import Target, check_all
-from kvtool.config import EngineConfig
+from kvtool.config import EngineConfig, SamplingParams
 from kvtool.errors import InvalidParameterError
 
 TARGETS = [Target("decode_tok_s", "decode tok/s, bs=1", ">=", 800, "tok/s"),
@@ -79,6 +80,14 @@ def kvtool_decode(runner, prompt: list[int], n: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def engine_decode(engine, prompt: list[int], n: int) -> float:
+    """Tokens/s of Engine.generate's n greedy decode steps at bs=1, from its first streamed token to its last: each
+    step the scheduler's whole work (its forward over the engine's KV, sampling, detokenizing)."""
+    params = SamplingParams(temperature=0, max_tokens=n + 1, ignore_eos=True)
+    stamps = [time.perf_counter() for _ in engine.generate(prompt, params)]
+    return n / (stamps[-1] - stamps[0])
+
+
 def engine_prefill(runner, cache, ids: list[int], chunk: int, t0: float | None = None) -> tuple[float, int]:
     """(ms to the first token, its id) as Engine.generate gets them: ids prefilled after what `cache` holds, in
     chunks of `chunk` tokens through ModelRunner.run, and the argmax of the last one's logits."""
@@ -93,8 +102,8 @@ def kvtool_ttft(runner, prompt: list[int], chunk: int) -> float:
 
 
 # a record's metric is a base name plus at most one of these suffixes, naming the kvtool variant it measures
-VARIANTS = {"_int4": "kvtool int4 projections", "_bf16": "kvtool bf16 weights",
-            "_fast": "kvtool fast path"}  # (_fast: the static decoder, in older records of benchmarks/results)
+VARIANTS = {"_engine": "kvtool Engine.generate", "_int4": "kvtool int4 projections",
+            "_bf16": "kvtool bf16 weights", "_fast": "kvtool fast path"}  # (_fast: the static decoder, in older records of benchmarks/results)
 
 
 def variant_of(metric: str) -> tuple[str, str | None]:
@@ -189,9 +198,13 @@ def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
     hf = bm.hf() if cfg.baseline else None
 
     log(f"decode: {n} tokens after a {len(prompt)}-token prompt ({bm.name} on {device})")
+    from kvtool.engine import Engine
+
+    engine = Engine(bm.model)  # no prefix cache: each run prefills its prompt, as kvtool_decode does
     fns = {"kvtool": lambda: kvtool_decode(runner, prompt, n),
-           "transformers": lambda: hf_decode_rate(hf, prompt, n)}
-    labels = list(engines)
+           "transformers": lambda: hf_decode_rate(hf, prompt, n),
+           "kvtool Engine.generate": lambda: engine_decode(engine, prompt, n)}
+    labels = [*engines, "kvtool Engine.generate"]
     packed = weights_copy(bm, "int4") if cfg.int4 else None
     half = weights_copy(bm, "bf16") if cfg.bf16 else None
     for copy, name, what in ((packed, "int4", "projections in 4 bits"), (half, "bf16", "weights rounded to bf16")):
@@ -200,7 +213,9 @@ def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
             fns[f"kvtool {name}"] = lambda copy=copy: kvtool_decode(copy, prompt, n)
             labels.append(f"kvtool {name}")
     decode = measure_side_by_side({e: fns[e] for e in labels}, cfg.repeats, cfg.warmup, device)
-    rows = {"decode_tok_s": {e: decode[e] for e in engines}}
+    rows = {"decode_tok_s": {e: decode[e] for e in engines},
+            "decode_tok_s_engine": {"kvtool": decode["kvtool Engine.generate"]}}
+    del engine
     fidelity = {}
     if packed is not None:
         rows["decode_tok_s_int4"] = {"kvtool": decode["kvtool int4"]}

@@ -45,8 +45,8 @@ def test_decode_record_ratios_come_from_the_measured_medians(tiny_bench):
     rec = run_decode_bench(tiny_bench, cfg, log=lambda s: None)
     half = cpu_gemm._op_works(torch.bfloat16) is None  # oneDNN's bf16 path runs on this CPU
     assert list(rec["results"]) == [
-        "decode_tok_s", "decode_tok_s_int4", *["decode_tok_s_bf16"][:half], "ttft_ms_16", *["ttft_ms_16_bf16"][:half],
-        "ttft_ms_32", *["ttft_ms_32_bf16"][:half]]
+        "decode_tok_s", "decode_tok_s_engine", "decode_tok_s_int4", *["decode_tok_s_bf16"][:half], "ttft_ms_16",
+        *["ttft_ms_16_bf16"][:half], "ttft_ms_32", *["ttft_ms_32_bf16"][:half]]
     assert ("bf16_fidelity" in rec) == half
     # and, where it runs, a bf16-weight copy, decode and TTFT, with its fidelity (decode steps and one prefill)
     fid = rec.get("bf16_fidelity", {"steps": 4, "top1_agreement": 1, "prefill_top1_agreement": 1})
@@ -62,6 +62,10 @@ def test_decode_record_ratios_come_from_the_measured_medians(tiny_bench):
     fid = rec["int4_fidelity"]
     assert fid["steps"] == 4 and 0 <= fid["top1_agreement"] <= 1 and 0 < fid["kl_mean"] <= fid["kl_max"]
     assert tiny_bench.runner.weights == "dense"  # the copy, not the bench model, was packed
+    # Engine.generate's decode steps, timed in the same runs beside the same baseline
+    whole, t = rec["results"].pop("decode_tok_s_engine")["kvtool"], rec["results"]["decode_tok_s"]["transformers"]
+    assert whole["n"] == 2 and whole["median"] > 0 and rec["speedup_vs_transformers"]["decode_tok_s_engine"] == \
+        pytest.approx(whole["median"] / t["median"], abs=1e-3)
     for metric, row in rec["results"].items():
         k, t = row["kvtool"]["median"], row["transformers"]["median"]
         assert row["kvtool"]["n"] == row["transformers"]["n"] == 2 and k > 0 and t > 0
