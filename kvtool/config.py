@@ -5,6 +5,7 @@ The CLI and the server read their defaults from these dataclasses.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -28,6 +29,24 @@ def is_whole(value, least: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
+RETIRED = {"fast_decode": "every device runs ModelRunner.run; EngineConfig.forward picks its path (auto, "
+                          "reference, cpu-ops)",
+           "static_max_tokens": "a request's KV is bounded by kv_bytes and the model's context window"}
+
+
+def refuse_retired(cls):
+    """cls with an __init__ that names a retired setting (RETIRED) and what does its job now, not only an unknown
+    keyword."""
+    @functools.wraps(init := cls.__init__)
+    def checked(self, *args, **kwargs):
+        if gone := sorted(RETIRED.keys() & kwargs.keys()):
+            raise InvalidParameterError(f"EngineConfig has no setting {gone[0]} any more: {RETIRED[gone[0]]}")
+        init(self, *args, **kwargs)
+    cls.__init__ = checked
+    return cls
+
+
+@refuse_retired
 @dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL
@@ -47,8 +66,6 @@ class EngineConfig:
     kv_store_bytes: int | None = None  # a folder store's size limit, for every engine on it; None: the folder's own
     forward: str = "auto"  # the path of each step: auto (the C++ CPU ops where they build on the CPU) | reference |
     # cpu-ops (refused where the ops cannot run); the model is loaded with it (kvtool.load(forward=...))
-    fast_decode: str = "auto"  # static-shape decode (CUDA graphs on CUDA): auto (CUDA only) | on | off
-    static_max_tokens: int = 8192  # the fast path's KV slots; longer requests take the reference path
     skills_dir: str | None = None  # a skills folder: compile its blocks and splice them into prompts
     skill_repair: str = "recompute_attended:ratio=0.1"  # how spliced blocks are repaired (kvtool.skills.repair)
     skill_preamble: str = "deep:tokens=2048"  # what blocks are compiled after (kvtool.skills.preamble)
@@ -63,13 +80,12 @@ class EngineConfig:
             raise InvalidParameterError(f"invalid engine setting {name}={getattr(self, name)!r}: {why}")
 
         for name, optional, least in (("prefill_chunk", False, 1), ("prefix_block", False, 1),
-                                      ("max_running", False, 1), ("kv_bytes", True, 1),
-                                      ("static_max_tokens", False, 1), ("cache_bytes", True, 0),
+                                      ("max_running", False, 1), ("kv_bytes", True, 1), ("cache_bytes", True, 0),
                                       ("skill_min_tokens", False, 0), ("kv_store_bytes", True, 1)):
             value = getattr(self, name)
             if not (optional and value is None) and not is_whole(value, least):
                 bad(name, f"must be an integer >= {least}" + (" or None" if optional else ""))
-        choices = {"fast_decode": ("auto", "on", "off"), "weights": ("dense", "int4", "bf16"), "forward": FORWARDS}
+        choices = {"weights": ("dense", "int4", "bf16"), "forward": FORWARDS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 bad(name, f"must be one of {', '.join(allowed)}")

@@ -15,6 +15,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "architecture.md"
 MAX_MODULE_LINES = 400
+# modules that must not come back: (module, why) -- the engine keeps one decoder and one in-memory form of KV
+RETIRED = [("kvtool.engine.static", "a second decoder with KV rows of its own; every device runs ModelRunner.run"),
+           ("kvtool.engine.decode_step", "that decoder's forward; the runner's forward serves every device")]
 
 
 # ---- the declaration ------------------------------------------------------------------------------------
@@ -198,6 +201,10 @@ def over_budget(lines: dict[str, int], budgets: dict[str, int]) -> list[str]:
     return out + [f"package {p} has no line budget in {DOC.name}" for p in sorted(totals) if p not in budgets]
 
 
+def retired_modules(modules) -> list[str]:
+    return [f"{module} is back: {why}" for module, why in RETIRED if module in modules]
+
+
 # ---- kvtool itself --------------------------------------------------------------------------------------
 
 
@@ -236,6 +243,10 @@ def test_modules_are_small(code):
 
 def test_packages_keep_their_budgets(declared, code):
     assert over_budget(code[1], declared[1]) == []
+
+
+def test_retired_modules_stay_gone(code):
+    assert retired_modules(code[0]) == []
 
 
 def test_the_graph_sees_imports_inside_functions(code):
@@ -299,6 +310,12 @@ def test_size_checks_catch_a_long_module_and_a_package_over_budget():
     assert over_budget(lines, {"cache": 406, "engine": 400, "viz": 3}) == []
     assert over_budget(lines, {"cache": 405, "engine": 400}) == [
         "package cache: 406 lines, over its budget 405", f"package viz has no line budget in {DOC.name}"]
+
+
+def test_retired_check_names_a_module_that_came_back(tmp_path):
+    (tmp_path / "kvtool" / "engine").mkdir(parents=True)
+    (tmp_path / "kvtool" / "engine" / "static.py").write_text("")
+    assert retired_modules(module_files(tmp_path)) == [f"kvtool.engine.static is back: {RETIRED[0][1]}"]
 
 
 def test_import_graph_resolves_relative_and_function_level_imports(tmp_path):

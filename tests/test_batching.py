@@ -104,13 +104,9 @@ def test_unseeded_rows_sample_together_and_seeded_ones_alone(solo, monkeypatch):
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("fast", ["off", "on"])
-def test_batched_sampling_with_a_single_candidate_equals_greedy(solo, smollm2, fast):
+def test_batched_sampling_with_a_single_candidate_equals_greedy(solo):
     """Unseeded sampled rows go through the batched sampler; top_k=1 or a tiny top_p leaves one token."""
-    from kvtool.config import EngineConfig
-
-    _, prompts, want = solo
-    engine = Engine(smollm2, EngineConfig(fast_decode=fast, static_max_tokens=128))
+    engine, prompts, want = solo
     sched = BatchScheduler(engine, max_running=4, prefill_budget=256)
     params = [SamplingParams(temperature=1.3, top_k=1, max_tokens=16),
               SamplingParams(temperature=0.7, top_p=1e-6, max_tokens=16),
@@ -141,67 +137,3 @@ def test_preemption_under_kv_pressure_keeps_outputs_and_cancel_works(solo):
     assert extra.finish_reason == "abort"
     for i, g in enumerate(gens):
         assert g.token_ids == want[i], f"request {i} differs after preemption"
-
-
-def test_batched_static_decoder_matches_forward_batch(tmp_path):
-    from kvtool.engine.static import BatchedStaticDecoder
-
-    tiny_checkpoint("qwen2", tmp_path)
-    runner = tiny_runner("qwen2", tmp_path)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 20, 9)]
-    ref = [runner.new_cache() for _ in prompts]
-    mine = [runner.new_cache() for _ in prompts]
-    for p, a, b in zip(prompts, ref, mine):
-        runner.prefill(p, a)
-        runner.prefill(p, b)
-    dec = BatchedStaticDecoder(runner, slots=4, max_len=64, bucket_tokens=16)
-    slots = [dec.load(c) for c in mine]
-    assert slots == [0, 1, 2]
-    toks = [p[-1] for p in prompts]
-    for step in range(24):  # the 20-token prompt crosses two buckets
-        want = runner.forward_batch([([t], c) for t, c in zip(toks, ref)])
-        got = dec.step(dict(zip(slots, toks)))
-        for s, w in zip(slots, want):
-            assert (got[s] - w).abs().max().item() < 1e-4, f"step {step}, slot {s}"
-        toks = [int(w.argmax(-1)) for w in want]
-    held = [k[1, :, : dec.max_len].clone() for k in dec.k]
-    dec.step({2: toks[2]})  # slot 1 holds a request but is not stepped: its K/V must stay as it was
-    assert all(torch.equal(k[1, :, : dec.max_len], h) for k, h in zip(dec.k, held))
-    dec.store(1, mine[1])  # slot 1 leaves; the next load takes it again
-    assert mine[1].offset == ref[1].offset and torch.allclose(mine[1][0].keys, ref[1][0].keys, atol=1e-5)
-    assert dec.free == [3, 1]
-
-
-@pytest.mark.real_model
-def test_static_batched_decode_in_the_scheduler_equals_unbatched(solo, smollm2):
-    from kvtool.config import EngineConfig
-
-    _, prompts, want = solo
-    engine = Engine(smollm2, EngineConfig(fast_decode="on", static_max_tokens=128))
-    sched = BatchScheduler(engine, max_running=4, prefill_budget=16, kv_budget_tokens=150)
-    assert sched.static is not None
-    gens = [sched.submit(p, SamplingParams(**PARAMS)) for p in prompts]
-    used_slots = False
-    while not sched.idle:
-        sched.step()
-        used_slots |= any(r.slot is not None for r in sched.running)
-    assert used_slots and sorted(sched.static.free) == [0, 1, 2, 3]
-    for i, g in enumerate(gens):
-        assert g.token_ids == want[i], f"request {i} differs on the static path"
-
-
-@pytest.mark.real_model
-def test_static_kv_buffers_stay_inside_their_byte_budget(smollm2):
-    from kvtool.config import EngineConfig
-
-    s = smollm2.runner.spec
-    per_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * 4  # fp32
-    engine = Engine(smollm2, EngineConfig(fast_decode="on", kv_bytes=4 * 700 * per_token))  # the running share
-    dec = engine.batched_static_decoder(4)
-    assert engine.batched_static_decoder(4) is dec  # kept: later schedulers reuse buffers and graphs
-    assert dec.max_len == 512  # 700 tokens per slot, rounded down to whole 256-token buckets
-    assert sum(k.numel() * k.element_size() for k in dec.k + dec.v) <= 4 * 700 * per_token
-    assert Engine(smollm2, EngineConfig(fast_decode="on", kv_bytes=per_token * 100)).batched_static_decoder(4) \
-        is None
-    assert Engine(smollm2, EngineConfig(fast_decode="off")).batched_static_decoder(4) is None

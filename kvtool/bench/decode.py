@@ -3,7 +3,8 @@
     kvtool bench decode                                    # default model (SmolLM2 offline)
     kvtool bench decode --shape qwen3-0.6b --ttft-lengths 512 4096   # random weights, GPU targets
 
-On a CPU it also times copies of the model with int4 projections (`--weights int4`, decode) and with bf16
+Decode is also timed through Engine.generate (decode_tok_s_engine: the scheduler's whole step at bs=1, what a
+streaming client's time per output token comes from). On a CPU it also times copies of the model with int4 projections (`--weights int4`, decode) and with bf16
 weights (`--weights bf16`, decode and TTFT) in the same runs, and records how far each copy's next tokens move
 from the dense model's (for bf16 also over one prefill of the prompt and the dense model's greedy tokens).
 """
@@ -18,7 +19,7 @@ import torch
 
 from kvtool.bench.protocol import device_name, emit, measure_side_by_side, paired_speedup, versions
 from kvtool.bench.targets import Target, check_all
-from kvtool.config import EngineConfig
+from kvtool.config import EngineConfig, SamplingParams
 from kvtool.errors import InvalidParameterError
 
 TARGETS = [Target("decode_tok_s", "decode tok/s, bs=1", ">=", 800, "tok/s"),
@@ -68,45 +69,41 @@ def config_from_args(args) -> DecodeBenchConfig:
                              baseline=args.baseline, int4=args.int4, bf16=args.bf16, out=args.out)
 
 
-def kvtool_decode(runner, prompt: list[int], n: int, decoder=None) -> float:
-    """Tokens/s over n greedy decode steps after a prefill (host sync per token, as when streaming);
-    through `decoder` (the engine's StaticDecoder fast path; CUDA graphs on CUDA) when given."""
+def kvtool_decode(runner, prompt: list[int], n: int) -> float:
+    """Tokens/s over n greedy decode steps after a prefill (host sync per token, as when streaming), each step
+    one ModelRunner.run: the forward the engine's scheduler runs on every device."""
     cache = runner.new_cache(len(prompt) + n + 1)
     tok = int(runner.prefill(prompt, cache).argmax(-1))
-    if decoder is not None:
-        decoder.load(cache)
-    step = decoder.step if decoder is not None else (
-        lambda t: runner(torch.tensor([t], device=runner.device), cache))
     t0 = time.perf_counter()
     for _ in range(n):
-        tok = int(step(tok).argmax(-1))
-    rate = n / (time.perf_counter() - t0)
-    if decoder is not None:
-        decoder.store(cache)
-    return rate
+        tok = int(runner(torch.tensor([tok], device=runner.device), cache).argmax(-1))
+    return n / (time.perf_counter() - t0)
 
 
-def engine_prefill(runner, cache, ids: list[int], chunk: int, decoder=None, t0: float | None = None):
-    """(ms to the first token, its id) as Engine.generate gets them: through `decoder` (the static fast path,
-    on by default on CUDA) when given, else the reference prefill. The decoder hands its KV back to `cache`
-    after the clock stops, as the engine does when the request ends."""
-    from kvtool.engine.static import prefill_logits
+def engine_decode(engine, prompt: list[int], n: int) -> float:
+    """Tokens/s of Engine.generate's n greedy decode steps at bs=1, from its first streamed token to its last: each
+    step the scheduler's whole work (its forward over the engine's KV, sampling, detokenizing)."""
+    params = SamplingParams(temperature=0, max_tokens=n + 1, ignore_eos=True)
+    stamps = [time.perf_counter() for _ in engine.generate(prompt, params)]
+    return n / (stamps[-1] - stamps[0])
 
+
+def engine_prefill(runner, cache, ids: list[int], chunk: int, t0: float | None = None) -> tuple[float, int]:
+    """(ms to the first token, its id) as Engine.generate gets them: ids prefilled after what `cache` holds, in
+    chunks of `chunk` tokens through ModelRunner.run, and the argmax of the last one's logits."""
     t0 = time.perf_counter() if t0 is None else t0
-    token = int(prefill_logits(runner, cache, ids, chunk, decoder).argmax(-1))
-    ms = (time.perf_counter() - t0) * 1000.0
-    if decoder is not None:
-        decoder.store(cache)
-    return ms, token
+    token = int(runner.prefill(ids, cache, chunk=chunk).argmax(-1))
+    return (time.perf_counter() - t0) * 1000.0, token
 
 
-def kvtool_ttft(runner, prompt: list[int], chunk: int, decoder=None) -> float:
+def kvtool_ttft(runner, prompt: list[int], chunk: int) -> float:
     t0 = time.perf_counter()
-    return engine_prefill(runner, runner.new_cache(len(prompt) + 1), prompt, chunk, decoder, t0)[0]
+    return engine_prefill(runner, runner.new_cache(len(prompt) + 1), prompt, chunk, t0)[0]
 
 
 # a record's metric is a base name plus at most one of these suffixes, naming the kvtool variant it measures
-VARIANTS = {"_fast": "kvtool fast path", "_int4": "kvtool int4 projections", "_bf16": "kvtool bf16 weights"}
+VARIANTS = {"_engine": "kvtool Engine.generate", "_int4": "kvtool int4 projections",
+            "_bf16": "kvtool bf16 weights", "_fast": "kvtool fast path"}  # (_fast: the static decoder, in older records of benchmarks/results)
 
 
 def variant_of(metric: str) -> tuple[str, str | None]:
@@ -201,13 +198,13 @@ def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
     hf = bm.hf() if cfg.baseline else None
 
     log(f"decode: {n} tokens after a {len(prompt)}-token prompt ({bm.name} on {device})")
-    from kvtool.engine.static import StaticDecoder
+    from kvtool.engine import Engine
 
-    decoder = StaticDecoder(runner, len(prompt) + n + 1)
+    engine = Engine(bm.model)  # no prefix cache: each run prefills its prompt, as kvtool_decode does
     fns = {"kvtool": lambda: kvtool_decode(runner, prompt, n),
            "transformers": lambda: hf_decode_rate(hf, prompt, n),
-           "kvtool fast path": lambda: kvtool_decode(runner, prompt, n, decoder)}
-    labels = [*engines, "kvtool fast path"]
+           "kvtool Engine.generate": lambda: engine_decode(engine, prompt, n)}
+    labels = [*engines, "kvtool Engine.generate"]
     packed = weights_copy(bm, "int4") if cfg.int4 else None
     half = weights_copy(bm, "bf16") if cfg.bf16 else None
     for copy, name, what in ((packed, "int4", "projections in 4 bits"), (half, "bf16", "weights rounded to bf16")):
@@ -217,7 +214,8 @@ def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
             labels.append(f"kvtool {name}")
     decode = measure_side_by_side({e: fns[e] for e in labels}, cfg.repeats, cfg.warmup, device)
     rows = {"decode_tok_s": {e: decode[e] for e in engines},
-            "decode_tok_s_fast": {"kvtool": decode["kvtool fast path"]}}
+            "decode_tok_s_engine": {"kvtool": decode["kvtool Engine.generate"]}}
+    del engine
     fidelity = {}
     if packed is not None:
         rows["decode_tok_s_int4"] = {"kvtool": decode["kvtool int4"]}
@@ -226,21 +224,18 @@ def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
     if half is not None:
         rows["decode_tok_s_bf16"] = {"kvtool": decode["kvtool bf16"]}
         fidelity["bf16_fidelity"] = weights_fidelity(runner, half, prompt, n, prefill=True)
-    prefiller = StaticDecoder(runner, max(cfg.ttft_lengths) + 1)
     for length in cfg.ttft_lengths:
         ids = torch.randint(lo, vocab - lo, (length,), generator=gen).tolist()
         log(f"cold TTFT at {length} tokens (ms)")
         fns = {"kvtool": lambda: kvtool_ttft(runner, ids, cfg.prefill_chunk),
                "transformers": lambda: hf_generate(hf, ids, 1),
-               "kvtool fast path": lambda: kvtool_ttft(runner, ids, cfg.prefill_chunk, prefiller),
                "kvtool bf16": lambda: kvtool_ttft(half, ids, cfg.prefill_chunk)}
-        timed = [*engines, "kvtool fast path", *(["kvtool bf16"] if half is not None else [])]
+        timed = [*engines, *(["kvtool bf16"] if half is not None else [])]
         ttft = measure_side_by_side({e: fns[e] for e in timed}, cfg.repeats, cfg.warmup, device)
         rows[f"ttft_ms_{length}"] = {e: ttft[e] for e in engines}
-        rows[f"ttft_ms_{length}_fast"] = {"kvtool": ttft["kvtool fast path"]}
         if half is not None:
             rows[f"ttft_ms_{length}_bf16"] = {"kvtool": ttft["kvtool bf16"]}
-    del prefiller, half
+    del half
     ratios, paired = {}, {}
     for metric, row in rows.items():
         base = rows[variant_of(metric)[0]]
@@ -250,9 +245,6 @@ def run_decode_bench(bm, cfg: DecodeBenchConfig | None = None,
             paired[metric] = paired_speedup(row["kvtool"], base["transformers"], rate=metric.startswith("decode"))
     measured = {metric: row["kvtool"]["median"] for metric, row in rows.items()
                 if not metric.endswith(("_int4", "_bf16"))}
-    # the engine prefills and decodes through the fast path where it is on by default (CUDA); targets check that
-    if device.type == "cuda":
-        measured.update({m.removesuffix("_fast"): v for m, v in measured.items() if m.endswith("_fast")})
     return {"benchmark": "decode", "model": bm.name, "device": device_name(device), "device_type": device.type,
             "dtype": bm.dtype, "decode_tokens": n, "config": asdict(cfg), "results": rows,
             "speedup_vs_transformers": ratios, "paired_speedup_vs_transformers": paired,

@@ -1,8 +1,8 @@
 """`kvtool bench prefix`: TTFT of a prefix-cache hit vs a cold prefill, beside transformers.
 
 kvtool hit = PrefixCache.prepare (match + gather + copy into the request's cache) + prefill of
-the suffix + first token; exactly the Engine's path, minus detokenization (on CUDA, where fast
-decode is on by default, the prompt goes through the static decoder as it does in the engine).
+the suffix (ModelRunner.run, the engine's forward on every device) + first token; exactly the Engine's
+path, minus scheduling and detokenization.
 kvtool cold = prefill of prefix + suffix. kvtool .kvc = a restart: a new PrefixCache loads the saved cache
 file, then the hit. The transformers baseline, in the same run: a DynamicCache
 holding the prefix is deep-copied (each request needs its own) and the suffix forwarded; its cold run
@@ -27,7 +27,6 @@ from kvtool.bench.decode import engine_prefill, kvtool_ttft
 from kvtool.bench.protocol import device_name, emit, measure, summary, sync, versions
 from kvtool.bench.targets import Target
 from kvtool.config import EngineConfig
-from kvtool.engine.static import static_decoder_for
 from kvtool.errors import InvalidParameterError
 
 TARGET_SPEEDUP = 15.0  # 2-core CPU, SmolLM2, 2048 + 64 (transformers DynamicCache reuse: 14.5x)
@@ -62,8 +61,7 @@ class PrefixBenchConfig:
         return self
 
 
-def _kvtool_hit(pc, runner, prompt, chunk, expect_cached, prepare_ms: list | None = None,
-                decoder=None) -> tuple[float, int]:
+def _kvtool_hit(pc, runner, prompt, chunk, expect_cached, prepare_ms: list | None = None) -> tuple[float, int]:
     t0 = time.perf_counter()
     cache, n, handle = pc.prepare(prompt, runner)
     if prepare_ms is not None:  # the cache's own share of the hit: match + gather + copy
@@ -71,14 +69,14 @@ def _kvtool_hit(pc, runner, prompt, chunk, expect_cached, prepare_ms: list | Non
         prepare_ms.append((time.perf_counter() - t0) * 1000.0)
     n = min(n, len(prompt) - 1)
     cache.truncate(n)
-    ms, token = engine_prefill(runner, cache, prompt[n:], chunk, decoder, t0)
+    ms, token = engine_prefill(runner, cache, prompt[n:], chunk, t0)
     pc.commit(handle, prompt[: cache.offset], cache)  # as the engine does, outside the timed part
     if n != expect_cached:
         raise RuntimeError(f"prefix bench: expected a hit of {expect_cached} tokens, got {n}")
     return ms, token
 
 
-def restart_from_file(pc, runner, prefix, suffixes, cfg, decoder) -> dict:
+def restart_from_file(pc, runner, prefix, suffixes, cfg) -> dict:
     """A restarted server's first request: a new PrefixCache loads what ``pc`` saved (a .kvc file, in the OS page
     cache), then the hit; timed load included."""
     import tempfile
@@ -94,7 +92,7 @@ def restart_from_file(pc, runner, prefix, suffixes, cfg, decoder) -> dict:
             fresh.load(saved["path"])
             load_ms = (time.perf_counter() - t0) * 1000.0
             return load_ms + _kvtool_hit(fresh, runner, prefix + next(suffixes), cfg.prefill_chunk,
-                                         cfg.prefix_tokens, decoder=decoder)[0]
+                                         cfg.prefix_tokens)[0]
 
         ms = measure(load_and_hit, cfg.repeats, cfg.warmup, runner.device, "kvtool load .kvc + hit")
     return {"file_load_hit_ms": ms, "file_bytes": saved["bytes"], "file_save_ms": saved["ms"]}
@@ -121,26 +119,22 @@ def run_prefix_bench(bm, cfg: PrefixBenchConfig | None = None,
     log(f"prefix bench: {name}, {cfg.prefix_tokens} cached + {cfg.suffix_tokens} new tokens on {device}")
     pc.pin(prefix)  # prefills the prefix once and keeps it
     prepare_ms: list[float] = []
-    # the engine's path: through the static decoder where fast decode is on by default (CUDA)
-    decoder = static_decoder_for(runner, len(cold_prompt) + 1)
 
     def hit():
-        return _kvtool_hit(pc, runner, prefix + next(suffixes), cfg.prefill_chunk, cfg.prefix_tokens, prepare_ms,
-                           decoder)[0]
+        return _kvtool_hit(pc, runner, prefix + next(suffixes), cfg.prefill_chunk, cfg.prefix_tokens, prepare_ms)[0]
 
     results = {"kvtool": {
-        "cold_ms": measure(lambda: kvtool_ttft(runner, cold_prompt, cfg.prefill_chunk, decoder), cfg.repeats,
+        "cold_ms": measure(lambda: kvtool_ttft(runner, cold_prompt, cfg.prefill_chunk), cfg.repeats,
                            cfg.warmup, device, "kvtool cold"),
         "hit_ms": measure(hit, cfg.repeats, cfg.warmup, device, "kvtool hit"),
     }}
     results["kvtool"]["prepare_ms"] = summary(prepare_ms[cfg.warmup:])
-    results["kvtool"].update(restart_from_file(pc, runner, prefix, suffixes, cfg, decoder))
+    results["kvtool"].update(restart_from_file(pc, runner, prefix, suffixes, cfg))
     # the hit path's first token equals a cold prefill's on the same prompt (fp32: exact; bf16: near ties may flip)
     check_prompt = prefix + next(suffixes)
     cache = runner.new_cache(len(check_prompt) + 1)
     cold_token = int(runner.prefill(check_prompt, cache, chunk=cfg.prefill_chunk).argmax(-1))
-    first_token_match = _kvtool_hit(pc, runner, check_prompt, cfg.prefill_chunk, cfg.prefix_tokens,
-                                    decoder=decoder)[1] == cold_token
+    first_token_match = _kvtool_hit(pc, runner, check_prompt, cfg.prefill_chunk, cfg.prefix_tokens)[1] == cold_token
     if cfg.baseline:
         results["transformers"] = transformers_baseline(bm.hf(), prefix, cold_prompt, suffixes, cfg, log)
     for r in results.values():
@@ -153,7 +147,7 @@ def run_prefix_bench(bm, cfg: PrefixBenchConfig | None = None,
         targets.update(hit_ms_max=TARGET_HIT_MS_CUDA, hit_ms_met=k["hit_ms"]["median"] <= TARGET_HIT_MS_CUDA)
     record = {"benchmark": "prefix", "model": name, "device": device_name(device), "device_type": device.type,
               "dtype": str(runner.dtype).replace("torch.", ""), "config": asdict(cfg), "results": results,
-              "first_token_match": first_token_match, "path": "static decoder" if decoder else "reference",
+              "first_token_match": first_token_match,
               "targets": targets, "cache": pc.stats(),
               "target_checks": [TARGETS[0].check(k["speedup"], device.type, cfg.prefix_tokens >= 2048),
                                 TARGETS[1].check(k["hit_ms"]["median"], device.type, cfg.prefix_tokens >= 4096)],

@@ -111,7 +111,7 @@ class LayerKV:
         if total <= self.capacity:
             return
         new_cap = max(total, 2 * self.capacity) - self.base
-        with torch.inference_mode(False):  # grown inside a forward, it stays writable outside one (static rows)
+        with torch.inference_mode(False):  # grown inside a forward, it stays writable outside one
             k = torch.empty(1, self.num_kv_heads, new_cap, self.head_dim, dtype=self.dtype, device=self.device)
             v = torch.empty_like(k)
         n = self.offset - self.base

@@ -5,10 +5,6 @@ of admitted requests within `prefill_budget` tokens, so a long prompt is prefill
 stalling the streams already running. Under KV pressure the most recently admitted request is preempted: its KV is
 dropped and it is re-queued at the front to be recomputed later (its token stream simply continues).
 
-Where EngineConfig.fast_decode allows (CUDA by default), the decode tokens of a step run through a
-BatchedStaticDecoder instead (one static K/V row per request, CUDA graphs), and prefill chunks through runner.run
-beside it; a request's K/V returns to its own cache when it leaves.
-
 Every request that samples in a step and has no seed is sampled together with the others
 (kvtool.engine.batch_sampling): one pass over their stacked logits, each row with its own parameters, and one host
 read for all tokens and logprobs. A seeded request draws from its own generator, alone, so its output repeats
@@ -55,7 +51,6 @@ class BatchRequest:
     cache: KVCache | None = None
     handle: object = None
     admitted_at: int = -1
-    slot: int | None = None  # its row in the batched static decoder, while decoding there
     preemptions: int = 0
     fork: Fork | None = None  # until admitted: the prompt it shares with sibling requests
     scorer: PromptScorer | None = None  # while a prompt_logprobs request prefills: its rows so far
@@ -76,7 +71,6 @@ class BatchScheduler:
         self.preemptions = 0  # running requests whose KV was dropped for room (recomputed when readmitted)
         self.kv_in_use = 0  # _kv_tokens() after the last step, for readers on other threads
         self.host_s = 0.0  # time steps spent outside the forward and the token read (scheduling, detokenizing)
-        self.static = engine.batched_static_decoder(max_running)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, skip_special_tokens: bool = True,
                on_event: Callable[[TokenEvent], None] | None = None,
@@ -119,8 +113,7 @@ class BatchScheduler:
     def _kv_tokens(self) -> int:
         """Tokens of KV the batch holds: the running requests' own (not the prefix cache's blocks a hit reads in
         place: that cache holds them), and the fork copies waiting for siblings."""
-        return (sum(self.static.tokens(r.slot) if r.slot is not None else r.cache.own_tokens
-                    for r in self.running if r.cache is not None)
+        return (sum(r.cache.own_tokens for r in self.running if r.cache is not None)
                 + sum(fork.cache.own_tokens for fork in self._held_forks()))
 
     def _held_forks(self) -> list[Fork]:
@@ -182,8 +175,6 @@ class BatchScheduler:
         req.pending, req.admitted_at = [], self.steps
         self.running.append(req)
         self._deliver(req, logits, None)
-        if req in self.running:  # the copy may lack the last prompt token (its leader decoded it in static rows)
-            req.pending = req.gen.prompt_ids[req.cache.offset:] + req.pending
 
     def _prefilled(self, req: BatchRequest, logits: torch.Tensor) -> None:
         """req's prompt is in its cache (logits: of its last token): share it with the prefix cache and, for a
@@ -248,9 +239,6 @@ class BatchScheduler:
         return dropped
 
     def _release(self, req: BatchRequest) -> None:
-        if req.slot is not None:
-            self.static.store(req.slot, req.cache)
-            req.slot = None
         try:
             if req.cache is not None and self.engine.prefix_cache is not None:
                 known = req.gen.prompt_ids + req.gen.token_ids
@@ -296,13 +284,13 @@ class BatchScheduler:
         if self._preempt_for(new_tokens):
             plan = [(r, c) for r, c in plan if r in self.running]
         t_plan = time.perf_counter()
-        logits, rows = self._forward(plan)
+        logits = self._forward(plan)
         self.steps += 1
         for j, (req, _) in enumerate(plan):
             if req.scorer is not None:  # every row of a scored chunk: reduced now, the last one kept
                 req.scorer.add(logits[j])
                 logits[j] = logits[j][-1:]
-        samples = self._sample(plan, logits, rows)  # reads the tokens back: the step's host sync
+        samples = self._sample(plan, logits)  # reads the tokens back: the step's host sync
         t_read = time.perf_counter()
         for j, ((req, chunk), out) in enumerate(zip(plan, logits)):
             req.pending = req.pending[len(chunk):]
@@ -312,16 +300,15 @@ class BatchScheduler:
                 req.gen.timings.prefill_ms = req.state.ms()
             if req.scorer is not None:
                 req.gen.prompt_logprobs, req.scorer = req.scorer.rows, None
-            last = out if out is not None else rows[req.slot : req.slot + 1]  # its last token's logits
             if not req.gen.token_ids:
-                self._prefilled(req, last)
-            self._deliver(req, last, samples.get(j))
+                self._prefilled(req, out)
+            self._deliver(req, out, samples.get(j))
         self.kv_in_use = self._kv_tokens()
         self.host_s += (t_plan - t_start) + (time.perf_counter() - t_read)
         return sum(len(c) for _, c in plan)
 
     @staticmethod
-    def _sample(plan: list[tuple[BatchRequest, list[int]]], logits: list, rows: torch.Tensor | None) -> dict:
+    def _sample(plan: list[tuple[BatchRequest, list[int]]], logits: list[torch.Tensor]) -> dict:
         """{plan index: Sample} for every request sampling now that has no generator of its own: one pass over
         their stacked logits and one host read for all of them (kvtool.engine.batch_sampling). Seeded
         requests sample alone with their own generator, so a seed repeats exactly as in a single stream."""
@@ -329,34 +316,17 @@ class BatchScheduler:
                if len(req.pending) == len(chunk) and batchable(req.state.sampler)]
         if not now:
             return {}
-        fast, slow = [j for j in now if logits[j] is None], [j for j in now if logits[j] is not None]
-        parts = [logits[j].reshape(1, -1) for j in slow]
-        if fast:
-            parts.insert(0, rows.index_select(0, torch.tensor([plan[j][0].slot for j in fast], device=rows.device)))
-        order = fast + slow
+        parts = [logits[j].reshape(1, -1) for j in now]
         stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
-        return dict(zip(order, sample_rows([plan[j][0].state.sampler for j in order], stacked)))
+        return dict(zip(now, sample_rows([plan[j][0].state.sampler for j in now], stacked)))
 
-    def _forward(self, plan: list[tuple[BatchRequest, list[int]]]) -> tuple[list, torch.Tensor | None]:
-        """(logits per planned chunk, static rows): decode tokens run through the static decoder when there is
-        one; their entries are None and their logits are row `slot` of the static rows [rows, V]."""
-        fast, slow = [], []
-        for req, chunk in plan:
-            if self.static is not None and len(req.pending) == 1:
-                if req.slot is None and self.static.fits(len(req.gen.prompt_ids) + req.state.max_tokens):
-                    req.slot = self.static.load(req.cache)
-                if req.slot is not None:
-                    fast.append((req, chunk))
-                    continue
-            slow.append((req, chunk))
-        out = {}
-        if slow:
-            modes = [("all" if r.scorer is not None else "last") for r, _ in slow]
-            step = ForwardPlan([(c, r.cache) for r, c in slow], logits=modes if "all" in modes else "last",
-                               path=self.engine.config.forward)  # the engine's choice of forward
-            out = {id(req): logits for (req, _), logits in zip(slow, self.engine.runner.run(step))}
-        rows = self.static.step_rows({req.slot: chunk[0] for req, chunk in fast}) if fast else None
-        return [out.get(id(req)) for req, _ in plan], rows
+    def _forward(self, plan: list[tuple[BatchRequest, list[int]]]) -> list[torch.Tensor]:
+        """The logits of each planned chunk: its last token's [1, V], or every token's [T, V] for a prompt being
+        scored, from one runner.run over the whole step on the engine's choice of forward (EngineConfig.forward)."""
+        modes = [("all" if r.scorer is not None else "last") for r, _ in plan]
+        step = ForwardPlan([(c, r.cache) for r, c in plan], logits=modes if "all" in modes else "last",
+                           path=self.engine.config.forward)
+        return self.engine.runner.run(step)
 
     def run(self) -> None:
         while not self.idle:

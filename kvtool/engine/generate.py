@@ -20,7 +20,6 @@ from kvtool.cache.store import BlockPool
 from kvtool.config import EngineConfig, SamplingParams, as_sampling_params
 from kvtool.engine.batch import BatchScheduler, generate_batch
 from kvtool.engine.output import Generation, TokenEvent, scores_prompt
-from kvtool.engine.static import BatchedStaticDecoder, fast_decode_enabled
 from kvtool.errors import ContextWindowError, InvalidParameterError
 from kvtool.ids import as_token_ids
 
@@ -44,7 +43,6 @@ class Engine:
                                          sum(self.memory) if self.paged else 0)  # paged KV (C++ ops)
         self.end_of_turn = frozenset(model.end_of_turn_ids())
         self._scheduler: BatchScheduler | None = None
-        self._batched: dict[int, object] = {}  # slots -> BatchedStaticDecoder, shared by this engine's schedulers
         self._grammars = None  # kvtool.engine.constraint.Grammars: the llguidance tokenizer, built on first use
 
     @property
@@ -55,24 +53,6 @@ class Engine:
     @prefix_cache.setter
     def prefix_cache(self, hook: PrefixHook | None) -> None:
         self._prefix_cache = checked_hook(hook)
-
-    def batched_static_decoder(self, slots: int):
-        """A BatchedStaticDecoder with `slots` rows for continuous batching, or None (eager runner.run).
-
-        Built once per size and kept, so later schedulers reuse its buffers and captured graphs."""
-        if not fast_decode_enabled(self.config.fast_decode, self.runner.device, self.runner.spec):
-            return None
-        if slots not in self._batched:
-            self._batched[slots] = self._new_batched_decoder(slots)
-        return self._batched[slots]
-
-    def _new_batched_decoder(self, slots: int):
-        bucket, per_token = 256, self.runner.spec.kv_bytes_per_token(self.runner.dtype.itemsize)
-        # its rows hold the running requests' KV: they take the running share; every slot gets the same whole
-        # buckets, plus its one scratch position
-        fit = (self.memory[0] // (slots * per_token) - 1) // bucket * bucket  # none: decode through runner.run
-        return BatchedStaticDecoder(self.runner, slots, min(self.config.static_max_tokens, self.model.context_window,
-                                                            fit), bucket) if fit >= bucket else None
 
     def constraint(self, params: SamplingParams, stop_ids):
         """The Constraint a request samples under (kvtool.engine.constraint), None for free text; the model's

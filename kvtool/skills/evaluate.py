@@ -190,55 +190,28 @@ def _compose(runner, case: EvalCase, repair, prefix_cache=None, chunk: int = CHU
     return compose_segments(runner, [*case.context_segments(), *tail], repair, cache=cache, chunk=chunk)
 
 
-def ttft_decoder(runner, tokens: int, path: str = "auto"):
-    """The StaticDecoder TTFT runs go through, or None for the reference prefill. path: "auto" takes the
-    engine's default (the static path where fast decode is on by default: CUDA), "static" or "reference"."""
-    from kvtool.engine.static import static_decoder_for
-
-    modes = {"auto": "auto", "static": "on", "reference": "off"}
-    if path not in modes:
-        raise ValueError(f"path must be auto, static or reference; got {path!r}")
-    return static_decoder_for(runner, tokens + 1, modes[path])
+def _first_token(runner, cache, ids: list[int]) -> int:
+    """The engine's prefill of ids after what `cache` holds (ModelRunner.run, in CHUNK-token chunks); the argmax."""
+    return int(runner.prefill(ids, cache, chunk=CHUNK).argmax(-1))
 
 
-def _first_token(runner, decoder, cache, ids: list[int]) -> int:
-    """The engine's prefill of ids after what `cache` holds; the argmax. The decoder is released unstored."""
-    from kvtool.engine.static import prefill_logits
-
-    try:
-        return int(prefill_logits(runner, cache, ids, CHUNK, decoder).argmax(-1))
-    finally:
-        if decoder is not None:
-            decoder.release()
+def _full_ttft(runner, seq: list[int]) -> int:
+    return _first_token(runner, runner.new_cache(len(seq) + 1), seq)
 
 
-def _static_runs(fn: Callable, n: int, device) -> dict:
-    """runs() after one untimed call: the static path captures its CUDA graphs on first use."""
-    fn()
-    return runs(fn, n, device)
-
-
-def _full_ttft(runner, decoder, seq: list[int]) -> int:
-    return _first_token(runner, decoder, runner.new_cache(len(seq) + 1), seq)
-
-
-def _composed_ttft(runner, decoder, case: EvalCase, repair, prefix_cache=None) -> int:
-    """First token of the composed context. A query-guided repair prefills the query itself (reference path)."""
-    if decoder is None or is_query_guided(repair):
-        return int(_compose(runner, case, repair, prefix_cache).logits.argmax(-1))
-    return _first_token(runner, decoder, _compose(runner, case, repair, prefix_cache, query=False).cache, case.query)
+def _composed_ttft(runner, case: EvalCase, repair, prefix_cache=None) -> int:
+    """First token of the composed context: the blocks placed and repaired, then the query prefilled."""
+    return int(_compose(runner, case, repair, prefix_cache).logits.argmax(-1))
 
 
 def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy: int = 32, repeats: int = 1,
-             warm_prefix: bool = True, log: Callable[[str], None] = print, path: str = "auto",
+             warm_prefix: bool = True, log: Callable[[str], None] = print,
              variants: dict[str, list[SkillBlock]] | None = None) -> dict:
     """One record: the full-prefill reference, then per repair its fidelity and TTFT (cold and warm prefix).
 
     cold: prefix prefilled + blocks placed + query prefilled, first token sampled (argmax).
     warm: the prefix KV comes from a cache (cloned each run, as a prefix-cache hit copies it).
-    TTFT takes the engine's path (ttft_decoder): on CUDA the full prompt, and the query after the composed
-    blocks, go through the static decoder (a query-guided repair prefills its query on the reference
-    path; each row names its path); fidelity is always scored on the reference path.
+    TTFT takes the engine's forward (ModelRunner.run, prefill in the engine's chunks) on every device.
     variants: the same skills compiled other ways (label -> blocks with the case's token ids, e.g. one set
     per preamble); every repair is scored on each against the one reference. Rows carry the label
     ("preamble"); without variants it is the blocks' own preamble.
@@ -251,7 +224,6 @@ def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy
     for label, blocks in variants.items():
         if [b.token_ids for b in blocks] != [b.token_ids for b in case.blocks]:
             raise ValueError(f"variant {label!r} has other token ids than the case's blocks")
-    decoder = ttft_decoder(runner, len(seq), path)
     gaps = sum(len(g) for g in case.gaps)
     log(f"full prefill of {len(seq)} tokens ({len(case.prefix)} prefix + {case.block_tokens} in "
         f"{len(case.blocks)} blocks" + (f" + {gaps} between them" if gaps else "") +
@@ -262,8 +234,7 @@ def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy
         base = runner.new_cache(len(seq) + 1)
         runner.prefill(case.context, base, logits="none")
         refs += extra_query_scores(runner, base, case.more_queries, None, n_greedy)
-    full_fn = lambda: _full_ttft(runner, decoder, seq)  # noqa: E731
-    full = _static_runs(full_fn, repeats, dev) if decoder else runs(full_fn, repeats, dev, first=ref["ttft_ms"])
+    full = runs(lambda: _full_ttft(runner, seq), repeats, dev, first=ref["ttft_ms"])
     log(f"  full TTFT runs: {[round(v) for v in full['runs']]} ms")
     prefix_cache = None
     if warm_prefix:
@@ -275,8 +246,8 @@ def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy
             log(f" blocks compiled with preamble {label}")
         vcase = replace(case, blocks=list(blocks))
         for spec in repairs:
-            row = {"preamble": label, **_repair_row(runner, vcase, make_repair(spec), refs, full, decoder,
-                                                    prefix_cache, repeats)}
+            row = {"preamble": label, **_repair_row(runner, vcase, make_repair(spec), refs, full, prefix_cache,
+                                                    repeats)}
             log(f"  {row['repair']:<34} recomputed {row['recomputed_fraction']:6.1%}  top1 {row['top1']:.3f}  "
                 f"(misses {row['misses']}, {row['near_tie_misses']} near ties)  cos {row['cos_mean']:.4f}  "
                 f"KL {row['kl_mean']:.4f}  TTFT {row['ttft_ms_cold']['median']:.0f} ms "
@@ -287,11 +258,10 @@ def evaluate(runner, case: EvalCase, repairs: Sequence = DEFAULT_SWEEP, n_greedy
             "blocks": [{"name": b.name, "tokens": len(b)} for b in case.blocks], "query_tokens": len(case.query),
             "queries_scored": len(case.queries), "n_greedy": n_greedy,
             "greedy_reference": [r["tokens"] for r in refs], "ttft_ms_full": full, "repairs": rows_out,
-            "prefill_chunk": CHUNK, "ttft_path": "static decoder" if decoder else "reference"}
+            "prefill_chunk": CHUNK}
 
 
-def _repair_row(runner, case: EvalCase, repair, refs: list[dict], full: dict, decoder, prefix_cache,
-                repeats: int) -> dict:
+def _repair_row(runner, case: EvalCase, repair, refs: list[dict], full: dict, prefix_cache, repeats: int) -> dict:
     """One repair on one case: fidelity over every query against refs, TTFT cold (and warm with prefix_cache)."""
     dev, ref = runner.device, refs[0]
     comp, *first = timed(lambda: _compose(runner, case, repair), dev)  # also the warm-up
@@ -306,16 +276,13 @@ def _repair_row(runner, case: EvalCase, repair, refs: list[dict], full: dict, de
         base = comp.cache  # [prefix][gaps, blocks][query][greedy]: cut back to the shared context
         base.truncate(len(case.context))
         per_query += extra_query_scores(runner, base, case.more_queries, refs[1:], len(ref["tokens"]))
-    cold_fn = lambda: _composed_ttft(runner, decoder, case, repair)  # noqa: E731
-    cold = _static_runs(cold_fn, max(1, repeats), dev) if decoder else \
-        runs(cold_fn, repeats, dev, first=None if repeats else tuple(first))
-    warm = runs(lambda: _composed_ttft(runner, decoder, case, repair, prefix_cache), repeats,
-                dev) if prefix_cache is not None and repeats else None  # after cold, so the graphs are captured
+    cold = runs(lambda: _composed_ttft(runner, case, repair), repeats, dev, first=None if repeats else tuple(first))
+    warm = runs(lambda: _composed_ttft(runner, case, repair, prefix_cache), repeats,
+                dev) if prefix_cache is not None and repeats else None
     row = {"repair": describe(repair), "strategy": repair.name,
            "knob": getattr(repair, repair.knob) if repair.knob else None,
            "recomputed_tokens": comp.recomputed_tokens,
            "recomputed_fraction": comp.recomputed_tokens / max(1, case.block_tokens),
-           "ttft_path": "static decoder" if decoder and not is_query_guided(repair) else "reference",
            **aggregate(per_query), "per_query": per_query, "ttft_ms_cold": cold, "ttft_ms_warm_prefix": warm,
            "speedup_cold": full["median"] / cold["median"],
            "speedup_cold_cpu": full["cpu_median"] / cold["cpu_median"]}
@@ -326,26 +293,23 @@ def _repair_row(runner, case: EvalCase, repair, refs: list[dict], full: dict, de
 
 
 def ttft_scaling(runner, case: EvalCase, counts: Sequence[int], repairs: Sequence = ("none",), repeats: int = 1,
-                 known_full: dict[int, dict] | None = None, log: Callable[[str], None] = print,
-                 path: str = "auto") -> list[dict]:
+                 known_full: dict[int, dict] | None = None, log: Callable[[str], None] = print) -> list[dict]:
     """TTFT of full prefill vs composition as the number of blocks (total block tokens) grows.
 
     known_full: full-prefill summaries already measured for some block counts (reused, not re-run).
     Run after evaluate(), which warms every code path up.
     """
     runner = getattr(runner, "runner", runner)
-    decoder = ttft_decoder(runner, len(case.sequence), path)
     out = []
     for count in counts:
         sub = case.first(count)
         seq = sub.sequence
-        timer = _static_runs if decoder else runs
-        full = (known_full or {}).get(count) or timer(lambda: _full_ttft(runner, decoder, seq), repeats, runner.device)
+        full = (known_full or {}).get(count) or runs(lambda: _full_ttft(runner, seq), repeats, runner.device)
         row = {"blocks": count, "block_tokens": sub.block_tokens, "ttft_ms_full": full}
         for spec in repairs:
             repair = make_repair(spec)
-            row[f"ttft_ms_{describe(repair)}"] = timer(lambda: _composed_ttft(runner, decoder, sub, repair), repeats,
-                                                       runner.device)
+            row[f"ttft_ms_{describe(repair)}"] = runs(lambda: _composed_ttft(runner, sub, repair), repeats,
+                                                      runner.device)
         log(f"  {count} blocks ({sub.block_tokens} tokens): full {full['median']:.0f} ms, "
             + ", ".join(f"{k[8:]} {v['median']:.0f} ms" for k, v in row.items() if k.startswith("ttft_ms_")
                         and k != "ttft_ms_full"))

@@ -322,26 +322,6 @@ def test_fidelity_counts_near_tie_misses():
     assert abs(m["top1"] - 1 / 3) < 1e-9
 
 
-def test_evaluate_times_the_static_path_and_scores_the_same(tiny, tiny_blocks):
-    from kvtool.skills.evaluate import EvalCase, evaluate, ttft_decoder, ttft_scaling
-
-    case = EvalCase(PREFIX, list(tiny_blocks), SUFFIX)
-    kw = dict(repairs=["none", "recompute_first_k:k=4", "recompute_attended:ratio=0.2"], n_greedy=6, repeats=1,
-              log=lambda m: None)
-    ref, fast = evaluate(tiny, case, path="reference", **kw), evaluate(tiny, case, path="static", **kw)
-    assert ref["ttft_path"] == "reference" and fast["ttft_path"] == "static decoder"
-    assert evaluate(tiny, case, **kw)["ttft_path"] == "reference"  # auto: the static path is the CUDA default
-    for a, b in zip(ref["repairs"], fast["repairs"]):
-        assert a["top1"] == b["top1"] and a["kl_next"] == b["kl_next"]
-        assert b["ttft_ms_cold"]["n"] == 1 and b["speedup_cold"] > 0 and b["ttft_ms_warm_prefix"]["median"] > 0
-    # a query-guided repair prefills its own query, so its TTFT stays on the reference path
-    assert [r["ttft_path"] for r in fast["repairs"]] == ["static decoder", "static decoder", "reference"]
-    rows = ttft_scaling(tiny, case, [1, 2], ["none"], path="static", log=lambda m: None)
-    assert [r["blocks"] for r in rows] == [1, 2] and rows[1]["ttft_ms_none"]["median"] > 0
-    with pytest.raises(ValueError, match="path must be"):
-        ttft_decoder(getattr(tiny, "runner", tiny), 10, "fast")
-
-
 @pytest.mark.parametrize("repair", ["none", "recompute_first_k:k=2", "recompute_attended:ratio=0.3"])
 def test_a_block_placed_again_at_a_position_reads_the_pool_blocks_kept_there(tiny, tiny_blocks, repair):
     """On paged caches the pool blocks a relocated block fills whole are kept per position: placed again at that

@@ -179,7 +179,7 @@ def test_cli_eval_reports_metrics_json_and_plot(smollm2, skills_dir, cache_dir, 
         assert r["ttft_ms_cold"]["median"] > 0 and len(r["per_query"]) == 2
     assert 0 < rows["recompute_deviation"]["recomputed_fraction"] <= 0.25
     guided = rows["recompute_attended"]  # composed per query; more of the answer's context repaired than none
-    assert 0.19 < guided["recomputed_fraction"] <= 0.2 and guided["ttft_path"] == "reference"
+    assert 0.19 < guided["recomputed_fraction"] <= 0.2
     assert guided["kl_mean"] < rows["none"]["kl_mean"]
     assert plot.stat().st_size > 10_000
 
