@@ -139,19 +139,7 @@ def evaluate_case(model, case: EditCase, modes: Sequence[str], budgets: Sequence
     erratum = user_turn_ids(model, erratum_text(case.old, case.new, case.label))
     rows = []
     for mode in modes:
-        cached = None
-        if mode == "cached_reasoning":  # the reasoning, generated with the old value, becomes part of the context
-            cached = cached_reasoning(model, case, reasoning_tokens)
-            messages = case.messages(case.old) + [{"role": "user", "content": f"{case.question} {MODES[mode]}"},
-                                                  {"role": "assistant", "content": cached}]
-            question = user_turn_ids(model, FINAL_QUESTION) + generation_prompt_ids(model)
-        else:
-            messages = case.messages(case.old)
-            question = user_turn_ids(model, f"{case.question} {MODES[mode]}") + generation_prompt_ids(model)
-        text = model.render(messages, add_generation_prompt=False)
-        facts = model.render(case.messages(case.old), add_generation_prompt=False)
-        # the field is the one in the facts turn (the cached reasoning may repeat its line)
-        edit = plan_edit(model, text, case.field_span(facts if text.startswith(facts) else text), case.new)
+        edit, question, cached = case_context(model, case, mode, reasoning_tokens)
         old_cache = runner.new_cache(len(edit.old_ids) + 1)
         runner.prefill(edit.old_ids, old_cache, logits="none")
         answer = Answerer(model, "direct" if cached is not None else mode, answer_tokens, reasoning_tokens)
@@ -192,7 +180,7 @@ def evaluate_case(model, case: EditCase, modes: Sequence[str], budgets: Sequence
                    "decision": classify(got["answer"], case),
                    "agree_text": normalize(got["answer"]) == normalize(ref["answer"]),
                    "agree_value": classify(got["answer"], case) == ref_class,
-                   **{k: fid[k] for k in ("kl_next", "kl_mean", "top1", "cos_next", "cos_mean")}}
+                   **{k: fid[k] for k in ("kl_next", "kl_mean", "top1", "cos_next", "cos_mean", "greedy_match_tokens")}}
             if "reasoning" in got:
                 row["reasoning"] = got["reasoning"]
             if cached is not None:
@@ -204,6 +192,23 @@ def evaluate_case(model, case: EditCase, modes: Sequence[str], budgets: Sequence
         log(f"  {case.name} [{mode}] full: {ref['answer']!r} ({ref_class}) | " + ", ".join(
             f"{r['way']}: {'=' if r['agree_text'] else 'x'}" for r in rows[-len(results):] if r["way"] != "full"))
     return rows
+
+
+def case_context(model, case: EditCase, mode: str, reasoning_tokens: int):
+    """(the edit of the field in the context the mode caches, the question's ids, the cached reasoning or None)"""
+    cached = None
+    if mode == "cached_reasoning":  # the reasoning, generated with the old value, becomes part of the context
+        cached = cached_reasoning(model, case, reasoning_tokens)
+        messages = case.messages(case.old) + [{"role": "user", "content": f"{case.question} {MODES[mode]}"},
+                                              {"role": "assistant", "content": cached}]
+        question = user_turn_ids(model, FINAL_QUESTION) + generation_prompt_ids(model)
+    else:
+        messages = case.messages(case.old)
+        question = user_turn_ids(model, f"{case.question} {MODES[mode]}") + generation_prompt_ids(model)
+    text = model.render(messages, add_generation_prompt=False)
+    facts = model.render(case.messages(case.old), add_generation_prompt=False)
+    span = case.field_span(facts if text.startswith(facts) else text)  # the facts turn's (reasoning may repeat it)
+    return plan_edit(model, text, span, case.new), question, cached
 
 
 @torch.inference_mode()

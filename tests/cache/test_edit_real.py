@@ -1,5 +1,6 @@
 """Field edits on the real models (SmolLM2, Qwen2.5-Coder) at smoke size: the cases resolve in place, the
-report runs with and without reasoning, and a whole-budget repair is the full recompute."""
+report runs with and without reasoning, a whole-budget repair is the full recompute, and a generated case that
+the edit decides (benchmarks/edit_deciding.py) is kept and confirmed."""
 
 import pytest
 import torch
@@ -90,3 +91,22 @@ def test_cached_reasoning_mode_caches_the_reasoning_before_the_edit(request, nam
     at = record["verdict"]["cached_reasoning"]["at_1pct"]
     assert 0 < at["fraction_recomputed"] < 0.2 and at["agreement"] in (0.0, 1.0)
     assert record["verdict"]["cached_reasoning"]["claim_1pct_close_to_full"] == (at["agreement"] >= 0.9)
+
+
+def test_a_generated_case_the_edit_decides_is_kept_and_confirmed_on_smollm2(smollm2):
+    """benchmarks/edit_deciding.py on its first read-back candidate (a store's status, open -> closed): the
+    reasoning is cached up to the value, full recompute flips its answer, every way runs and the case counts."""
+    from tests.bench.conftest import load_script
+
+    bench = load_script("edit_deciding")
+    case = bench.generate(0, 1, ["readback"])[0]
+    whole = bench.screen(smollm2, case, 24, 12, cut=False)
+    assert bench.first_mention(whole["reasoning"], case) is not None  # uncut, the reasoning names the value
+    cut = bench.screen(smollm2, case, 24, 12)
+    assert cut["reasoning_tokens"] < 24 and bench.first_mention(cut["reasoning"], case) is None
+    assert cut["outcome"] == "deciding", cut
+    record = bench.run(smollm2, [case], 1, (0.01,), 24, 12)
+    assert record["cases"] == 1 and record["screen"][0]["counted"]
+    ways = record["claims"]["ways"]
+    assert ways["full"]["answer_agreement"] == 1.0 and ways["unedited"]["follows_old"] == 1.0
+    assert ways[bench.ONE_PERCENT]["fraction_recomputed"] < 0.03 and "holds" in record["claims"]["one_percent"]
