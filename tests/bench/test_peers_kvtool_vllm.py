@@ -106,7 +106,10 @@ def test_kvtool_vllm_holds_one_copy_of_the_weights_beside_vllm_on_smollm2(tmp_pa
     weights_mib = 135e6 * 4 / 2**20  # SmolLM2's fp32 weights: a second copy would add about this much
     assert theirs["rss_mib"] > weights_mib and ours["processes"] >= 1
     assert ours["rss_mib"] <= 1.10 * theirs["rss_mib"], (ours, theirs)
-    assert ours["rss_mib"] - theirs["rss_mib"] < weights_mib / 2
+    # vLLM's API server runs its engine core (the weights, the KV pool) in a process of its own, whose RSS alone is
+    # the sharper bound: kvtool's server, connector and store around the same engine add less than half the weights
+    engine_core = max(theirs["by_name"].values())
+    assert theirs["processes"] >= 2 and ours["rss_mib"] - engine_core < weights_mib / 2, (ours, theirs)
 
 
 def test_the_memory_row_counts_every_process_the_server_started():
