@@ -18,6 +18,7 @@ VLLM_TESTS="tests/test_no_shadowing.py tests/test_install.py
   tests/serving/test_engine_contract.py tests/serving/test_engine_parity.py tests/serving/test_vllm_tokens.py
   tests/serving/test_vllm_options.py tests/serving/test_vllm_start_stop.py tests/serving/test_vllm_clients.py
   tests/serving/test_vllm_shutdown.py tests/bench/test_engines_bench.py tests/bench/test_peers_vllm_client.py
+  tests/bench/test_peers_kvtool_vllm.py
   tests/bench/test_grammar_engines_bench.py tests/test_jsonschemabench_xgrammar.py"
 # the HTTP contract's kvtool-engine cases ran in .venv already: here only the vLLM ones (parity runs both engines)
 VLLM_ONLY="not kvtool-smol and not kvtool-qwen and not kvtool-gemma"

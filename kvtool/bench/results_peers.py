@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvtool.bench.peers.config import ENGINE_NAMES
 from kvtool.bench.peers.judge import CLIENT_ROWS, client_load
 from kvtool.bench.peers.report import client_load_text, equal_table, threads_text
 from kvtool.bench.peers.rounds import figure
 from kvtool.bench.peers.vllm_client import result_key
 
+# the columns of every table; an engine outside them (kvtool-vllm) gets a column only where a record ran it
 PEER_COLUMNS = ("kvtool", "kvtool-int4", "kvtool-bf16", "llama.cpp", "vllm", "vllm-bf16", "transformers")
 VLLM_BENCH_ROWS = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT median (ms)"),
                    ("p90_ttft_ms", "TTFT p90 (ms)"), ("p99_ttft_ms", "TTFT p99 (ms)"),
@@ -65,9 +67,15 @@ def workload_rows(record: dict) -> list[tuple[str, str, object]]:
     return [r for r in rows if r[0].split()[0] in c.get("workloads", [])]
 
 
-def cells(record: dict, get) -> list[str]:
+def columns(records: list[dict]) -> list[str]:
+    """PEER_COLUMNS, and every other engine one of the records ran, in the order of ENGINE_NAMES."""
+    ran = {n for rec in records for n in rec["engines"]}
+    return [n for n in ENGINE_NAMES if n in PEER_COLUMNS or n in ran]
+
+
+def cells(record: dict, get, names: list[str] | None = None) -> list[str]:
     engines, out = record["engines"], []
-    for name in PEER_COLUMNS:
+    for name in names or columns([record]):
         e = engines.get(name)
         if e is None:
             out.append("not run")
@@ -97,11 +105,11 @@ def load_text(record: dict) -> str:
 def peer_table(path: Path, record: dict, link: str) -> list[str]:
     """The full table of one record for benchmarks/results/README.md, quiet or noisy said first."""
     engines = record["engines"]
-    head = ["workload", *[f"{n} ({engines[n].get('weights', '')})" if n in engines else n for n in PEER_COLUMNS]]
+    head = ["workload", *[f"{n} ({engines[n].get('weights', '')})" if n in engines else n for n in columns([record])]]
     rows = [[label, *cells(record, get)] for _, label, get in workload_rows(record)]
     rows = [r for r in rows if _has_figures(r[1:])]
     load = ["/".join(f"{x:.1f}" for x in engines[n].get("load_avg", [])) or "-" if n in engines else "-"
-            for n in PEER_COLUMNS]
+            for n in columns([record])]
     rounds = record["config"].get("rounds", 1)
     quiet = "quiet" if is_quiet(record) else "noisy (not in the project README)"
     lines = [f"{record['model']} on {record['device']}, {record['date'][:10]} ([{path.name}]({link})): {quiet}, "
@@ -130,7 +138,8 @@ def quiet_block(peers: list[tuple[Path, dict]], readme: Path) -> list[str]:
         return ["(no quiet `kvtool bench peers` record yet: " + (f"the {noisy} recorded here are noisy, their load "
                 "passed the core count or was not sampled throughout, so they stay in benchmarks/results/ only)"
                 if noisy else "none recorded)")]
-    lines = ["| model | workload | " + " | ".join(PEER_COLUMNS) + " | record |", "|" + "---|" * (len(PEER_COLUMNS) + 3)]
+    names = columns([rec for _, rec in latest.values()])
+    lines = ["| model | workload | " + " | ".join(names) + " | record |", "|" + "---|" * (len(names) + 3)]
     used: dict[Path, dict] = {}
     for model in sorted({m for m, _ in latest}):
         first = True
@@ -139,7 +148,7 @@ def quiet_block(peers: list[tuple[Path, dict]], readme: Path) -> list[str]:
             used[path] = rec
             link = str(path.relative_to(readme.parent))
             for wl, label, get in workload_rows(rec):
-                row = cells(rec, get)
+                row = cells(rec, get, names)
                 if wl == workload and _has_figures(row):
                     lines.append(f"| {model if first else ''} | {label} | " + " | ".join(row) +
                                  f" | [{path.parent.name}]({link}) |")

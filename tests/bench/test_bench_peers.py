@@ -161,6 +161,9 @@ def test_quick_run_against_llama_server_and_kvtool_serve(tmp_path, capsys):
         assert e["rounds"] == 2 and [r["round"] for r in e["runs"]] == [1, 2]
         assert [r["settle"]["waited_s"] for r in e["runs"]] == [0, 0]  # quick: no wait for the load to decay
         assert e["results"]["memory"]["rss_mib"] > 0 and e["budgets"]["kv"]
+        mem = e["results"]["memory"]
+        assert 0 < mem["pss_mib"] <= mem["rss_mib"] and sum(mem["by_name"].values()) == pytest.approx(mem["rss_mib"],
+                                                                                                     abs=0.5)
         r = e["results"]
         assert r["decode_tok_s"]["median"] > 0 and r["ttft_ms_128"]["median"] > 0
         assert r["prefix_prompt_tokens"] == c["prefix_tokens"] + c["suffix_tokens"]

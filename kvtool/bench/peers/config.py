@@ -8,7 +8,8 @@ from dataclasses import dataclass, field, replace
 
 from kvtool.errors import InvalidParameterError
 
-ENGINE_NAMES = ("kvtool", "kvtool-int4", "kvtool-bf16", "llama.cpp", "vllm", "vllm-bf16", "transformers")
+ENGINE_NAMES = ("kvtool", "kvtool-int4", "kvtool-bf16", "llama.cpp", "vllm", "vllm-bf16", "kvtool-vllm",
+                "transformers")
 WORKLOAD_NAMES = ("memory", "decode", "ttft", "prefix", "streams", "layouts", "vllm-bench", "serve-long",
                   "serve-shared")
 

@@ -120,6 +120,7 @@ class PeerOptions:
     vllm_dtype: str = "float32"
     kv_mib: int = 2048
     prefix_cache_mib: int = 1024
+    scratch: str | None = None  # a folder of this server's own for the files it keeps (removed after it stops)
 
     @property
     def vllm_kv_gib(self) -> int:
@@ -135,6 +136,7 @@ class Peer:
     budgets: Callable[[PeerOptions], dict]  # the KV and prefix-cache budgets the command gives the engine
     precision: Callable[[ModelFiles, PeerOptions], str]  # what its products compute in: fp32, bf16, int4, ...
     startup_s: float = 300.0
+    alone: str | None = None  # the peer that runs the same engine without kvtool around it (memory reads against it)
 
 
 def _kvtool(weights: str):
@@ -169,15 +171,38 @@ def _vllm_command(files: ModelFiles, port: int, opt: PeerOptions, dtype: str):
     # eager (no torch.compile: minutes of C++ builds on a small CPU); the model's own context window at most
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(files.folder), "--served-model-name",
             files.name, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--enforce-eager",
-            "--max-model-len", str(min(opt.context, files.max_position or opt.context)),
+            "--max-model-len", str(_vllm_len(files, opt)),
             "--max-num-seqs", str(opt.streams), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    return argv, _vllm_env(opt)
+
+
+def _vllm_len(files: ModelFiles, opt: PeerOptions) -> int:
+    return min(opt.context, files.max_position or opt.context)
+
+
+def _vllm_env(opt: PeerOptions) -> dict:
     # one engine process without a separate worker (vLLM's multiprocess CPU executor reserves a core of two and
     # hung in its shared-memory broadcast here); a KV pool sized for the workloads, which also skips profiling;
     # OMP_NUM_THREADS, or vLLM's CPU backend runs the model on one thread; vLLM's INFO log in the run's log (what it
     # loaded, in which dtype), whatever the calling process's environment says
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(opt.vllm_kv_gib),
-           "OMP_NUM_THREADS": str(opt.threads), "VLLM_LOGGING_LEVEL": "INFO"}
-    return argv, env
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(opt.vllm_kv_gib),
+            "OMP_NUM_THREADS": str(opt.threads), "VLLM_LOGGING_LEVEL": "INFO"}
+
+
+def _kvtool_vllm(files: ModelFiles, port: int, opt: PeerOptions):
+    """`kvtool serve --engine vllm`, run by the vLLM python: vLLM's engine as the vllm peer starts it (dtype, eager,
+    context, sequences, environment) behind kvtool's server, with kvtool's KV connector mounted on a block store in
+    the server's scratch folder."""
+    python = vllm_python(opt.vllm_python)
+    if opt.scratch is None:
+        raise PeerError("kvtool-vllm keeps its block store in a scratch folder: give PeerOptions.scratch")
+    engine = {"enforce_eager": "true", "max_model_len": _vllm_len(files, opt), "max_num_seqs": opt.streams}
+    argv = [python, "-m", "kvtool.cli", "serve", "--engine", "vllm", "--model", str(files.folder),
+            "--served-model-name", files.name, "--host", "127.0.0.1", "--port", str(port), "--dtype", opt.vllm_dtype,
+            "--max-active", str(opt.streams), "--max-queue", str(opt.streams),
+            "--kv-store", str(Path(opt.scratch) / "kv-store"), "--kv-store-bytes", str(opt.prefix_cache_mib << 20),
+            *[a for k, v in engine.items() for a in ("--engine-arg", f"{k}={v}")], "--log-level", "info"]
+    return argv, _vllm_env(opt)
 
 
 def _kvtool_budgets(opt: PeerOptions) -> dict:
@@ -192,6 +217,12 @@ def _llama_budgets(opt: PeerOptions) -> dict:
 def _vllm_budgets(opt: PeerOptions) -> dict:
     return {"kv": f"{opt.vllm_kv_gib} GiB (VLLM_CPU_KVCACHE_SPACE)",
             "prefix_cache": "in the KV pool (--enable-prefix-caching)"}
+
+
+def _kvtool_vllm_budgets(opt: PeerOptions) -> dict:
+    return {"kv": f"{opt.vllm_kv_gib} GiB (VLLM_CPU_KVCACHE_SPACE)",
+            "prefix_cache": f"in the KV pool, and kvtool's block store on disk ({opt.prefix_cache_mib} MiB, "
+                            f"--kv-store-bytes)"}
 
 
 def _fixed(precision: str):
@@ -211,4 +242,7 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
          lambda f, o: DTYPE_PRECISION[o.vllm_dtype], startup_s=900.0),
     Peer("vllm-bf16", "vLLM OpenAI server --dtype bfloat16", lambda f, o: "bfloat16", _vllm("bfloat16"),
          _vllm_budgets, _fixed("bf16"), startup_s=900.0),
+    Peer("kvtool-vllm", "kvtool serve --engine vllm, kvtool's KV connector mounted", lambda f, o: o.vllm_dtype,
+         _kvtool_vllm, _kvtool_vllm_budgets, lambda f, o: DTYPE_PRECISION[o.vllm_dtype], startup_s=900.0,
+         alone="vllm"),
 )}

@@ -61,15 +61,22 @@ def _run_workloads(functions: dict, target, cfg: PeersConfig, log, unsupported: 
 
 
 def run_server_peer(name: str, files: ModelFiles, cfg: PeersConfig, out_dir: Path, log, label: str = "") -> dict:
+    """One server peer through cfg's workloads, its scratch folder (the files it keeps) removed once it stops."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix=f"kvtool-peer-{name}-") as scratch:
+        return _serve_peer(name, files, cfg, out_dir, log, label or name, scratch)
+
+
+def _serve_peer(name: str, files: ModelFiles, cfg: PeersConfig, out_dir: Path, log, label: str, scratch: str) -> dict:
     from kvtool.bench.backends import first_model, open_client
 
     peer = PEERS[name]
     opts = PeerOptions(threads=cfg.pass_threads(), context=cfg.context(), streams=cfg.concurrency(),
                        vllm_python=cfg.vllm_python, vllm_dtype=cfg.vllm_dtype, kv_mib=cfg.kv_mib,
-                       prefix_cache_mib=cfg.prefix_cache_mib)
+                       prefix_cache_mib=cfg.prefix_cache_mib, scratch=scratch)
     row = {"engine": peer.engine, "weights": peer.weights(files, opts), "precision": peer.precision(files, opts),
-           "budgets": peer.budgets(opts)}
-    label = label or name
+           "budgets": peer.budgets(opts), **({"alone": peer.alone} if peer.alone else {})}
     port = free_port()
     try:
         argv, env = peer.command(files, port, opts)
@@ -109,7 +116,8 @@ def engine_row(runs: list[dict]) -> dict:
     spread of every figure, the load while it ran, and each run as it was."""
     ok = [r for r in runs if r["status"] == "ok"]
     last = ok[-1] if ok else runs[-1]
-    row = {k: last[k] for k in ("engine", "weights", "precision", "budgets", "command", "reason") if k in last}
+    row = {k: last[k] for k in ("engine", "weights", "precision", "budgets", "command", "reason", "alone")
+           if k in last}
     row["status"] = "ok" if ok else last["status"]
     row["results"], row["spread"] = combine([r.get("results") or {} for r in ok])
     row["unsupported"] = {k: v for r in ok for k, v in (r.get("unsupported") or {}).items()

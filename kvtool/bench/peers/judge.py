@@ -17,9 +17,14 @@ ROW_METRICS = {"output_tok_s": "output tok/s", "median_tpot_ms": "TPOT p50", "me
 CLIENT_TIMES = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 
 
+# entries whose name does not start with their engine: vLLM's engine behind kvtool's server is neither kvtool's
+# engine nor vLLM's own server, so it is judged as an engine of its own
+FAMILIES = {"kvtool-vllm": "kvtool-vllm"}
+
+
 def family(engine: str) -> str:
-    """The engine an entry is a variant of: kvtool-int4 -> kvtool, vllm-bf16 -> vllm."""
-    return engine.split("-")[0]
+    """The engine an entry is a variant of: kvtool-int4 -> kvtool, vllm-bf16 -> vllm, kvtool-vllm -> itself."""
+    return FAMILIES.get(engine, engine.split("-")[0])
 
 
 def metrics(results: dict) -> dict[str, tuple[float, bool]]:

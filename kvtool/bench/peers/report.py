@@ -90,14 +90,33 @@ def spread_text(row: dict, path: str) -> str:
 
 
 def _memory_md(record: dict) -> list[str]:
-    rows = [[n, e.get("weights", ""), spread_text(e, "memory.rss_mib"), str(e["results"]["memory"]["processes"]),
+    engines = record["engines"]
+    rows = [[n, e.get("weights", ""), spread_text(e, "memory.rss_mib"), spread_text(e, "memory.pss_mib"),
+             _processes_text(e["results"]["memory"]), _alone_text(e, engines),
              (e.get("budgets") or {}).get("kv", "n/a"), (e.get("budgets") or {}).get("prefix_cache", "n/a")]
-            for n, e in record["engines"].items() if "memory" in (e.get("results") or {})]
+            for n, e in engines.items() if "memory" in (e.get("results") or {})]
     if not rows:
         return ["(no engine ran the memory workload)"]
-    return ["Resident memory (RSS) of each server's process tree, from /proc, after one request; the budgets are "
-            "the ones this run started it with.", "",
-            *_table(["engine", "weights", "RSS (MiB)", "processes", "KV budget", "prefix-cache budget"], rows)]
+    return ["Resident memory of each server's process tree, from /proc, after one request: RSS, and PSS (a page "
+            "two of its processes share counted once); the budgets are the ones this run started it with. An engine "
+            "run behind kvtool's server (kvtool-vllm) is read against the same engine's own server in this run "
+            "(its RSS / theirs, medians).", "",
+            *_table(["engine", "weights", "RSS (MiB)", "PSS (MiB)", "processes (RSS MiB)", "vs the engine alone",
+                     "KV budget", "prefix-cache budget"], rows)]
+
+
+def _processes_text(memory: dict) -> str:
+    names = memory.get("by_name") or {}
+    return f"{memory['processes']}" + (f": {', '.join(f'{n} {_num(v)}' for n, v in names.items())}" if names else "")
+
+
+def _alone_text(entry: dict, engines: dict) -> str:
+    """entry's median RSS over that of the engine it runs alone (entry["alone"]) in the same record, else "-"."""
+    alone = engines.get(entry.get("alone") or "")
+    ours, theirs = figure(entry, "memory.rss_mib"), alone and figure(alone, "memory.rss_mib")
+    if not (ours and theirs and theirs[0]):
+        return "-"
+    return f"{ours[0] / theirs[0]:.3f}x {entry['alone']}"
 
 
 VLLM_BENCH_COLUMNS = (("output tok/s", "output_throughput"), ("TTFT median (ms)", "median_ttft_ms"),

@@ -157,7 +157,8 @@ def memory(ep: Endpoint, cfg, prompts: TokenSource, log) -> dict:
         raise RuntimeError("no server process to measure: the engine runs in this process")
     complete(ep, prompts(cfg.prompt_tokens), min(16, cfg.decode_tokens))
     row = tree_rss(ep.pid)
-    log(f"  memory after one request: {row['rss_mib']:.0f} MiB in {row['processes']} processes")
+    log(f"  memory after one request: RSS {row['rss_mib']:.0f} MiB, PSS {row['pss_mib']:.0f} MiB in "
+        f"{row['processes']} processes {row['by_name']}")
     return {"memory": row}
 
 
