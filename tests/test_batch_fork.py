@@ -4,7 +4,7 @@ import pytest
 
 from kvtool import SamplingParams
 from kvtool.engine import Engine
-from kvtool.engine.batch import BatchScheduler, Fork
+from kvtool.engine.scheduler import BatchScheduler, Fork
 
 QUESTION = "Write a haiku about rain."
 
