@@ -127,7 +127,8 @@ class Engine:
         ready = 0 if scores_prompt(gen) else min(ready, len(known_ids) - 1)
         cache.truncate(ready)
         if first:
-            gen.timings.account(len(gen.prompt_ids), ready, getattr(handle, "stats", None))
+            hook = self.prefix_cache
+            gen.timings.account(len(gen.prompt_ids), ready, hook.splice_stats(handle) if hook is not None else None)
         return cache, ready, handle
 
     def _follow(self, gen: Generation, max_tokens: int, skip_special_tokens: bool) -> Iterator[TokenEvent]:
