@@ -51,7 +51,7 @@ def _prefix_hit(bm, hf, prefix_tokens: int, tokens: int, gen: torch.Generator):
     import copy
 
     from kvtool.cache.manager import attach_prefix_cache
-    from kvtool.engine.generate import Engine
+    from kvtool.engine.engine import Engine
     from kvtool.config import SamplingParams
 
     prefix = torch.randint(100, 32000, (prefix_tokens,), generator=gen).tolist()

@@ -25,7 +25,7 @@ from kvtool.bench.protocol import device_name, emit, measure_side_by_side, paire
 from kvtool import SamplingParams
 from kvtool.cache.manager import PrefixCache
 from kvtool.engine import Engine
-from kvtool.engine.batch import BatchScheduler, Fork
+from kvtool.engine.scheduler import BatchScheduler, Fork
 
 
 class WholeForks:

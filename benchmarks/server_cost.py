@@ -90,7 +90,7 @@ def run(args) -> dict:
     from kvtool.bench.peers.servers import ServerProcess, free_port
     from kvtool.bench.peers.workloads import Endpoint, TokenSource
     from kvtool.config import EngineConfig
-    from kvtool.engine.generate import Engine
+    from kvtool.engine.engine import Engine
     from kvtool.models.loading import load
 
     def log(s):

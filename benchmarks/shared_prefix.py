@@ -56,7 +56,7 @@ def prompts(model, k: int, words: int) -> list[list[int]]:
 def one_run(engine, ids: list[list[int]], gap: float, max_tokens: int, share: bool) -> dict:
     from kvtool import SamplingParams
     from kvtool.cache.manager import attach_prefix_cache
-    from kvtool.engine.batch import BatchScheduler
+    from kvtool.engine.scheduler import BatchScheduler
 
     cache = attach_prefix_cache(engine, budget_bytes=1 << 30)
     if not share:

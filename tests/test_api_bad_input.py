@@ -7,7 +7,7 @@ import torch
 from kvtool import SamplingParams
 from kvtool.config import EngineConfig, as_sampling_params
 from kvtool.engine import Engine
-from kvtool.engine.batch import BatchScheduler
+from kvtool.engine.scheduler import BatchScheduler
 from kvtool.errors import InvalidParameterError
 from kvtool.ids import as_token_ids
 

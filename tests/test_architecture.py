@@ -251,7 +251,7 @@ def test_retired_modules_stay_gone(code):
 
 def test_the_graph_sees_imports_inside_functions(code):
     graph = code[0]
-    assert "kvtool.engine.batch" in graph["kvtool.engine.generate"]  # Engine.generate_batch imports it
+    assert "kvtool.engine.scheduler" in graph["kvtool.engine.engine"]  # Engine.generate_batch imports it
     assert "kvtool.skills.selective" in graph["kvtool.skills.repair"]  # inside RecomputeFirstK.place
 
 
@@ -289,11 +289,11 @@ def test_parse_reads_layers_and_budgets():
 
 def test_layer_check_catches_an_upward_and_an_unlisted_import():
     layers = parse_layers(DOC_SAMPLE)
-    graph = {"kvtool.cache.kv": {"kvtool.engine.batch", "kvtool.errors"}, "kvtool.engine.batch": {"kvtool.cache.kv"},
-             "kvtool.serving.app": {"kvtool.cache.kv", "kvtool.engine.batch"}, "kvtool.errors": set(),
+    graph = {"kvtool.cache.kv": {"kvtool.engine.scheduler", "kvtool.errors"}, "kvtool.engine.scheduler": {"kvtool.cache.kv"},
+             "kvtool.serving.app": {"kvtool.cache.kv", "kvtool.engine.scheduler"}, "kvtool.errors": set(),
              "kvtool.viz.plots": set()}
     assert layer_violations(graph, layers) == [
-        "kvtool.cache.kv -> kvtool.engine.batch: up from layer cache to layer engine",
+        "kvtool.cache.kv -> kvtool.engine.scheduler: up from layer cache to layer engine",
         "kvtool.serving.app -> kvtool.cache.kv: layer server may not import layer cache",
         f"kvtool.viz.plots: package 'viz' is in no layer of {DOC.name}"]
 
@@ -305,7 +305,7 @@ def test_circle_check_finds_a_loop_through_three_modules():
 
 
 def test_size_checks_catch_a_long_module_and_a_package_over_budget():
-    lines = {"kvtool.cache.kv": 401, "kvtool.cache.index": 5, "kvtool.engine.batch": 400, "kvtool.viz.plots": 3}
+    lines = {"kvtool.cache.kv": 401, "kvtool.cache.index": 5, "kvtool.engine.scheduler": 400, "kvtool.viz.plots": 3}
     assert long_modules(lines) == ["kvtool.cache.kv: 401 lines, over 400"]
     assert over_budget(lines, {"cache": 406, "engine": 400, "viz": 3}) == []
     assert over_budget(lines, {"cache": 405, "engine": 400}) == [

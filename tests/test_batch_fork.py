@@ -4,7 +4,7 @@ import pytest
 
 from kvtool import SamplingParams
 from kvtool.engine import Engine
-from kvtool.engine.batch import BatchScheduler, Fork
+from kvtool.engine.scheduler import BatchScheduler, Fork
 
 QUESTION = "Write a haiku about rain."
 
@@ -181,6 +181,33 @@ def test_siblings_read_the_prompts_cached_blocks_in_place(model, request):
     prefix.check_integrity()
     prefix.set_budget(0)  # evicts every block that no request holds
     assert prefix.stats()["blocks"] == 0
+
+
+@pytest.mark.real_model
+def test_a_hook_without_fork_gives_the_siblings_a_whole_copy(smollm2):
+    """A prefix-cache hook with only the required methods (here the prefix cache's own) gets PrefixHook's fork:
+    the copy the siblings start from owns the whole prompt and holds no cached block; the choices equal solo runs."""
+    from kvtool.cache.hook import DefaultsFor
+    from kvtool.cache.manager import PrefixCache
+
+    class RequiredOnly:
+        def __init__(self, cache):
+            self.prepare, self.publish, self.commit = cache.prepare, cache.publish, cache.commit
+
+    engine = Engine(smollm2)
+    prompt = smollm2.encode_chat([{"role": "system", "content": "You answer in verse. " * 12},
+                                  {"role": "user", "content": QUESTION}])
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=s, max_tokens=6) for s in (3, 4)]
+    solo = [engine.generate(prompt, p).run().token_ids for p in params]
+    engine.prefix_cache = RequiredOnly(PrefixCache.for_runner(engine.runner, 64 << 20, pool=engine.pool))
+    assert isinstance(engine.prefix_cache, DefaultsFor)
+    sched = BatchScheduler(engine, max_running=1, prefill_budget=512)  # one row: the sibling waits on the copy
+    fork = Fork()
+    gens = [sched.submit(prompt, p, fork=fork) for p in params]
+    sched.step()  # the first's prefill ends
+    assert fork.handle is None and fork.cache.own_tokens == len(prompt) >= 64
+    run_counting(sched)
+    assert [g.token_ids for g in gens] == solo
 
 
 @pytest.mark.real_model

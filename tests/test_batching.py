@@ -5,7 +5,7 @@ import torch
 
 from kvtool import SamplingParams
 from kvtool.engine import Engine
-from kvtool.engine.batch import BatchScheduler
+from kvtool.engine.scheduler import BatchScheduler
 from kvtool.testing.tiny import tiny_checkpoint, tiny_runner
 
 
@@ -74,17 +74,17 @@ def test_batched_greedy_equals_unbatched_with_chunked_prefill(solo):
 
 @pytest.mark.real_model
 def test_unseeded_rows_sample_together_and_seeded_ones_alone(solo, monkeypatch):
-    import kvtool.engine.batch as batch
+    import kvtool.engine.scheduler as scheduler
 
     engine, prompts, want = solo
     shared = []
-    original = batch.sample_rows
+    original = scheduler.sample_rows
 
     def spy(samplers, logits):
         shared.append(len(samplers))
         return original(samplers, logits)
 
-    monkeypatch.setattr(batch, "sample_rows", spy)
+    monkeypatch.setattr(scheduler, "sample_rows", spy)
     sched = BatchScheduler(engine, max_running=4, prefill_budget=256)
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=16)
     params = [SamplingParams(**PARAMS), SamplingParams(**PARAMS, logprobs=2), seeded,

@@ -13,7 +13,7 @@ from kvtool import SamplingParams
 from kvtool.bench.edit_cases import CASES
 from kvtool.cache.manager import attach_prefix_cache
 from kvtool.engine import Engine
-from kvtool.engine.batch import BatchScheduler
+from kvtool.engine.scheduler import BatchScheduler
 from kvtool.serving.cache_edit_http import _apply
 from kvtool.config import EngineConfig
 from kvtool.skills.edit import plan_edit

@@ -45,7 +45,7 @@ def test_scored_in_chunks_past_a_cache_hit_and_the_answer_is_unchanged(smollm2, 
 
 
 def test_batched_with_choices_and_other_requests(smollm2, reference):
-    from kvtool.engine.batch import BatchScheduler
+    from kvtool.engine.scheduler import BatchScheduler
 
     prompt, logp, greedy = reference
     engine = Engine(smollm2, EngineConfig(prefill_chunk=16))
@@ -66,7 +66,7 @@ def test_batched_with_choices_and_other_requests(smollm2, reference):
 def test_scoring_rides_the_chunked_prefill_beside_a_running_stream(smollm2, reference):
     """A scored prompt is prefilled in prefill_budget chunks like any other: the stream running beside it gets
     a token every step. Preempted halfway, it is scored again from its start."""
-    from kvtool.engine.batch import BatchScheduler
+    from kvtool.engine.scheduler import BatchScheduler
 
     prompt, logp, greedy = reference
     stream = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -113,7 +113,7 @@ def random_prompts(n: int, longest: int, vocab: int, seed: int = 0) -> list[list
 
 
 def run_batched(engine, prompts, new_tokens: int, cfg: BatchingBenchConfig) -> Run:
-    from kvtool.engine.batch import BatchScheduler
+    from kvtool.engine.scheduler import BatchScheduler
 
     opts = {"max_running": cfg.max_running or len(prompts), "prefill_budget": cfg.prefill_budget}
     sched = BatchScheduler(engine, **{k: v for k, v in opts.items() if v is not None})

@@ -35,6 +35,7 @@ from typing import Sequence
 
 import torch
 
+from kvtool.cache.hook import PrefixHook
 from kvtool.cache.index import PrefixIndex
 from kvtool.cache.kv import KVCache
 from kvtool.cache.kvfile import setup_of
@@ -77,7 +78,7 @@ def memory_split(kv_bytes: int | None, cache_bytes: int | None, device: torch.de
     return (total // 2 if kv_bytes is None else kv_bytes), (total - total // 2 if cache_bytes is None else cache_bytes)
 
 
-class PrefixCache:
+class PrefixCache(PrefixHook):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, budget_bytes: int,
                  block_size: int = 16, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  eviction: str = "lru", runner=None, pool: BlockPool | None = None):

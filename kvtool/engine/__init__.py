@@ -1,6 +1,6 @@
 """Sampling, detokenization and the streaming generate loop."""
 
-from kvtool.engine.generate import Engine
+from kvtool.engine.engine import Engine
 from kvtool.engine.output import Generation, Timings, TokenEvent
 
 __all__ = ["Engine", "Generation", "Timings", "TokenEvent"]

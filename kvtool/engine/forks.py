@@ -36,7 +36,7 @@ def choices(prompts: list[list[int]], params: list[SamplingParams], n: int):
 @dataclass(eq=False)
 class Fork:
     """A prompt shared by sibling requests: its KV and last-token logits once the first has prefilled it."""
-    leader: object = None  # the first kvtool.engine.batch.BatchRequest added with this fork: it prefills the prompt
+    leader: object = None  # the first kvtool.engine.scheduler.BatchRequest added with this fork: it prefills the prompt
     cache: KVCache | None = None
     logits: torch.Tensor | None = None
     handle: object = None  # the copy's hold on the prefix cache's blocks it reads (PrefixCache.fork)

@@ -146,7 +146,7 @@ class OutputText:
 
 
 class OutputState(OutputText):
-    """OutputText plus kvtool's own sampling of each next token (engine: the kvtool.engine.generate.Engine)."""
+    """OutputText plus kvtool's own sampling of each next token (engine: the kvtool.engine.engine.Engine)."""
 
     def __init__(self, engine, gen: Generation, max_tokens: int, skip_special_tokens: bool, t0: float):
         params = gen.params

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from kvtool.config import SamplingParams
 from kvtool.engine import Engine, Generation, TokenEvent
-from kvtool.engine.batch import BatchScheduler
+from kvtool.engine.scheduler import BatchScheduler
 from kvtool.models.host import release_openmp_threads
 
 log = logging.getLogger("kvtool.serving")

@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvtool.cache.hook import PrefixHook
 from kvtool.skills.catalog import SkillCatalog
 from kvtool.skills.compose import compose_segments
 from kvtool.skills.match import choose_path
@@ -54,7 +55,7 @@ class SpliceHandle:
         return self.stats.block_tokens
 
 
-class SkillSplicer:
+class SkillSplicer(PrefixHook):
     """Wraps an optional inner hook (the prefix cache) and splices catalog blocks after its hit."""
 
     def __init__(self, catalog: SkillCatalog, repair="none", inner=None, chunk: int = 512, min_tokens: int = 0):
@@ -107,3 +108,6 @@ class SkillSplicer:
     def publish(self, handle: SpliceHandle | None, token_ids: list[int], cache) -> None:
         if self.inner is not None and handle is not None:
             self.inner.publish(handle.inner, token_ids, cache)
+
+    def splice_stats(self, handle: SpliceHandle | None) -> SpliceStats | None:
+        return None if handle is None else handle.stats

@@ -280,7 +280,7 @@ def test_changes_count_what_a_cache_file_would_hold(model):
 
 def test_one_memory_budget_split_once_between_running_requests_and_the_prefix_cache(model, monkeypatch):
     import kvtool.cache.manager as manager
-    from kvtool.engine.generate import kv_budget_tokens
+    from kvtool.engine.engine import kv_budget_tokens
 
     reads = []
     monkeypatch.setattr(manager, "available_memory", lambda device="cpu": reads.append(device) or 8 << 30)

@@ -142,7 +142,7 @@ def test_a_hit_reads_the_cached_blocks_in_place_and_copies_only_a_partial_one(na
 def test_requests_that_read_one_cached_prefix_in_place_run_together_under_a_small_kv_budget(smollm2, engines):
     """The scheduler's KV budget counts a request's own tokens, not the cached blocks it reads in place: two
     requests on one cached prefix run at once under a budget that two copies of the prefix would not fit."""
-    from kvtool.engine.batch import BatchScheduler
+    from kvtool.engine.scheduler import BatchScheduler
 
     plain, engine = engines
     prefix = chat_ids(smollm2, QUESTION)
@@ -219,7 +219,7 @@ def test_pin_system_prompt_over_http_then_hit(smollm2, engines):
 
 
 def test_a_prompt_is_shared_while_its_request_still_decodes(smollm2, engines):
-    from kvtool.engine.batch import BatchScheduler
+    from kvtool.engine.scheduler import BatchScheduler
 
     plain, engine = engines
     a, b = chat_ids(smollm2, QUESTION), chat_ids(smollm2, "Can I order a birthday cake for Friday?")

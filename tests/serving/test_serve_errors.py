@@ -209,7 +209,7 @@ def test_a_request_whose_sampling_cannot_be_set_up_fails_alone(smol, monkeypatch
 
 def test_a_failed_batch_whose_requests_fail_to_end_leaves_the_server_serving(smol, monkeypatch):
     """The batched forward raises, and so does ending its requests: they get the error, the loop goes on."""
-    from kvtool.engine.batch import BatchScheduler
+    from kvtool.engine.scheduler import BatchScheduler
 
     def boom(self, *args, **kwargs):
         raise RuntimeError("step went down")

@@ -15,7 +15,7 @@ import logging
 
 from kvtool.config import SamplingParams, as_sampling_params
 from kvtool.engine import Generation
-from kvtool.engine.generate import check_request
+from kvtool.engine.engine import check_request
 from kvtool.engine.output import OutputText
 from kvtool.engines.vllm.sampling import prompt_rows, to_vllm, top_list
 from kvtool.ids import as_token_ids

@@ -1,6 +1,6 @@
 """Engine: one model, its scheduler, and the one request path every caller takes.
 
-Engine.generate() adds a request to the engine's scheduler (kvtool.engine.batch) and steps it until
+Engine.generate() adds a request to the engine's scheduler (kvtool.engine.scheduler) and steps it until
 the request is done, streaming its TokenEvents; the CLI, the inspector, the in-process agent backend,
 generate_batch() and the server's worker all run requests through that same scheduler. The returned
 Generation is an iterator; when it is exhausted (or closed early, e.g. by a disconnected client) its
@@ -18,7 +18,7 @@ from kvtool.cache.kv import KVCache
 from kvtool.cache.manager import memory_split
 from kvtool.cache.store import BlockPool
 from kvtool.config import EngineConfig, SamplingParams, as_sampling_params
-from kvtool.engine.batch import BatchScheduler, generate_batch
+from kvtool.engine.scheduler import BatchScheduler, generate_batch
 from kvtool.engine.output import Generation, TokenEvent, scores_prompt
 from kvtool.errors import ContextWindowError, InvalidParameterError
 from kvtool.ids import as_token_ids
@@ -106,7 +106,7 @@ class Engine:
 
     def generate_batch(self, prompts: list[list[int]], params=None, n: int = 1,
                        skip_special_tokens: bool = True) -> list[Generation]:
-        """Many prompts (and n choices each) batched together; see kvtool.engine.batch.generate_batch."""
+        """Many prompts (and n choices each) batched together; see kvtool.engine.scheduler.generate_batch."""
         return generate_batch(self, prompts, params, n, skip_special_tokens)
 
     def start_cache(self, prompt_ids: list[int]):
@@ -127,7 +127,8 @@ class Engine:
         ready = 0 if scores_prompt(gen) else min(ready, len(known_ids) - 1)
         cache.truncate(ready)
         if first:
-            gen.timings.account(len(gen.prompt_ids), ready, getattr(handle, "stats", None))
+            hook = self.prefix_cache
+            gen.timings.account(len(gen.prompt_ids), ready, hook.splice_stats(handle) if hook is not None else None)
         return cache, ready, handle
 
     def _follow(self, gen: Generation, max_tokens: int, skip_special_tokens: bool) -> Iterator[TokenEvent]:

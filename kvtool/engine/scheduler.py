@@ -191,10 +191,11 @@ class BatchScheduler:
                     fork.abandoned = True
 
     def _fork_copy(self, cache: KVCache, prompt_ids: list[int]) -> tuple[KVCache, object]:
-        """(a copy of a fork's prompt KV, its hold): over the prompt's cached blocks where the hook can
-        (PrefixCache.fork, on the C++ CPU path), else over its own full blocks where it is paged (KVCache.fork)."""
-        fork = getattr(self.engine.prefix_cache, "fork", None)
-        return fork(cache, prompt_ids, self.engine.runner) if fork is not None else (cache.fork(), None)
+        """(a copy of a fork's prompt KV, its hold): the hook's fork (PrefixHook.fork; PrefixCache's reads the
+        prompt's cached blocks in place on the C++ CPU path), else KVCache.fork (over its own full blocks where it
+        is paged)."""
+        hook = self.engine.prefix_cache
+        return hook.fork(cache, prompt_ids, self.engine.runner) if hook is not None else (cache.fork(), None)
 
     def _drop_fork(self, fork: Fork) -> None:
         if fork.handle is not None:  # ends the copy's hold (the first cached the prompt already)
