@@ -4,6 +4,9 @@ that names no temperature samples as its card recommends (temperature 0.2, top_p
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +24,16 @@ SMOL_CARD = {"temperature": 0.2, "top_p": 0.9, "top_k": 0, "min_p": 0.0, "repeti
 CARD_VALUES = {k: v for k, v in SMOL_CARD.items() if k != "source"}
 
 
-def ask(client, seed: int, **fields) -> str:
-    body = {"messages": FRANCE, "max_tokens": 16, "seed": seed, **fields}
+def readme_request() -> dict:
+    """The body of the README's first request (its first curl to /v1/chat/completions)."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    found = re.search(r"curl -s localhost:8000/v1/chat/completions .*? -d '(\{.*?\})'", readme, re.S)
+    assert found, "the README has no chat completions curl"
+    return json.loads(found.group(1))
+
+
+def ask(client, seed: int, messages=FRANCE, **fields) -> str:
+    body = {"messages": messages, "max_tokens": 16, "seed": seed, **fields}
     response = client.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["message"]["content"]
@@ -32,19 +43,18 @@ def test_models_shows_the_defaults_and_their_source(smol):
     assert smol.get("/v1/models").json()["data"][0]["sampling_defaults"] == SMOL_CARD
 
 
-@pytest.mark.xfail(strict=True, reason="the model's own first token, after its template's default system prompt, is "
-                   "'The' or 'L' (transformers gives the same distribution on the same ids, see the test below); the "
-                   "card's temperature 0.2 and top_p 0.9 keep both, about 60:40, and an 'L' opening goes on in French "
-                   "without Paris (issue #67)")
 def test_the_readme_request_says_paris(smol):
     """The README's first request, no temperature, 10 seeds: Paris at least 8 times."""
-    answers = [ask(smol, seed) for seed in range(10)]
+    body = readme_request()
+    assert "temperature" not in body
+    answers = [ask(smol, seed, **body) for seed in range(10)]
     assert sum("Paris" in a for a in answers) >= 8, answers
 
 
-def test_the_readme_requests_first_token_is_the_models_own(smol, smollm2, smollm2_hf):
-    """What holds the README request off Paris is the model: the served prompt is transformers' chat template and
-    the served first-token distribution is transformers' on it, whose nucleus at the card's settings is 'The', 'L'."""
+def test_the_open_questions_first_token_is_the_models_own(smol, smollm2, smollm2_hf):
+    """"What is the capital of France?" opens with 'The' or 'L' about 60:40 at the card's settings, and an 'L'
+    opening goes on in French without Paris; that split is the model's own: the served prompt is transformers'
+    chat template and the served first-token distribution is transformers' on it."""
     ids = smollm2.encode_chat(FRANCE)
     assert ids == list(smollm2.tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=True,
                                                              return_dict=False))
