@@ -1,7 +1,8 @@
 """The matmuls of a decode step on the CPU at one to a few rows, over the model's own weights (every layer's, so
 they stream from memory as in a step), alternating run by run: fp32, the ops' own `gemv` beside oneDNN's packed
 GEMM (the runner's product); int4 (--weights int4), the ops' `gemv_q4` beside oneDNN's packed GEMM over the dense
-values the grid stands for. Each row says which one the decode path takes there (fp32:
+values the grid stands for, and the head's first pass, `gemv_q8` over its 8-bit copy beside `gemv` over a bf16 one.
+Each row says which one the decode path takes there (fp32:
 kvtool.kernels.cpu_decode.gemv_takes; int4: up to kvtool.kernels.quant.MAX_ROWS rows) and how it compares with
 the other. JSON record as the last line.
 
@@ -32,6 +33,27 @@ def products(model) -> dict[str, list]:
     out = {name: [get(layer) for layer in model.layers] for name, get in named.items()}
     return {name: ws for name, ws in out.items() if all(
         isinstance(w, cpu_gemm.PackedWeight) or isinstance(w, quant.Int4Weight) and w.wide is not None for w in ws)}
+
+
+def head_rows(runner, counts: list[int], repeats: int, gen: torch.Generator) -> list[dict]:
+    """The int4 head's first pass (kvtool.kernels.quant.head_logits) at each row count up to GEMV_MAX_ROWS: gemv_q8
+    over its 8-bit copy (taken) beside gemv over a bf16 copy of the dense head, alternating."""
+    ops, small, out = torch.ops.kvtool_cpu, runner._head_q8, []
+    half = runner.output_weight.detach().bfloat16().contiguous()
+    for count in [c for c in counts if c <= cpu_decode.GEMV_MAX_ROWS] if small is not None else []:
+        x = torch.randn(count, half.shape[1], generator=gen)
+
+        def q8():
+            ops.gemv_q8(x, small.codes, small.scale)
+
+        def bf16():
+            ops.gemv(x, half, None, None)
+
+        with torch.inference_mode():
+            ms = measure_side_by_side({"q8": q8, "bf16": bf16}, repeats, 1)
+        out.append({"product": "head", "n": half.shape[0], "k": half.shape[1], "rows": count, "ms": ms,
+                    "taken": "q8", "taken_over_other": paired_speedup(ms["q8"], ms["bf16"], rate=False)})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,10 +97,11 @@ def main(argv: list[str] | None = None) -> int:
             taken, other = ("gemv", "onednn") if ours else ("onednn", "gemv")
             rows.append({"product": name, "n": n, "k": k, "rows": count, "ms": ms, "taken": taken,
                          "taken_over_other": paired_speedup(ms[taken], ms[other], rate=False)})
+    heads = head_rows(bm.runner, args.rows, args.repeats, gen) if int4 else []
     record = {"benchmark": "decode_products", "model": bm.name, "weights": args.weights,
               "device": device_name(bm.device), "threads": torch.get_num_threads(),
               "load_avg": round(os.getloadavg()[0], 2),
-              "many_x_bytes": cpu_decode.MANY_X_BYTES, "int4_max_rows": quant.MAX_ROWS, "rows": rows,
+              "many_x_bytes": cpu_decode.MANY_X_BYTES, "int4_max_rows": quant.MAX_ROWS, "rows": rows, "head": heads,
               "versions": versions()}
     print(f"\n{args.weights}: 'gemv' is {'gemv_q4' if int4 else 'gemv'}")
     print("product      N x K        rows  gemv ms  oneDNN ms  taken   taken over the other (min-max)")
@@ -87,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['product']:<9}{r['n']:>6} x {r['k']:<6}{r['rows']:>5}{r['ms']['gemv']['median']:>9.2f}"
               f"{r['ms']['onednn']['median']:>11.2f}  {r['taken']:<7}{s['median']:>6.2f}x "
               f"({s['min']:.2f}-{s['max']:.2f})")
+    for r in heads:
+        s = r["taken_over_other"]
+        print(f"head {r['n']:>9} x {r['k']:<6}{r['rows']:>5}  gemv_q8 {r['ms']['q8']['median']:.2f} ms, bf16 gemv "
+              f"{r['ms']['bf16']['median']:.2f} ms: {s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})")
     emit(record, args.out)
     return 0
 

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -154,6 +155,8 @@ inline __m256 load8(const uint16_t* p) {  // eight bf16 weights widened to fp32 
 inline float widen(float v) { return v; }
 inline float widen(uint16_t h) { return bf16_to_float(h); }
 
+constexpr int64_t ROWS_AHEAD_BYTES = 32768;  // how far ahead tiled_gemv and gemv_q8 prefetch their weight rows
+
 // s[a * R + b] = weight row a . x row b for A weight rows (stride k; fp32, or bf16 widened exactly) and R x rows:
 // each eight-wide chunk of an x row is loaded once for all A weight rows, and A weight streams are read side by
 // side. Every (a, b) sum runs in one accumulator over the chunks, then the lanes and the tail: the same order
@@ -177,7 +180,9 @@ inline void dots(const W* w, const float* x, int64_t k, float* s) {
       for (int a = 0; a < A; ++a) acc[a][b] = _mm256_fmadd_ps(wv[a], xv, acc[a][b]);
     }
   }
+#pragma GCC unroll 8
   for (int a = 0; a < A; ++a)
+#pragma GCC unroll 8
     for (int b = 0; b < R; ++b) {
       float t = hsum(acc[a][b]);
       for (int64_t j = i; j < k; ++j) t += widen(w[a * k + j]) * x[b * k + j];
@@ -191,7 +196,9 @@ void tiled_gemv(const W* wf, const float* xp, int64_t k, int64_t n, const Finish
   at::parallel_for(0, (n + A - 1) / A, 64 / A, [&](int64_t begin, int64_t end) {
     float s[A * R];
     for (int64_t j = A * begin; j < std::min(A * end, n); j += A) {
-      __builtin_prefetch(wf + (j + 32) * k);  // a prefetch past the end never faults
+      // every line of the rows ROWS_AHEAD_BYTES on, while these are summed (a prefetch past the end never faults)
+      const char* ahead = reinterpret_cast<const char*>(wf + j * k) + ROWS_AHEAD_BYTES;
+      for (int64_t b = 0; b < A * k * static_cast<int64_t>(sizeof(W)); b += 64) __builtin_prefetch(ahead + b);
       if (j + A <= n) {
         dots<A, R>(wf + j * k, xp, k, s);
         for (int a = 0; a < A; ++a)
@@ -441,6 +448,121 @@ inline void q4_row(const uint8_t* cr, const uint16_t* sz, const Q16Rows& x, int6
     }
   }
 #endif
+}
+
+constexpr int64_t Q8_GROUP = 32;  // columns per scale of an 8-bit weight (gemv_q8)
+
+// The 8-lane sum of hsum, in its order, for the scalar build: ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7)).
+inline float lanes_sum(const float* a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight int8 codes widened to fp32 exactly.
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// s[a * R + b] = sum over groups g of scale[a, g] * (codes row a . x row b over g's 32 columns), for A code rows
+// (stride k) side by side and R x rows. Each (a, b) has its own chains: per group one 8-lane FMA chain over its
+// four chunks, scaled into one 8-lane sum, then hsum: the same order for any A and R.
+template <int A, int R>
+inline void dots_q8(const int8_t* q, const float* scale, const float* x, int64_t k, float* s) {
+  const int64_t groups = k / Q8_GROUP;
+  __m256 acc[A][R];
+#pragma GCC unroll 8
+  for (int a = 0; a < A; ++a)
+#pragma GCC unroll 8
+    for (int b = 0; b < R; ++b) acc[a][b] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 part[A][R];
+#pragma GCC unroll 8
+    for (int a = 0; a < A; ++a)
+#pragma GCC unroll 8
+      for (int b = 0; b < R; ++b) part[a][b] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int64_t i = g * Q8_GROUP; i < (g + 1) * Q8_GROUP; i += 8) {
+      __m256 wv[A];
+#pragma GCC unroll 8
+      for (int a = 0; a < A; ++a) wv[a] = load8(q + a * k + i);
+#pragma GCC unroll 8
+      for (int b = 0; b < R; ++b) {
+        const __m256 xv = _mm256_loadu_ps(x + b * k + i);
+#pragma GCC unroll 8
+        for (int a = 0; a < A; ++a) part[a][b] = _mm256_fmadd_ps(wv[a], xv, part[a][b]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int a = 0; a < A; ++a) {
+      const __m256 sv = _mm256_set1_ps(scale[a * groups + g]);
+#pragma GCC unroll 8
+      for (int b = 0; b < R; ++b) acc[a][b] = _mm256_fmadd_ps(part[a][b], sv, acc[a][b]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int a = 0; a < A; ++a)
+#pragma GCC unroll 8
+    for (int b = 0; b < R; ++b) s[a * R + b] = hsum(acc[a][b]);
+}
+#endif
+
+// x [rows, K] (rows <= 4) @ W.T for an 8-bit weight W[j, 32g + i] = codes[j, 32g + i] * scale[j, g] (codes [N, K]
+// int8, scale [N, K/32] fp32): fp32 sums in the order of dots_q8, which the scalar build follows lane by lane.
+at::Tensor gemv_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) >= 1 &&
+                  x.size(0) <= 4, "gemv_q8: x must be contiguous fp32 [rows, K] with 1 to 4 rows");
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kChar && codes.dim() == 2 &&
+                  codes.size(1) == x.size(1) && x.size(1) % Q8_GROUP == 0,
+              "gemv_q8: codes must be contiguous int8 [N, K] with K = x's columns, a multiple of 32");
+  const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0), groups = k / Q8_GROUP;
+  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kFloat && scale.dim() == 2 &&
+                  scale.size(0) == n && scale.size(1) == groups, "gemv_q8: scale must be contiguous fp32 [N, K/32]");
+  at::Tensor y = at::empty({rows, n}, x.options());
+  const float *xp = x.data_ptr<float>(), *sp = scale.data_ptr<float>();
+  const int8_t* qp = codes.data_ptr<int8_t>();
+  float* yp = y.data_ptr<float>();
+#if defined(__AVX2__) && defined(__FMA__)
+  auto tiled = [&](auto a_rows, auto r_rows) {
+    constexpr int A = decltype(a_rows)::value, R = decltype(r_rows)::value;
+    at::parallel_for(0, (n + A - 1) / A, 64 / A, [&](int64_t begin, int64_t end) {
+      float s[A * R];
+      for (int64_t j = A * begin; j < std::min(A * end, n); j += A) {
+        const char* ahead = reinterpret_cast<const char*>(qp + j * k) + ROWS_AHEAD_BYTES;
+        for (int64_t b = 0; b < A * k; b += 64) __builtin_prefetch(ahead + b);
+        if (j + A <= n) {
+          dots_q8<A, R>(qp + j * k, sp + j * groups, xp, k, s);
+          for (int a = 0; a < A; ++a)
+            for (int r = 0; r < R; ++r) yp[r * n + j + a] = s[a * R + r];
+          continue;
+        }
+        for (int64_t a = j; a < n; ++a) {  // the last N % A one by one, in the same order
+          dots_q8<1, R>(qp + a * k, sp + a * groups, xp, k, s);
+          for (int r = 0; r < R; ++r) yp[r * n + a] = s[r];
+        }
+      }
+    });
+  };
+  using C1 = std::integral_constant<int, 1>;
+  using C2 = std::integral_constant<int, 2>;
+  using C4 = std::integral_constant<int, 4>;
+  if (rows == 1) tiled(C4{}, C1{});
+  if (rows == 2) tiled(C2{}, C2{});
+  if (rows == 3) tiled(C1{}, std::integral_constant<int, 3>{});
+  if (rows == 4) tiled(C1{}, C4{});
+  return y;
+#endif
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j)
+      for (int64_t r = 0; r < rows; ++r) {
+        float acc[8] = {};
+        for (int64_t g = 0; g < groups; ++g) {
+          float part[8] = {};
+          for (int64_t i = g * Q8_GROUP; i < (g + 1) * Q8_GROUP; ++i)
+            part[i % 8] = std::fma(static_cast<float>(qp[j * k + i]), xp[r * k + i], part[i % 8]);
+          for (int l = 0; l < 8; ++l) acc[l] = std::fma(part[l], sp[j * groups + g], acc[l]);
+        }
+        yp[r * n + j] = lanes_sum(acc);
+      }
+  });
+  return y;
 }
 
 // y [rows, N] = x [rows, K] @ W.T (+ bias) (+ residual) for 4-bit weights W [N, K] in groups of 32 columns,
@@ -845,6 +967,7 @@ TORCH_LIBRARY(kvtool_cpu, m) {
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("gemv(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("gemv_q4(Tensor x, Tensor codes, Tensor scale_zero, Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("gemv_q8(Tensor x, Tensor codes, Tensor scale) -> Tensor");
   m.def("attend(Tensor qkv, Tensor(a!)[] keys, Tensor(b!)[] values, int[] slots, Tensor cos, Tensor sin, "
         "Tensor? q_norm, Tensor? k_norm, float eps, int hq, int hkv, Tensor[] prefix, int[] prefix_count, "
         "int layer) -> Tensor");
@@ -858,6 +981,7 @@ TORCH_LIBRARY_IMPL(kvtool_cpu, CPU, m) {
   m.impl("silu_mul", silu_mul);
   m.impl("gemv", gemv);
   m.impl("gemv_q4", gemv_q4);
+  m.impl("gemv_q8", gemv_q8);
   m.impl("attend", attend);
   m.impl("layers", layers);
 }

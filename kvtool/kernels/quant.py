@@ -29,12 +29,15 @@ more. gemv_q4's time grows with the rows (the unpacked codes are shared by up to
 dots are per row), so it pays most at one row.
 
 The output head is not packed in 4 bits: that moved SmolLM2's next-token distribution 70x more
-than all 210 projections together (KL 0.059 vs 0.0008). It is copied to bf16 for decode, whose
-weights are off by up to 2^-9 and would flip near-ties, so the EXACT_TOP highest logits are then
-recomputed in fp32 from the dense head: those, and so the argmax, are exact; the rest carry the bf16
-weights' rounding. With the C++ ops loaded the bf16 pass is their `gemv` (fp32 x and sums) for up to
-GEMV_MAX_ROWS rows; otherwise F.linear in bf16 (bf16 x and output too; torch's CPU kernels take
-bf16 or fp16 activations, and fp16 runs 15x slower on AVX2).
+than all 210 projections together (KL 0.059 vs 0.0008). Decode makes its logits in two passes: a
+first pass over a smaller copy, then the EXACT_TOP highest recomputed in fp32 from the dense head:
+those, and so the argmax, are exact; the rest carry the copy's rounding. With the C++ ops loaded the
+copy is 8 bits per weight with a scale per 32 (Int8Weight, GGUF's Q8_0 grid: the Q8_0 heads of the
+test models come back within 2^-11 of each value, bf16 is off by up to 2^-9) through `gemv_q8` (fp32 x
+and sums) for up to GEMV_MAX_ROWS
+rows: half the bytes of bf16, and the head is most of what a 4-bit decode step reads. Otherwise it is
+bf16 (weights off by up to 2^-9), through F.linear in bf16 (bf16 x and output too; torch's CPU kernels
+take bf16 or fp16 activations, and fp16 runs 15x slower on AVX2).
 """
 
 from __future__ import annotations
@@ -153,6 +156,43 @@ def quantize_int4(weight: torch.Tensor) -> Int4Weight:
     return Int4Weight(dense, packed, scales_zeros, codes, scale_zero)
 
 
+@dataclass
+class Int8Weight:
+    """An [N, K] weight in 8 bits: W[j, 32g + i] = codes[j, 32g + i] * scale[j, g], codes int8 in -127..127 and
+    scale [N, K/32] fp32 (each group's largest magnitude over 127: GGUF's Q8_0 grid, so a Q8_0 weight keeps its
+    values up to the rounding it was converted with). The head's first pass for a few rows (head_logits) reads
+    it through the C++ ops' gemv_q8."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one product reads."""
+        return self.codes.numel() + self.scale.numel() * 4
+
+
+def quantize_int8(weight: torch.Tensor, rows_at_once: int = 8192) -> Int8Weight:
+    """weight [N, K] (K a multiple of 32) on the 8-bit grid of each group of 32 columns, `rows_at_once` rows at a
+    time (no fp32 copy of the whole weight)."""
+    n, k = weight.shape
+    if k % GROUP:
+        raise ValueError(f"int8 weights need K a multiple of {GROUP}; got {tuple(weight.shape)}")
+    codes, scale = torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // GROUP)
+    for start in range(0, n, rows_at_once):
+        w = weight[start : start + rows_at_once].detach().float().reshape(-1, k // GROUP, GROUP)
+        s = w.abs().amax(-1) / 127
+        q = (w / s.clamp_min(1e-30)[..., None]).round_().clamp_(-127, 127)
+        codes[start : start + rows_at_once], scale[start : start + rows_at_once] = q.reshape(-1, k), s
+    return Int8Weight(codes, scale)
+
+
+def small_head(weight: torch.Tensor) -> Int8Weight | None:
+    """The head's 8-bit copy for head_logits' first pass, or None where the C++ ops do not run or K is not a
+    multiple of 32 (the bf16 copy serves then)."""
+    return quantize_int8(weight) if weight.shape[1] % GROUP == 0 and cpu_decode.unavailable() is None else None
+
+
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W.T + bias in x's dtype: for up to MAX_ROWS rows (BF16_WIDE_MAX_ROWS with a bf16 `wide`)
     an int4 kernel, for more the dense values. The kernel is the C++ ops' gemv_q4 once they are loaded (x in
@@ -177,14 +217,17 @@ def int4_linear_reference(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | N
 
 
 def head_logits(h: torch.Tensor, dense: torch.Tensor, half: torch.Tensor,
-                wide: cpu_gemm.PackedWeight | None = None) -> torch.Tensor:
-    """fp32 logits [..., V] of h [..., hidden] through the head (dense [V, hidden], half its bf16 copy).
-    For few rows a bf16 pass, then the EXACT_TOP highest recomputed in fp32: up to GEMV_MAX_ROWS rows through
-    the C++ ops' gemv once they are loaded, else up to MAX_ROWS (HALF_HEAD_MAX_ROWS when `wide`, the dense
-    head packed for oneDNN, is given) through F.linear in bf16. More rows: dense (through `wide` if given)."""
+                wide: cpu_gemm.PackedWeight | None = None, small: Int8Weight | None = None) -> torch.Tensor:
+    """fp32 logits [..., V] of h [..., hidden] through the head (dense [V, hidden], half its bf16 copy, small
+    its 8-bit copy). For few rows a first pass, then the EXACT_TOP highest recomputed in fp32: up to
+    GEMV_MAX_ROWS rows through the C++ ops once they are loaded (gemv_q8 over `small` where given, else gemv
+    over `half`), else up to MAX_ROWS (HALF_HEAD_MAX_ROWS when `wide`, the dense head packed for oneDNN, is
+    given) through F.linear in bf16. More rows: dense (through `wide` if given)."""
     rows = h.reshape(-1, h.shape[-1])
-    if cpu_decode.loaded() and rows.shape[0] <= cpu_decode.GEMV_MAX_ROWS:  # bf16 weights, fp32 sums and output
-        logits = torch.ops.kvtool_cpu.gemv(rows.float().contiguous(), half, None, None)
+    if cpu_decode.loaded() and rows.shape[0] <= cpu_decode.GEMV_MAX_ROWS:  # fp32 x, sums and output
+        x = rows.float().contiguous()
+        logits = (torch.ops.kvtool_cpu.gemv_q8(x, small.codes, small.scale) if small is not None
+                  else torch.ops.kvtool_cpu.gemv(x, half, None, None))
     elif rows.shape[0] > (MAX_ROWS if wide is None else HALF_HEAD_MAX_ROWS):
         return (F.linear(h, dense) if wide is None else cpu_gemm.packed_linear(h, wide)).float()
     else:

@@ -38,7 +38,8 @@ class ModelRunner(nn.Module):
         self.register_buffer("inv_freq", torch.zeros(0), persistent=False)
         self.register_buffer("inv_freq_local", torch.zeros(0), persistent=False)  # sliding layers' (Gemma 3)
         self.set_rope(hf_config)
-        self._head_bf16: torch.Tensor | None = None  # the output head in bf16, after quantize_int4()
+        self._head_bf16: torch.Tensor | None = None  # after quantize_int4(): the head in bf16, or in 8 bits where
+        self._head_q8: quant.Int8Weight | None = None  # the C++ ops run (quant.small_head)
         self._head_packed: cpu_gemm.PackedWeight | None = None  # after pack_cpu_gemm()
         self._cpu_step: cpu_step.DecodeStep | None = None  # after use_cpu_decode()
         self._cpu_prefill: cpu_prefill.PrefillPass | None = None  # after use_cpu_decode() or use_cpu_prefill()
@@ -52,7 +53,7 @@ class ModelRunner(nn.Module):
     @property
     def weights(self) -> str:
         """"int4" once quantize_int4() packed the projections, "bf16" once pack_cpu_gemm(bf16) did, else "dense"."""
-        if self._head_bf16 is not None:
+        if self._head_bf16 is not None or self._head_q8 is not None:
             return "int4"
         return "bf16" if self._head_packed is not None and self._head_packed.half else "dense"
 
@@ -71,8 +72,9 @@ class ModelRunner(nn.Module):
     @property
     def output_weight(self) -> torch.Tensor:
         """The head's [V, hidden] values (made anew, exactly, where hold_weights_once() dropped them)."""
-        if self._head_packed is not None and (self._head_packed.held is None or self.weights == "bf16"):
-            return self._head_packed.dense
+        packed = self._head_packed  # (int4 keeps the dense head; its packed copy serves wide products only)
+        if packed is not None and self.weights != "int4" and (packed.held is None or packed.half):
+            return packed.dense
         return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
 
     def fuse(self) -> None:
@@ -96,8 +98,8 @@ class ModelRunner(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (fp32) of final hidden states h [..., hidden]."""
-        if self._head_bf16 is not None:
-            return quant.head_logits(h, self.output_weight, self._head_bf16, self._head_packed)
+        if self.weights == "int4":
+            return quant.head_logits(h, self.output_weight, self._head_bf16, self._head_packed, self._head_q8)
         if self._head_packed is not None:  # bf16: few rows in fp32 through the C++ gemv
             return cpu_gemm.packed_linear(h, self._head_packed, exact_rows=GEMV_MAX_ROWS).float()
         return F.linear(h, self.output_weight).float()
@@ -112,19 +114,18 @@ class ModelRunner(nn.Module):
             gate_up = [mlp._wgu] if mlp._wgu is not None else [mlp.gate_proj.weight, mlp.up_proj.weight]
             outs = [getattr(m, "packed", m.weight) for m in (attn.o_proj, mlp.down_proj)]  # Int4Linear.packed
             total += sum(w.nbytes for w in (*qkv, *gate_up, *outs))
-        head = self._head_bf16 if self._head_bf16 is not None else self._head_packed
-        return total + (self.output_weight if head is None else head).nbytes
+        heads = (self._head_q8, self._head_bf16, self._head_packed, self.output_weight)  # the first one held
+        return total + next(w for w in heads if w is not None).nbytes
 
     @torch.inference_mode()
     def quantize_int4(self) -> None:
-        """Pack every projection in 4 bits and copy the head to bf16 for CPU decode (kvtool.kernels.quant).
+        """Pack every projection in 4 bits for CPU decode, and copy the head to 8 bits (bf16 without the C++ ops).
 
-        Needs fuse() first. Each dense weight is overwritten in place with the values its 4-bit grid
-        stands for, so prefill and decode multiply by the same weights and the HF-named parameters are views
-        of them (until hold_weights_once()). The dense head stays; decode's top logits are made from it. Where
-        oneDNN runs (kvtool.kernels.cpu_gemm), products of more than quant.MAX_ROWS rows go through packed
-        copies of those values and of the head, in bf16 where oneDNN's bf16 GEMM runs (quant.wide_dtype).
-        """
+        Needs fuse() first. Each dense weight is overwritten in place with the values its 4-bit grid stands for,
+        so prefill and decode multiply by the same weights and the HF-named parameters are views of them (until
+        hold_weights_once()). The dense head stays: decode's top logits are made from it (quant.head_logits).
+        Where oneDNN runs (kvtool.kernels.cpu_gemm), products of more than quant.MAX_ROWS rows go through packed
+        copies of those values and of the head, in bf16 where oneDNN's bf16 GEMM runs (quant.wide_dtype)."""
         if self.weights == "int4":
             return
         if self.cpu_gemm_packed:
@@ -134,8 +135,7 @@ class ModelRunner(nn.Module):
             raise ValueError("quantize_int4() needs the fused projections; call fuse() first")
         for attn, mlp in pairs:  # check all before changing any
             for weight in (attn._wqkv, mlp._wgu, attn.o_proj.weight, mlp.down_proj.weight):
-                reason = quant.unsupported(weight)
-                if reason:
+                if reason := quant.unsupported(weight):
                     raise ValueError(reason)
 
         wide = quant.wide_dtype(self.output_weight)  # oneDNN's, for the products of many rows
@@ -154,8 +154,11 @@ class ModelRunner(nn.Module):
             attn.o_proj = quant.Int4Linear(attn.o_proj, snap(attn.o_proj.weight))
             mlp.down_proj = quant.Int4Linear(mlp.down_proj, snap(mlp.down_proj.weight))
         self._head_packed = cpu_gemm.pack(self.output_weight, wide) if wide else None
-        half = self._head_packed is not None and self._head_packed.half  # then its bf16 values serve few rows too
-        self._head_bf16 = self._head_packed.held if half else self.output_weight.detach().bfloat16().contiguous()
+        self._head_q8 = small = quant.small_head(self.output_weight)
+        half = self._head_packed is not None and self._head_packed.half  # its bf16 values serve as the copy
+        self._head_bf16 = None if small else self._head_packed.held if half else self.output_weight.detach().bfloat16()
+        if small is not None and half:  # oneDNN's copy is all the wide products need
+            self._head_packed.held = None
         self._weights_replaced()
 
     @property

@@ -88,6 +88,40 @@ def test_gemv_q4_equals_the_dense_grid_values(ops, rows, n, k):
     assert (got - want - bias - residual).abs().max() * 5 < (bf16.float() - want).abs().max()
 
 
+@pytest.mark.parametrize("rows,n,k", [(1, 96, 576), (2, 131, 64), (3, 5, 96), (4, 1000, 896)])
+def test_gemv_q8_equals_the_grid_values_and_a_row_does_not_depend_on_the_others(ops, rows, n, k):
+    """131 and 5 output rows leave tails after the tiles of 4 and 2 rows; x and the sums stay fp32."""
+    gen = torch.Generator().manual_seed(n)
+    small = quant.quantize_int8(torch.randn(n, k, generator=gen) * 0.05, rows_at_once=64)
+    grid = (small.codes.float().reshape(n, -1, 32) * small.scale[..., None]).reshape(n, k)
+    x = torch.randn(rows, k, generator=gen)
+    got = ops.gemv_q8(x, small.codes, small.scale)
+    want = F.linear(x.double(), grid.double())
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    for r in range(rows):  # any row count gives a row the same bits
+        assert torch.equal(ops.gemv_q8(x[r : r + 1].contiguous(), small.codes, small.scale)[0], got[r])
+
+
+def test_quantize_int8_keeps_q8_0_values_and_gemv_q8_refuses_what_it_cannot_index(ops):
+    gen = torch.Generator().manual_seed(3)
+    scale = torch.rand(16, 2, generator=gen) + 0.01  # a Q8_0 weight: codes in -127..127, each group reaching 127
+    codes = torch.randint(-127, 128, (16, 2, 32), generator=gen)
+    codes[..., 0] = 127
+    weight = (codes * scale[..., None]).reshape(16, 64)
+    small = quant.quantize_int8(weight)
+    assert torch.equal(small.codes.reshape(16, 2, 32), codes.to(torch.int8))
+    torch.testing.assert_close(small.scale, scale, rtol=2e-7, atol=0)
+    x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="a multiple of 32"):
+        ops.gemv_q8(torch.randn(1, 40), small.codes[:, :40].contiguous(), small.scale)
+    with pytest.raises(RuntimeError, match=r"scale must be contiguous fp32 \[N, K/32\]"):
+        ops.gemv_q8(x, small.codes, small.scale.bfloat16())
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        ops.gemv_q8(torch.randn(5, 64), small.codes, small.scale)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.quantize_int8(torch.randn(4, 40))
+
+
 def test_gemv_q4_refuses_what_it_cannot_index(ops):
     packed = quant.quantize_int4(torch.randn(16, 64))
     x = torch.randn(1, 64)
