@@ -74,17 +74,17 @@ def test_batched_greedy_equals_unbatched_with_chunked_prefill(solo):
 
 @pytest.mark.real_model
 def test_unseeded_rows_sample_together_and_seeded_ones_alone(solo, monkeypatch):
-    import kvtool.engine.scheduler as scheduler
+    import kvtool.engine.step as step
 
     engine, prompts, want = solo
     shared = []
-    original = scheduler.sample_rows
+    original = step.sample_rows
 
     def spy(samplers, logits):
         shared.append(len(samplers))
         return original(samplers, logits)
 
-    monkeypatch.setattr(scheduler, "sample_rows", spy)
+    monkeypatch.setattr(step, "sample_rows", spy)
     sched = BatchScheduler(engine, max_running=4, prefill_budget=256)
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=16)
     params = [SamplingParams(**PARAMS), SamplingParams(**PARAMS, logprobs=2), seeded,
