@@ -65,6 +65,48 @@ def test_greedy_siblings_equal_the_single_answer_beside_other_requests(engine_pr
 
 
 @pytest.mark.real_model
+def test_the_scheduler_plans_and_the_executor_runs_each_plan(engine_prompt, monkeypatch):
+    """schedule() returns the step's Plan without a forward or a draw; the engine's StepExecutor runs it (one
+    forward, the samples); postprocess() takes them. The first of three choices prefills the prompt while the others
+    wait; then they start from its logits (Plan.given), with no token of theirs forwarded, beside its decode."""
+    engine, prompt = engine_prompt
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    want = engine.generate(prompt, greedy).run().token_ids
+    forwards, run = [], engine.runner.run
+    monkeypatch.setattr(engine.runner, "run", lambda plan: forwards.append(plan) or run(plan))
+    sched = BatchScheduler(engine, max_running=4, prefill_budget=len(prompt))
+    fork = Fork()
+    gens = [sched.submit(prompt, greedy, shared=fork) for _ in range(3)]
+
+    plan = sched.schedule()
+    assert not forwards and [(c.req.gen, c.tokens, c.samples) for c in plan.chunks] == [(gens[0], prompt, True)]
+    assert not plan.given and not plan.preempted and len(sched.waiting) == 2
+    logits, samples, seconds = engine.executor.run(plan)
+    assert len(forwards) == 1 and list(samples) == [plan.chunks[0].req] and seconds > 0
+    assert not gens[0].token_ids  # the scheduler takes the sample
+    sched.postprocess(plan, logits, samples)
+    assert gens[0].token_ids == want[:1] and fork.kept is not None and fork.kept.offset == len(prompt)
+
+    plan = sched.schedule()
+    assert [r.gen for r, _ in plan.given] == gens[1:] and fork.kept is None  # the last took the copy itself
+    assert [(c.req.gen, c.tokens) for c in plan.chunks] == [(gens[0], want[:1])] and plan.tokens == 1
+    logits, samples, _ = engine.executor.run(plan)
+    sched.postprocess(plan, logits, samples)
+    assert len(forwards) == 2 and [g.token_ids for g in gens] == [want[:2], want[:1], want[:1]]
+    sched.run()
+    assert [g.token_ids for g in gens] == [want] * 3
+
+
+def test_the_scheduler_knows_shared_prompts_only_through_their_seam():
+    """The n choices' sharing lives in kvtool.engine.forks; the scheduler calls it through SharedPrompt alone."""
+    from pathlib import Path
+
+    import kvtool.engine.scheduler as scheduler
+
+    assert "fork" not in Path(scheduler.__file__).read_text(encoding="utf-8").lower()
+
+
+@pytest.mark.real_model
 def test_siblings_prefill_alone_when_the_leader_ends_first_and_cancelled_ones_free_the_copy(engine_prompt):
     engine, prompt = engine_prompt
     greedy = SamplingParams(temperature=0, max_tokens=6)
