@@ -68,7 +68,7 @@ def test_greedy_siblings_equal_the_single_answer_beside_other_requests(engine_pr
 def test_the_scheduler_plans_and_the_executor_runs_each_plan(engine_prompt, monkeypatch):
     """schedule() returns the step's Plan without a forward or a draw; the engine's StepExecutor runs it (one
     forward, the samples); postprocess() takes them. The first of three choices prefills the prompt while the others
-    wait; then they start from its logits (Plan.given), with no token of theirs forwarded, beside its decode."""
+    wait; then they start from its logits (a Plan of them alone, given: no forward) and decode beside it."""
     engine, prompt = engine_prompt
     greedy = SamplingParams(temperature=0, max_tokens=4)
     want = engine.generate(prompt, greedy).run().token_ids
@@ -87,12 +87,16 @@ def test_the_scheduler_plans_and_the_executor_runs_each_plan(engine_prompt, monk
     sched.postprocess(plan, logits, samples)
     assert gens[0].token_ids == want[:1] and fork.kept is not None and fork.kept.offset == len(prompt)
 
-    plan = sched.schedule()
-    assert [r.gen for r, _ in plan.given] == gens[1:] and fork.kept is None  # the last took the copy itself
-    assert [(c.req.gen, c.tokens) for c in plan.chunks] == [(gens[0], want[:1])] and plan.tokens == 1
+    plan = sched.schedule()  # the others start: their first tokens come before the step's chunks are planned
+    assert [r.gen for r, _ in plan.given] == gens[1:] and not plan.chunks and fork.kept is None  # (the last took it)
     logits, samples, _ = engine.executor.run(plan)
     sched.postprocess(plan, logits, samples)
-    assert len(forwards) == 2 and [g.token_ids for g in gens] == [want[:2], want[:1], want[:1]]
+    assert len(forwards) == 1 and [g.token_ids for g in gens] == [want[:1]] * 3
+    plan = sched.schedule()
+    assert [(c.req.gen, c.tokens) for c in plan.chunks] == [(g, want[:1]) for g in gens] and plan.tokens == 3
+    logits, samples, _ = engine.executor.run(plan)
+    sched.postprocess(plan, logits, samples)
+    assert len(forwards) == 2 and [g.token_ids for g in gens] == [want[:2]] * 3
     sched.run()
     assert [g.token_ids for g in gens] == [want] * 3
 

@@ -1,13 +1,12 @@
 """The n choices of one prompt: their seeds, their order, and the Fork through which they share its prefill.
 
 A Fork is the scheduler's SharedPrompt for requests with the same prompt ids: the first (its leader) prefills the
-prompt; the others wait, and when its prefill ends each starts from a copy of its prompt KV (Engine.fork_cache: with
-a prefix cache on the C++ CPU path, one that reads the prompt's cached blocks in place and owns only the tokens after
-them; the last one takes the copy itself) and draws its first token from the same last-prompt-token logits with its
-own sampler. If the first ends before its prefill does, the others prefill on their own, and whichever of them ends
-its prefill while others still wait leads from then on. The copy waiting for them counts against the KV budget;
-under KV pressure it is dropped before any running request is preempted, and the others prefill on their own (from
-the prefix cache, where the first published the prompt).
+prompt; the others wait, then each starts from a copy of its prompt KV (Engine.fork_cache: on the C++ CPU path with
+a prefix cache, one that reads the prompt's cached blocks in place; the last takes the copy itself) and draws its
+first token from the same last-token logits with its own sampler. If the first ends before its prefill does, the
+others prefill on their own (whichever ends its prefill while others wait leads from then on). The copy counts
+against the KV budget; under KV pressure it is dropped before any running request is preempted, and the others
+prefill on their own (from the prefix cache, where the first published the prompt).
 """
 
 from __future__ import annotations

@@ -1,16 +1,15 @@
 """Continuous batching, planned: which requests run in a step, which tokens of each, and what their results do.
 
-schedule() admits waiting requests first come, first served, and returns the step's Plan: one decode token of each
-running request plus prefill chunks within `prefill_budget` tokens, so a long prompt is prefilled over several steps
-without stalling the streams already running. Under KV pressure the most recently admitted request is preempted: its
-KV is dropped and it is re-queued at the front, to be recomputed (its token stream simply continues). The engine's
-StepExecutor (kvtool.engine.step) runs the Plan; postprocess() takes its samples: each token goes out as a
-TokenEvent, finished requests leave, and a fault while taking one request's token (its sampler or on_event raising)
-ends that request alone (finish_reason "error", the exception passed to its on_finish).
-
-A request opens its KV (Engine.open_cache: a prefix-cache lookup) when admitted, only in a step whose budget starts
-its prompt, so requests arriving together read what the first published (Engine.publish, as soon as its prefill
-ends; Engine.close_cache takes the rest when it ends). Requests that share a SharedPrompt prefill it once.
+schedule() admits waiting requests first come, first served, and returns a Plan: one decode token of each running
+request plus prefill chunks within `prefill_budget` tokens, so a long prompt is prefilled over several steps without
+stalling the streams already running. Under KV pressure the newest request is preempted: its KV is dropped and it
+is re-queued at the front, to be recomputed (its token stream simply continues). The engine's StepExecutor
+(kvtool.engine.step) runs the Plan; postprocess() takes its samples: each token goes out as a TokenEvent, finished
+requests leave, and a fault while taking one request's token (its sampler or on_event raising) ends that request
+alone (finish_reason "error", the exception passed to its on_finish). A request opens its KV (Engine.open_cache, a
+prefix-cache lookup) when admitted, only in a step whose budget starts its prompt, so requests arriving together
+read what the first published (Engine.publish, as soon as its prefill ends; Engine.close_cache takes the rest at
+its end). Requests that share a SharedPrompt prefill it once.
 """
 
 from __future__ import annotations
@@ -54,9 +53,9 @@ class Chunk(NamedTuple):
 
 @dataclass
 class Plan:
-    """One step. chunks: the requests that run tokens, oldest admitted first (a decode: one token that samples).
-    given: requests that start from a shared prompt's logits, with no forward, and draw from them. preempted:
-    running requests whose KV was dropped for room."""
+    """One step's work. chunks: the requests that run tokens, oldest admitted first (a decode: one token that
+    samples). given: requests that start from a shared prompt's logits and draw their first token from them, with
+    no forward (a Plan of those alone). preempted: running requests whose KV was dropped for room."""
     chunks: list[Chunk] = field(default_factory=list)
     given: list[tuple[BatchRequest, torch.Tensor]] = field(default_factory=list)
     preempted: list[BatchRequest] = field(default_factory=list)
@@ -67,11 +66,10 @@ class Plan:
 
 
 class SharedPrompt(ABC):
-    """One prompt that several requests (its members) prefill once, the n choices of a prompt: the scheduler asks
-    which members wait and what starting one from the prompt's kept KV costs, and says when a member's prefill ends
-    and when one leaves. `waiting`: how many other members are in the waiting queue."""
-
-    kept: KVCache | None  # the prompt's KV kept for the members not started: it counts against the KV budget
+    """One prompt that its members (the n choices of a prompt) prefill once. `waiting`: how many other members
+    the waiting queue holds. `kept`: the prompt's KV kept for the members not started (it counts against the KV
+    budget)."""
+    kept: KVCache | None
 
     @abstractmethod
     def join(self, req: BatchRequest, engine) -> None:
@@ -103,8 +101,7 @@ class SharedPrompt(ABC):
 
 
 class BatchScheduler:
-    """The batch of an engine: schedule() plans a step, postprocess() applies it; step() runs one through the
-    engine's StepExecutor."""
+    """The batch of an engine: schedule() plans, postprocess() applies; step() runs them through Engine.executor."""
 
     def __init__(self, engine, max_running: int = 16, prefill_budget: int = 256,
                  kv_budget_tokens: int | None = None):
@@ -159,39 +156,49 @@ class BatchScheduler:
 
     def step(self) -> int:
         """Schedule, execute, postprocess: one batched step; returns the number of tokens it forwarded."""
-        t0 = time.perf_counter()
-        plan = self.schedule()
-        if plan.chunks or plan.given:
-            logits, samples, executed_s = self.engine.executor.run(plan)
-            self.postprocess(plan, logits, samples)
+        t0, executed_s = time.perf_counter(), 0.0
+        while (plan := self.schedule()).given:  # choices starting from a shared prompt: first tokens, then the step
+            executed_s += self._execute(plan)
+        if plan.chunks:
+            executed_s += self._execute(plan)
+            self.steps += 1
+        if executed_s:
             self.host_s += time.perf_counter() - t0 - executed_s
         self.kv_in_use = self._kv_tokens()
         return plan.tokens
+
+    def _execute(self, plan: Plan) -> float:
+        logits, samples, seconds = self.engine.executor.run(plan)
+        self.postprocess(plan, logits, samples)
+        return seconds
 
     def run(self) -> None:
         while not self.idle:
             self.step()
 
     def schedule(self) -> Plan:
-        """Admit what fits, then plan each running request's chunk (decodes first come, prefills within the
-        budget, oldest first) and preempt until the step fits the KV budget."""
+        """Admit what fits. Where some start from a shared prompt's logits, the Plan is only those (their first
+        tokens come before the step's chunks). Else plan each running request's chunk (decodes first come,
+        prefills within the budget, oldest first) and preempt until the step fits the KV budget."""
         plan = Plan()
         self._admit(plan)
+        if plan.given:
+            return plan
         budget = self.prefill_budget
         for req in sorted(self.running, key=lambda r: r.admitted_at):
             if len(req.pending) == 1:  # decoding
                 plan.chunks.append(Chunk(req, req.pending, True))
-            elif req.pending and budget > 0:
+            elif budget > 0:
                 chunk = req.pending[: min(budget, SCORE_CHUNK) if req.scorer is not None else budget]
                 budget -= len(chunk)
                 plan.chunks.append(Chunk(req, chunk, len(chunk) == len(req.pending)))
         self._preempt(plan)
         return plan
 
-    def postprocess(self, plan: Plan, logits: list[torch.Tensor], samples: dict[BatchRequest, Sample | Exception]):
+    def postprocess(self, plan: Plan, logits: list[torch.Tensor],
+                    samples: dict[BatchRequest, Sample | Exception]) -> None:
         """Advance the planned requests: logits (per chunk, of its last token) and samples (of each request that
         samples, or the exception its sampler raised) from the StepExecutor."""
-        self.steps += 1
         for req, _ in plan.given:
             self._deliver(req, samples[req])
         for (req, tokens, ends), out in zip(plan.chunks, logits):
@@ -277,7 +284,6 @@ class BatchScheduler:
             plan.preempted.append(victim)
         if plan.preempted:
             plan.chunks = [c for c in plan.chunks if c.req in self.running]
-            plan.given = [(r, g) for r, g in plan.given if r in self.running]
 
     def _prefilled(self, req: BatchRequest, logits: torch.Tensor) -> None:
         """req's prompt is in its cache: publish it to the prefix cache and keep it for members waiting on it."""

@@ -37,20 +37,16 @@ class StepExecutor:
 
     def run(self, plan: Plan) -> Executed:
         t0 = time.perf_counter()
-        logits = self._forward(plan) if plan.chunks else []
+        modes = [("all" if c.req.scorer is not None else "last") for c in plan.chunks]
+        step = ForwardPlan([(c.tokens, c.req.cache) for c in plan.chunks], logits=modes if "all" in modes else "last",
+                           path=self.engine.config.forward)
+        logits = self.engine.runner.run(step) if plan.chunks else []
         for j, chunk in enumerate(plan.chunks):
             if chunk.req.scorer is not None:  # every row of a scored chunk: reduced now, the last one kept
                 chunk.req.scorer.add(logits[j])
                 logits[j] = logits[j][-1:]
         rows = [(c.req, out) for c, out in zip(plan.chunks, logits) if c.samples] + plan.given
         return Executed(logits, sample(rows), time.perf_counter() - t0)
-
-    def _forward(self, plan: Plan) -> list[torch.Tensor]:
-        modes = [("all" if c.req.scorer is not None else "last") for c in plan.chunks]
-        step = ForwardPlan([(c.tokens, c.req.cache) for c in plan.chunks], logits=modes if "all" in modes else "last",
-                           path=self.engine.config.forward)
-        return self.engine.runner.run(step)
-
 
 def sample(rows: list[tuple[BatchRequest, torch.Tensor]]) -> dict[BatchRequest, Sample | Exception]:
     """The next token of each (request, logits [1, V]) row: the unseeded ones in one batched pass and one host read,

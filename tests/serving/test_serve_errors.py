@@ -216,7 +216,7 @@ def test_a_failed_batch_whose_requests_fail_to_end_leaves_the_server_serving(smo
         raise RuntimeError("step went down")
 
     real_cancel = BatchScheduler.cancel
-    monkeypatch.setattr(StepExecutor, "_forward", boom)
+    monkeypatch.setattr(StepExecutor, "run", boom)
     monkeypatch.setattr(BatchScheduler, "cancel", lambda self, gen, reason="abort", error=None:
                         boom(self) if reason == "error" else real_cancel(self, gen, reason, error))
     r = smol.post("/v1/chat/completions", json=chat(temperature=0))
