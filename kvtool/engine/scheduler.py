@@ -161,7 +161,6 @@ class BatchScheduler:
             executed_s += self._execute(plan)
         if plan.chunks:
             executed_s += self._execute(plan)
-            self.steps += 1
         if executed_s:
             self.host_s += time.perf_counter() - t0 - executed_s
         self.kv_in_use = self._kv_tokens()
@@ -199,6 +198,7 @@ class BatchScheduler:
                     samples: dict[BatchRequest, Sample | Exception]) -> None:
         """Advance the planned requests: logits (per chunk, of its last token) and samples (of each request that
         samples, or the exception its sampler raised) from the StepExecutor."""
+        self.steps += bool(plan.chunks)  # a given Plan (first tokens, no forward) belongs to the step after it
         for req, _ in plan.given:
             self._deliver(req, samples[req])
         for (req, tokens, ends), out in zip(plan.chunks, logits):
