@@ -4,7 +4,8 @@ import pytest
 
 from kvtool import SamplingParams
 from kvtool.engine import Engine
-from kvtool.engine.scheduler import BatchScheduler, Fork
+from kvtool.engine.forks import Fork
+from kvtool.engine.scheduler import BatchScheduler
 
 QUESTION = "Write a haiku about rain."
 
@@ -32,7 +33,7 @@ def test_seeded_siblings_prefill_once_and_each_equals_its_solo_run(engine_prompt
     sched = BatchScheduler(engine, max_running=4, prefill_budget=16)
     fork = Fork()
     events = {i: [] for i in range(3)}
-    gens = [sched.submit(prompt, p, on_event=lambda e, i=i: events[i].append(e.token_id), fork=fork)
+    gens = [sched.submit(prompt, p, on_event=lambda e, i=i: events[i].append(e.token_id), shared=fork)
             for i, p in enumerate(params)]
     forwarded = run_counting(sched)
     for i, g in enumerate(gens):
@@ -57,10 +58,56 @@ def test_greedy_siblings_equal_the_single_answer_beside_other_requests(engine_pr
         sched = BatchScheduler(engine, max_running=3, prefill_budget=16)
         first = sched.submit(prompt[:7], greedy)
         fork = Fork()
-        gens = [sched.submit(ids, greedy, fork=fork) for _ in range(3)]  # one waits for a free row
+        gens = [sched.submit(ids, greedy, shared=fork) for _ in range(3)]  # one waits for a free row
         sched.run()
         assert first.token_ids == other
         assert [g.token_ids for g in gens] == [want] * 3, f"prompt of {len(ids)} tokens"
+
+
+@pytest.mark.real_model
+def test_the_scheduler_plans_and_the_executor_runs_each_plan(engine_prompt, monkeypatch):
+    """schedule() returns the step's Plan without a forward or a draw; the engine's StepExecutor runs it (one
+    forward, the samples); postprocess() takes them. The first of three choices prefills the prompt while the others
+    wait; then they start from its logits (a Plan of them alone, given: no forward) and decode beside it."""
+    engine, prompt = engine_prompt
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    want = engine.generate(prompt, greedy).run().token_ids
+    forwards, run = [], engine.runner.run
+    monkeypatch.setattr(engine.runner, "run", lambda plan: forwards.append(plan) or run(plan))
+    sched = BatchScheduler(engine, max_running=4, prefill_budget=len(prompt))
+    fork = Fork()
+    gens = [sched.submit(prompt, greedy, shared=fork) for _ in range(3)]
+
+    plan = sched.schedule()
+    assert not forwards and [(c.req.gen, c.tokens, c.samples) for c in plan.chunks] == [(gens[0], prompt, True)]
+    assert not plan.given and not plan.preempted and len(sched.waiting) == 2
+    logits, samples, seconds = engine.executor.run(plan)
+    assert len(forwards) == 1 and list(samples) == [plan.chunks[0].req] and seconds > 0
+    assert not gens[0].token_ids  # the scheduler takes the sample
+    sched.postprocess(plan, logits, samples)
+    assert gens[0].token_ids == want[:1] and fork.kept is not None and fork.kept.offset == len(prompt)
+
+    plan = sched.schedule()  # the others start: their first tokens come before the step's chunks are planned
+    assert [r.gen for r, _ in plan.given] == gens[1:] and not plan.chunks and fork.kept is None  # (the last took it)
+    logits, samples, _ = engine.executor.run(plan)
+    sched.postprocess(plan, logits, samples)
+    assert len(forwards) == 1 and [g.token_ids for g in gens] == [want[:1]] * 3
+    plan = sched.schedule()
+    assert [(c.req.gen, c.tokens) for c in plan.chunks] == [(g, want[:1]) for g in gens] and plan.tokens == 3
+    logits, samples, _ = engine.executor.run(plan)
+    sched.postprocess(plan, logits, samples)
+    assert len(forwards) == 2 and [g.token_ids for g in gens] == [want[:2]] * 3
+    sched.run()
+    assert [g.token_ids for g in gens] == [want] * 3
+
+
+def test_the_scheduler_knows_shared_prompts_only_through_their_seam():
+    """The n choices' sharing lives in kvtool.engine.forks; the scheduler calls it through SharedPrompt alone."""
+    from pathlib import Path
+
+    import kvtool.engine.scheduler as scheduler
+
+    assert "fork" not in Path(scheduler.__file__).read_text(encoding="utf-8").lower()
 
 
 @pytest.mark.real_model
@@ -71,7 +118,7 @@ def test_siblings_prefill_alone_when_the_leader_ends_first_and_cancelled_ones_fr
 
     sched = BatchScheduler(engine, max_running=4, prefill_budget=8)
     fork = Fork()
-    gens = [sched.submit(prompt, greedy, fork=fork) for _ in range(3)]
+    gens = [sched.submit(prompt, greedy, shared=fork) for _ in range(3)]
     sched.step()  # the leader has prefilled 8 prompt tokens; its siblings wait
     assert len(sched.running) == 1 and len(sched.waiting) == 2
     sched.cancel(gens[0])
@@ -81,7 +128,7 @@ def test_siblings_prefill_alone_when_the_leader_ends_first_and_cancelled_ones_fr
 
     sched = BatchScheduler(engine, max_running=1, prefill_budget=512)
     fork = Fork()
-    gens = [sched.submit(prompt, greedy, fork=fork) for _ in range(3)]
+    gens = [sched.submit(prompt, greedy, shared=fork) for _ in range(3)]
     sched.step()  # the leader's prefill ends; one row: its siblings wait on its KV copy
     assert fork.cache is not None and fork.cache.offset == len(prompt)
     sched.cancel(gens[1])
@@ -92,9 +139,9 @@ def test_siblings_prefill_alone_when_the_leader_ends_first_and_cancelled_ones_fr
     assert gens[0].token_ids == want
 
     fork = Fork()
-    sched.submit(prompt, greedy, fork=fork)
+    sched.submit(prompt, greedy, shared=fork)
     with pytest.raises(ValueError, match="same prompt"):
-        sched.submit(prompt[:-1], greedy, fork=fork)
+        sched.submit(prompt[:-1], greedy, shared=fork)
     sched.run()
 
 
@@ -110,13 +157,13 @@ def test_the_copy_for_siblings_counts_against_the_kv_budget(engine_prompt, copie
     budget = copies * len(prompt) + room
     sched = BatchScheduler(engine, max_running=4, prefill_budget=512, kv_budget_tokens=budget)
     fork = Fork()
-    gens = [sched.submit(prompt, greedy, fork=fork) for _ in range(3)]
+    gens = [sched.submit(prompt, greedy, shared=fork) for _ in range(3)]
     sched.step()
     assert sched._kv_tokens() == copies * len(prompt)  # the first's KV, and the copy where it fits
     assert (fork.cache is not None) == (copies == 2)
     while not sched.idle:
         sched.step()
-        assert sched._kv_tokens() <= budget or (len(sched.running) == 1 and not sched._held_forks())
+        assert sched._kv_tokens() <= budget or (len(sched.running) == 1 and not sched._kept())
         assert not any(r.preemptions for r in sched.requests if r.gen is gens[0])  # not for the copy's sake
     assert [g.token_ids for g in gens] == [want] * 3
     assert fork.abandoned == (room < 10)
@@ -165,7 +212,7 @@ def test_siblings_read_the_prompts_cached_blocks_in_place(model, request):
 
     sched = BatchScheduler(engine, max_running=1, prefill_budget=512)  # one row: the siblings wait on the copy
     fork = Fork()
-    gens = [sched.submit(prompt, p, fork=fork) for p in params]
+    gens = [sched.submit(prompt, p, shared=fork) for p in params]
     sched.step()  # the first's prefill ends
     blocks = fork.cache.layers[0].blocks
     assert len(blocks) == shared // 16 and fork.cache.own_tokens == len(prompt) - shared
@@ -203,7 +250,7 @@ def test_a_hook_without_fork_gives_the_siblings_a_whole_copy(smollm2):
     assert isinstance(engine.prefix_cache, DefaultsFor)
     sched = BatchScheduler(engine, max_running=1, prefill_budget=512)  # one row: the sibling waits on the copy
     fork = Fork()
-    gens = [sched.submit(prompt, p, fork=fork) for p in params]
+    gens = [sched.submit(prompt, p, shared=fork) for p in params]
     sched.step()  # the first's prefill ends
     assert fork.handle is None and fork.cache.own_tokens == len(prompt) >= 64
     run_counting(sched)

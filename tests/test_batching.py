@@ -74,17 +74,17 @@ def test_batched_greedy_equals_unbatched_with_chunked_prefill(solo):
 
 @pytest.mark.real_model
 def test_unseeded_rows_sample_together_and_seeded_ones_alone(solo, monkeypatch):
-    import kvtool.engine.scheduler as scheduler
+    import kvtool.engine.step as step
 
     engine, prompts, want = solo
     shared = []
-    original = scheduler.sample_rows
+    original = step.sample_rows
 
     def spy(samplers, logits):
         shared.append(len(samplers))
         return original(samplers, logits)
 
-    monkeypatch.setattr(scheduler, "sample_rows", spy)
+    monkeypatch.setattr(step, "sample_rows", spy)
     sched = BatchScheduler(engine, max_running=4, prefill_budget=256)
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=16)
     params = [SamplingParams(**PARAMS), SamplingParams(**PARAMS, logprobs=2), seeded,
@@ -137,3 +137,22 @@ def test_preemption_under_kv_pressure_keeps_outputs_and_cancel_works(solo):
     assert extra.finish_reason == "abort"
     for i, g in enumerate(gens):
         assert g.token_ids == want[i], f"request {i} differs after preemption"
+
+
+@pytest.mark.real_model
+def test_a_plan_names_the_requests_it_preempts_and_runs_none_of_their_tokens(solo):
+    """One prompt a step; both fit the KV budget until they decode together: schedule() preempts the newer one (its
+    KV dropped, no chunk of it in the Plan), which is recomputed once the other is done, with the same tokens."""
+    engine, prompts, want = solo
+    budget = len(prompts[0]) + len(prompts[1]) + 2  # room for the second's admission, not for their 2nd decode
+    sched = BatchScheduler(engine, max_running=2, prefill_budget=len(prompts[0]), kv_budget_tokens=budget)
+    gens = [sched.submit(p, SamplingParams(**PARAMS)) for p in prompts[:2]]
+    preempted = []
+    while not sched.idle:
+        plan = sched.schedule()
+        assert not any(c.req in plan.preempted or c.req.cache is None for c in plan.chunks)
+        preempted += [r.gen for r in plan.preempted]
+        logits, samples, _ = engine.executor.run(plan)
+        sched.postprocess(plan, logits, samples)
+    assert preempted == [gens[1]] and sched.preemptions == 1
+    assert [g.token_ids for g in gens] == want[:2]

@@ -2,15 +2,18 @@
 
 Engine.generate() adds a request to the engine's scheduler (kvtool.engine.scheduler) and steps it until
 the request is done, streaming its TokenEvents; the CLI, the inspector, the in-process agent backend,
-generate_batch() and the server's worker all run requests through that same scheduler. The returned
-Generation is an iterator; when it is exhausted (or closed early, e.g. by a disconnected client) its
-finish_reason, timings, text and token ids are final.
+generate_batch() and the server's worker all run requests through that same scheduler; the engine's StepExecutor
+(kvtool.engine.step) runs its steps, and the engine opens, publishes and closes each request's KV through its
+prefix-cache hook. The returned Generation is an iterator; when it is exhausted (or closed early, e.g. by a
+disconnected client) its finish_reason, timings, text and token ids are final.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import deque
+from collections.abc import Sequence
 from typing import Iterator
 
 from kvtool.cache.hook import PrefixHook, checked_hook
@@ -18,9 +21,11 @@ from kvtool.cache.kv import KVCache
 from kvtool.cache.manager import memory_split
 from kvtool.cache.store import BlockPool
 from kvtool.config import EngineConfig, SamplingParams, as_sampling_params
-from kvtool.engine.scheduler import BatchScheduler, generate_batch
+from kvtool.engine.forks import choices
 from kvtool.engine.output import Generation, TokenEvent, scores_prompt
-from kvtool.errors import ContextWindowError, InvalidParameterError
+from kvtool.engine.scheduler import BatchScheduler
+from kvtool.engine.step import StepExecutor
+from kvtool.errors import ContextWindowError, InvalidParameterError, PrefixCacheWarning
 from kvtool.ids import as_token_ids
 
 log = logging.getLogger("kvtool.engine")
@@ -43,6 +48,7 @@ class Engine:
                                          sum(self.memory) if self.paged else 0)  # paged KV (C++ ops)
         self.end_of_turn = frozenset(model.end_of_turn_ids())
         self._scheduler: BatchScheduler | None = None
+        self.executor = StepExecutor(self)  # runs the scheduler's plans: the forward and the sampling of each step
         self._grammars = None  # kvtool.engine.constraint.Grammars: the llguidance tokenizer, built on first use
 
     @property
@@ -104,10 +110,35 @@ class Engine:
         gen._events = self._follow(gen, max_tokens, skip_special_tokens)
         return gen
 
-    def generate_batch(self, prompts: list[list[int]], params=None, n: int = 1,
-                       skip_special_tokens: bool = True) -> list[Generation]:
-        """Many prompts (and n choices each) batched together; see kvtool.engine.scheduler.generate_batch."""
-        return generate_batch(self, prompts, params, n, skip_special_tokens)
+    def generate_batch(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                       n: int = 1, skip_special_tokens: bool = True) -> list[Generation]:
+        """Every prompt (token ids) n times through the scheduler, as vLLM's LLM.generate: the finished Generations,
+        choice i of prompt p at p * n + i. A list of params gives each prompt its own; a seed s gives choice i the
+        seed s + i (it then equals a single run seeded s + i); a prompt's choices prefill it once."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise InvalidParameterError(f"prompts must be a list of prompts (token id lists); got "
+                                        f"{type(prompts).__name__}")
+        prompts = [as_token_ids(ids, f"prompts[{i}]") for i, ids in enumerate(prompts)]
+        per_prompt = [as_sampling_params(p) for p in params] if isinstance(params, list) else \
+            [as_sampling_params(params)] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise InvalidParameterError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts; give one, or "
+                                        "one per prompt")
+        if not isinstance(n, int) or n < 1:
+            raise InvalidParameterError(f"n must be an integer >= 1, got {n!r}")
+        gens, sched = [], self.scheduler
+        try:  # all are validated before any is queued
+            checked = [(*self.new_generation(ids, p), shared) for ids, p, shared in choices(prompts, per_prompt, n)]
+            for gen, max_tokens, shared in checked:
+                sched.add(gen, max_tokens, skip_special_tokens, shared=shared)
+                gens.append(gen)
+            while any(g.finish_reason is None for g in gens):
+                sched.step()
+        finally:  # interrupted: what it queued leaves the scheduler
+            for gen in gens:
+                if gen.finish_reason is None:
+                    sched.cancel(gen)
+        return gens
 
     def start_cache(self, prompt_ids: list[int]):
         """(cache, tokens already in it, hook handle) for a new request: the prefix hook's hit, or empty (paged,
@@ -130,6 +161,28 @@ class Engine:
             hook = self.prefix_cache
             gen.timings.account(len(gen.prompt_ids), ready, hook.splice_stats(handle) if hook is not None else None)
         return cache, ready, handle
+
+    def publish(self, prompt_ids: list[int], cache: KVCache, handle) -> None:
+        """A request's prompt is in its cache: the prefix hook shares it now, while the request still decodes."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.publish(handle, prompt_ids[: cache.offset], cache)
+
+    def close_cache(self, known_ids: list[int], cache: KVCache | None, handle) -> None:
+        """A request's KV goes back to the prefix hook (commit of its first cache.offset known ids). A failure warns
+        and never raises: the request (and the batch) it ends must not fail for it."""
+        if cache is None or self.prefix_cache is None:
+            return
+        try:
+            self.prefix_cache.commit(handle, known_ids[: cache.offset], cache)
+        except Exception as exc:
+            warnings.warn(PrefixCacheWarning(f"prefix cache: taking back a finished request's KV failed "
+                                             f"({type(exc).__name__}: {exc}); it is not cached"), stacklevel=3)
+
+    def fork_cache(self, cache: KVCache, prompt_ids: list[int]) -> tuple[KVCache, object]:
+        """(a copy of a prompt's KV for another request, its hold): the hook's fork (PrefixCache's reads the prompt's
+        cached blocks in place on the C++ CPU path), else KVCache.fork (over its own full blocks where it is paged)."""
+        hook = self.prefix_cache
+        return hook.fork(cache, prompt_ids, self.runner) if hook is not None else (cache.fork(), None)
 
     def _follow(self, gen: Generation, max_tokens: int, skip_special_tokens: bool) -> Iterator[TokenEvent]:
         """Add gen to the scheduler and step it until gen is done, yielding gen's events as they come (whatever

@@ -2,9 +2,9 @@
 
 A request with SamplingParams.prompt_logprobs = k is prefilled in full (no prefix-cache hit: a cached
 token has no logits) in chunks of at most SCORE_CHUNK tokens whose logits are reduced right away, so
-memory stays at chunk x vocabulary (alone: score_prompt; in the batch: a PromptScorer fed by its
-chunks). Each row is a PromptLogprob; the first token has none (nothing
-precedes it). The last chunk's last row is what the first generated token is sampled from.
+memory stays at chunk x vocabulary: a PromptScorer fed by the scheduler's prefill chunks. Each row is a
+PromptLogprob; the first token has none (nothing precedes it). The last chunk's last row is what the first
+generated token is sampled from.
 """
 
 from __future__ import annotations
@@ -55,18 +55,3 @@ class PromptScorer:
             alts = list(zip(best.indices[r].tolist(), best.values[r].tolist())) if best is not None else []
             self.rows.append(PromptLogprob(tok, lp, rank, alts))
 
-
-@torch.inference_mode()
-def score_prompt(runner, cache, ids: list[int], top: int, chunk: int = SCORE_CHUNK):
-    """Prefill ids into the empty `cache`; returns (logits [1, V] of the last token, [PromptLogprob] of every
-    token, the first without a logprob)."""
-    if cache.offset:
-        raise ValueError(f"scoring a prompt needs an empty cache (its first token has no logits); it holds {cache.offset}")
-    scorer = PromptScorer(ids, top)
-    step = max(1, min(chunk, SCORE_CHUNK))
-    last = None
-    for start in range(0, len(ids), step):
-        logits = runner.forward(ids[start : start + step], cache, logits="all")  # [t, V]
-        scorer.add(logits)
-        last = logits[-1:]
-    return last, scorer.rows

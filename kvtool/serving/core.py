@@ -78,7 +78,7 @@ class KvtoolCore:
 
     def add(self, req) -> None:
         gen = req.gen
-        self.scheduler.add(gen, req.max_tokens, req.skip_special_tokens, fork=req.fork,
+        self.scheduler.add(gen, req.max_tokens, req.skip_special_tokens, shared=req.fork,
                            on_event=lambda event: self._out.append(Output(gen, event)), on_finish=self._finished)
 
     def abort(self, gens: list[Generation]) -> list[Output]:

@@ -210,12 +210,13 @@ def test_a_request_whose_sampling_cannot_be_set_up_fails_alone(smol, monkeypatch
 def test_a_failed_batch_whose_requests_fail_to_end_leaves_the_server_serving(smol, monkeypatch):
     """The batched forward raises, and so does ending its requests: they get the error, the loop goes on."""
     from kvtool.engine.scheduler import BatchScheduler
+    from kvtool.engine.step import StepExecutor
 
     def boom(self, *args, **kwargs):
         raise RuntimeError("step went down")
 
     real_cancel = BatchScheduler.cancel
-    monkeypatch.setattr(BatchScheduler, "_forward", boom)
+    monkeypatch.setattr(StepExecutor, "run", boom)
     monkeypatch.setattr(BatchScheduler, "cancel", lambda self, gen, reason="abort", error=None:
                         boom(self) if reason == "error" else real_cancel(self, gen, reason, error))
     r = smol.post("/v1/chat/completions", json=chat(temperature=0))
