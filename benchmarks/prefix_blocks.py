@@ -25,7 +25,8 @@ from kvtool.bench.protocol import device_name, emit, measure_side_by_side, paire
 from kvtool import SamplingParams
 from kvtool.cache.manager import PrefixCache
 from kvtool.engine import Engine
-from kvtool.engine.scheduler import BatchScheduler, Fork
+from kvtool.engine.forks import Fork
+from kvtool.engine.scheduler import BatchScheduler
 
 
 class WholeForks:
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.prefix_cache = hooks[side]
             sched = BatchScheduler(engine, max_running=args.rows, prefill_budget=len(prompt))
             share = Fork()
-            gens = [sched.submit(prompt, SamplingParams(temperature=0, max_tokens=8), fork=share)
+            gens = [sched.submit(prompt, SamplingParams(temperature=0, max_tokens=8), shared=share)
                     for _ in range(args.rows)]
             while any(not g.token_ids for g in gens):
                 sched.step()
