@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvtool.config import SamplingParams
-from kvtool.engine.batch_sampling import processed_logits, sample_rows
+from kvtool.engine.batch_sampling import OFF, TOP_P_CANDIDATES, processed_logits, sample_rows, top_p_drop
 from kvtool.engine.sampling import Sampler
 
 V = 50
@@ -88,3 +88,19 @@ def test_bad_calls_are_refused():
         sample_rows([seeded], torch.zeros(1, V))
     with pytest.raises(ValueError, match="2 samplers for 1 rows"):
         sample_rows(samplers_for(MIX[:2]), torch.zeros(1, V))
+
+
+def test_top_p_looks_at_the_candidates_first_and_the_whole_vocabulary_when_they_fall_short():
+    """Peaked rows keep a nucleus inside the first TOP_P_CANDIDATES tokens; a flat row does not, so the whole
+    sorted vocabulary decides; a row with no top_p keeps everything. Each equals the full sort's truncation."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8 * TOP_P_CANDIDATES, generator=gen) * 2
+    x[:2, :40] += 10  # peaked: a nucleus of tens of tokens
+    x[2] = torch.randn(8 * TOP_P_CANDIDATES, generator=gen) * 0.05  # flat: the nucleus is most of the row
+    top_p = torch.tensor([[0.9], [0.5], [0.9], [OFF]])
+    probs, order = torch.softmax(x, -1).sort(-1, descending=True)
+    want = torch.zeros_like(x, dtype=torch.bool).scatter(1, order, probs.cumsum(-1) - probs >= top_p)
+    assert torch.equal(top_p_drop(x, top_p), want)
+    kept = (~want).sum(-1)
+    assert kept[0] < 60 and kept[2] > TOP_P_CANDIDATES and kept[3] == x.shape[1]
+    assert torch.equal(top_p_drop(x[:2], top_p[:2]), want[:2])  # the candidates alone
