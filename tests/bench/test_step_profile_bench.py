@@ -38,6 +38,10 @@ def test_a_profiled_step_splits_its_wall_time_into_categories_and_host():
     summary = sp.summarize([out, out], [1.0, 3.0], top=2)
     assert summary["wall_ms_unprofiled"]["median"] == 2.0 and len(summary["top_ops"]) == 2
     assert sum(c["share"] for c in summary["categories"].values()) == pytest.approx(1.0, abs=1e-3)
+    slow = {**out, "wall_ms": out["wall_ms"] + 100.0, "categories": {**cats, "host": cats["host"] + 100.0}}
+    fastest = sp.summarize([slow, out], [1.0], top=1)["fastest"]
+    assert fastest["wall_ms"] == pytest.approx(out["wall_ms"], abs=0.01)
+    assert fastest["categories"]["host"] == pytest.approx(cats["host"], abs=0.01)
 
 
 @pytest.mark.parametrize("name, pieces", [("kvtool_cpu::attend", "attention"), ("_C::onednn_mm", "projections"),
