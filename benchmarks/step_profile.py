@@ -3,15 +3,17 @@ steps of --rows decoding requests, decode-only and while --arrivals new prompts 
 the same step, the ops' self time grouped into categories (projections, attention, norms and elementwise, sampling,
 other ops) and the step's host time (wall minus the ops' self time). JSON record as the last line.
 
-Each engine runs in a process of its own, one after the other (one model loaded at a time): kvtool at fp32 (dense)
-and at --weights bf16, and vLLM's engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the profiler sees its
-model) at dtype bfloat16, run by the vLLM python (--vllm-python, $KVTOOL_VLLM_PYTHON); all on --threads threads.
+Each engine runs in a process of its own, one after the other (one model loaded at a time): kvtool with fp32 (dense)
+and with bf16 weights (kvtool.load(weights=...)), and vLLM's engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
+so the profiler sees its model) at dtype bfloat16, run by the vLLM python (--vllm-python, $KVTOOL_VLLM_PYTHON);
+all on --threads threads.
 Every engine gets the same requests: --rows prompts of --prompt random tokens (seeded) decode with ignore_eos,
 sampled (--temperature, --top-p); after each step that admitted arrivals the oldest rows are aborted, so each
 profiled step has exactly --rows decoding rows.
 
-    python benchmarks/step_profile.py --model smollm2 --threads 2 --steps 4 \\
+    python benchmarks/step_profile.py --model smollm2 --threads 2 --steps 6 --vllm-python .venv-vllm/bin/python \\
         --out benchmarks/results/step-profile-cpu-smollm2.json
+    python benchmarks/step_profile.py --sides kvtool-bf16 --rows 4 --prompt 64 --steps 2
 """
 
 from __future__ import annotations
@@ -348,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvtool.bench.peers.harness import model_files
 
         folder = str(model_files(args.model, lambda s: print(s, file=sys.stderr)).folder)
-    child = [a for a in (argv if argv is not None else sys.argv[1:])]
+    child = list(argv if argv is not None else sys.argv[1:])
     child = [a for i, a in enumerate(child) if a != "--out" and (i == 0 or child[i - 1] != "--out")]
     runs = []
     for r in range(args.rounds):
