@@ -178,6 +178,20 @@ def _at_1pct(verdict: dict) -> str:
     return f", attended 1% agrees with full on {_pct(at['agreement'])} ({_pct(at['fraction_recomputed'])} recomputed{cost})"
 
 
+@headline("step_profile")
+def _step_profile(r):
+    def kind(s: dict) -> str:  # the fastest profiled step: the one a neighbour's load touched least
+        step = s["fastest"]
+        top = max((c for c in step["categories"] if c != "host"), key=step["categories"].get)
+        return f"{_n(step['wall_ms'], 'ms')} ({top} {_pct(step['categories'][top] / step['wall_ms'])})"
+
+    first: dict[str, dict] = {}
+    for run in r["runs"]:  # each side's first round
+        first.setdefault(run["side"], run)
+    return (f"fastest {r['rows']}-row step, decode / +{r['arrivals']}x{r['prompt_tokens']} prefill: "
+            + "; ".join(f"{side} {kind(run['decode'])} / {kind(run['mixed'])}" for side, run in first.items()))
+
+
 @headline("peers")
 def _peers(r):
     ok = [n for n, e in r["engines"].items() if e["status"] == "ok"]
