@@ -170,16 +170,17 @@ def run_workload(engine, args) -> dict:
 
 
 class KvtoolSide:
-    """kvtool's Engine: every step is BatchScheduler.step (one runner.run for decode rows and prefill chunks)."""
+    """kvtool's Engine: every step is BatchScheduler.step (a Plan, one runner.run for decode rows and prefill chunks
+    in the StepExecutor, its batched draw)."""
 
     def __init__(self, args, weights: str):
         import kvtool
         from kvtool.bench.loading import model_path
         from kvtool.config import EngineConfig, SamplingParams
         from kvtool.engine.engine import Engine
-        from kvtool.engine.scheduler import BatchScheduler
+        from kvtool.engine import step
 
-        BatchScheduler._sample = staticmethod(in_range(BatchScheduler._sample))
+        step.sample = in_range(step.sample)  # StepExecutor.run's draw, looked up at each call
         self.model = kvtool.load(str(model_path(args.model, lambda s: print(s, file=sys.stderr))), weights=weights,
                                  progress=False)
         self.config = EngineConfig(max_running=args.rows + args.arrivals)

@@ -76,16 +76,18 @@ def processed_logits(samplers: list[Sampler], logits: torch.Tensor) -> torch.Ten
 
 def top_p_drop(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """[n, V] True where a row's top-p truncation drops the token (top_p [n, 1]; the token that crosses top_p is
-    kept): over the TOP_P_CANDIDATES most likely tokens where they hold every row's nucleus (a sort of the
-    whole vocabulary costs ~30x a topk of 1,024 on a CPU), else over the whole sorted vocabulary."""
+    kept): over the TOP_P_CANDIDATES most likely tokens where they hold the row's nucleus (a sort of the whole
+    vocabulary costs ~30x a topk of 1,024 on a CPU), else over the row's whole sorted vocabulary."""
     probs = torch.softmax(x, dim=-1)
-    count = min(TOP_P_CANDIDATES, x.shape[-1])
-    top, order = probs.topk(count, dim=-1)  # in descending order, as a sort's first `count`
+    top, order = probs.topk(min(TOP_P_CANDIDATES, x.shape[-1]), dim=-1)  # in descending order, as a sort's first
     keep_all = torch.isinf(top_p)
-    if count < x.shape[-1] and not bool(((top.sum(-1, keepdim=True) >= top_p) | keep_all).all()):
-        top, order = probs.sort(dim=-1, descending=True)
     drop = torch.ones_like(x, dtype=torch.bool).masked_fill_(keep_all, False)
-    return drop.scatter_(1, order, (top.cumsum(-1) - top >= top_p) & ~keep_all)
+    drop.scatter_(1, order, (top.cumsum(-1) - top >= top_p) & ~keep_all)
+    short = ((top.sum(-1, keepdim=True) < top_p) & ~keep_all)[:, 0].nonzero()[:, 0]  # nucleus past the candidates
+    if len(short):
+        top, order = probs[short].sort(dim=-1, descending=True)
+        drop[short] = torch.zeros_like(top, dtype=torch.bool).scatter_(1, order, top.cumsum(-1) - top >= top_p[short])
+    return drop
 
 
 @torch.inference_mode()
