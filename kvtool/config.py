@@ -52,7 +52,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     device: str = "auto"  # auto: cuda, then mps, then cpu
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU; or float32/bfloat16/float16
-    weights: str = "dense"  # dense | int4: 4-bit projections, bf16 head (CPU decode ~2x) | bf16: bf16 GEMMs (AMX)
+    weights: str = "dense"  # dense | int4: 4-bit projections, 8-bit head (CPU decode ~2x) | bf16: bf16 GEMMs (AMX)
     prefill_chunk: int = 2048  # prompt tokens per scheduler step (each forward): bounds activation memory and how
     # long one step stalls running streams; a later chunk attends over all earlier keys
     max_running: int = 16  # requests the scheduler batches in each step (kvtool serve --max-active sets it)

@@ -130,7 +130,7 @@ _loaded = False  # whether _load() has loaded the ops into this process
 
 def loaded() -> bool:
     """True once the ops are loaded into this process (some unavailable() call returned None); they are
-    then used for the int4 products and bf16 head of few rows too (kvtool.kernels.quant)."""
+    then used for the int4 products and the head of few rows too (kvtool.kernels.quant)."""
     return _loaded
 
 

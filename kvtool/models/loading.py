@@ -20,7 +20,7 @@ from kvtool.models.sampling_defaults import sampling_defaults
 from kvtool.models.spec import ModelSpec
 from kvtool.models.text import ModelText, TextModel
 
-WEIGHTS = ("dense", "int4", "bf16")  # int4: 4-bit projections, bf16 head for CPU decode (kvtool.kernels.quant);
+WEIGHTS = ("dense", "int4", "bf16")  # int4: 4-bit projections, 8-bit head for CPU decode (kvtool.kernels.quant);
 # bf16: projections and head rounded to bf16 for oneDNN's bf16 GEMMs and the decode gemv (kvtool.kernels.cpu_gemm)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}

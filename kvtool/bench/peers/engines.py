@@ -232,7 +232,7 @@ def _fixed(precision: str):
 PEERS: dict[str, Peer] = {p.name: p for p in (
     Peer("kvtool", "kvtool serve", lambda f, o: "fp32 dense (HF folder from the GGUF)", _kvtool("dense"),
          _kvtool_budgets, _fixed("fp32")),
-    Peer("kvtool-int4", "kvtool serve --weights int4", lambda f, o: "int4 projections, bf16 head", _kvtool("int4"),
+    Peer("kvtool-int4", "kvtool serve --weights int4", lambda f, o: "int4 projections, 8-bit head", _kvtool("int4"),
          _kvtool_budgets, _fixed("int4")),
     Peer("kvtool-bf16", "kvtool serve --weights bf16", lambda f, o: "bf16 projections and head, bf16 GEMMs",
          _kvtool("bf16"), _kvtool_budgets, _fixed("bf16")),
