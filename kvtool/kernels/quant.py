@@ -34,10 +34,9 @@ first pass over a smaller copy, then the EXACT_TOP highest recomputed in fp32 fr
 those, and so the argmax, are exact; the rest carry the copy's rounding. With the C++ ops loaded the
 copy is 8 bits per weight with a scale per 32 (Int8Weight, GGUF's Q8_0 grid: the Q8_0 heads of the
 test models come back within 2^-11 of each value, bf16 is off by up to 2^-9) through `gemv_q8` (fp32 x
-and sums) for up to GEMV_MAX_ROWS
-rows: half the bytes of bf16, and the head is most of what a 4-bit decode step reads. Otherwise it is
-bf16 (weights off by up to 2^-9), through F.linear in bf16 (bf16 x and output too; torch's CPU kernels
-take bf16 or fp16 activations, and fp16 runs 15x slower on AVX2).
+and sums) for up to GEMV_MAX_ROWS rows: half the bytes of bf16, and the head is most of what a 4-bit
+decode step reads. Otherwise it is bf16, through F.linear in bf16 (bf16 x and output too; torch's CPU
+kernels take bf16 or fp16 activations, and fp16 runs 15x slower on AVX2).
 """
 
 from __future__ import annotations
