@@ -273,17 +273,21 @@ class BatchScheduler:
                 break
             shared.release()
         while len(self.running) > 1 and self._over_budget(new_tokens):
-            victim = max(self.running, key=lambda r: r.admitted_at)
-            self.running.remove(victim)
-            self._release(victim)
-            victim.pending = victim.gen.prompt_ids + victim.gen.token_ids
-            victim.preemptions += 1
-            victim.scorer = None  # a prompt being scored is scored again from its start
-            self.preemptions += 1
-            self.waiting.appendleft(victim)
-            plan.preempted.append(victim)
+            self._preempt_newest(plan)
         if plan.preempted:
             plan.chunks = [c for c in plan.chunks if c.req in self.running]
+
+    def _preempt_newest(self, plan: Plan) -> None:
+        """Drop the newest running request's KV (the last admitted: `running` is in order of admission) and
+        re-queue it at the front, to be recomputed."""
+        victim = self.running.pop()
+        self._release(victim)
+        victim.pending = victim.gen.prompt_ids + victim.gen.token_ids
+        victim.preemptions += 1
+        victim.scorer = None  # a prompt being scored is scored again from its start
+        self.preemptions += 1
+        self.waiting.appendleft(victim)
+        plan.preempted.append(victim)
 
     def _prefilled(self, req: BatchRequest, logits: torch.Tensor) -> None:
         """req's prompt is in its cache: publish it to the prefix cache and keep it for members waiting on it."""
