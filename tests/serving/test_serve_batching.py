@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -88,3 +89,15 @@ def test_a_small_kv_budget_preempts_and_recomputes_without_changing_outputs(smol
             time.sleep(0.05)
     assert scheduler.preemptions > 0 and f"kvtool_scheduler_preemptions_total {scheduler.preemptions}" in metrics
     assert "kvtool_kv_budget_tokens 80" in metrics and "kvtool_kv_tokens_in_use 0" in metrics
+
+
+def test_a_request_larger_than_the_kv_pool_is_a_400_that_says_why_and_the_server_goes_on(tight_server):
+    import httpx
+
+    with httpx.Client(base_url=tight_server.base_url, timeout=300) as tight:
+        big = tight.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "one two " * 60}],
+                                                       "max_tokens": 4})
+        assert big.status_code == 400
+        assert re.search(r"needs KV for at least \d+ tokens, more than it can get alone: the KV pool's 5 blocks "
+                         r"\(80 tokens\) are all in use", big.json()["error"]["message"])
+        assert ask(tight, QUESTIONS[0])["choices"][0]["finish_reason"] == "length"
