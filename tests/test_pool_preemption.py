@@ -142,3 +142,16 @@ def test_smollm2_on_a_pool_of_seven_blocks_gives_the_tokens_of_a_large_pool(smol
 
 PROMPTS = ["What is the capital of France?", "Name three colours.", "Write a haiku about rain.",
            "Tell me a fact about the moon."]
+
+
+def test_choices_of_one_prompt_on_a_small_pool_give_the_tokens_of_a_large_pool(tiny, allocations):
+    """n=3 seeded choices of two prompts on pools of 10 and 14 blocks: the copies kept for waiting choices are
+    dropped for room (they prefill on their own), and every choice ends with the tokens it gets on a large pool."""
+    seeded = SamplingParams(temperature=0.1, seed=3, max_tokens=10, ignore_eos=True)
+    prompts = [rand_ids(14, 50), rand_ids(17, 51)]
+    want = [g.token_ids for g in Engine(tiny, EngineConfig(prefill_chunk=64)).generate_batch(prompts, seeded, n=3)]
+    for kv_blocks in (10, 14):
+        engine = Engine(tiny, EngineConfig(prefill_chunk=64, prefix_block=4, kv_bytes=pool_blocks(tiny, kv_blocks, 4)))
+        gens = engine.generate_batch(prompts, seeded, n=3)
+        assert [g.token_ids for g in gens] == want and {g.finish_reason for g in gens} == {"length"}
+        assert engine.scheduler.preemptions > 0 and all(inside for _, inside in allocations)
