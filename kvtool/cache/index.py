@@ -47,9 +47,7 @@ class PrefixIndex:
         if eviction not in EVICTION_POLICIES:
             raise InvalidParameterError(f"unknown eviction policy {eviction!r}; choose one of "
                                         f"{sorted(EVICTION_POLICIES)}")
-        self.block_size = block_size
-        self.capacity_blocks = capacity_blocks
-        self.eviction = eviction
+        self.block_size, self.capacity_blocks, self.eviction = block_size, capacity_blocks, eviction
         self._priority = EVICTION_POLICIES[eviction]
         self.stats = IndexStats()
         self._blocks: dict[int, Block] = {}  # live blocks, reachable from a root
@@ -58,8 +56,7 @@ class PrefixIndex:
         self._detached: dict[int, int] = {}  # id -> refcount of blocks dropped by reset() but still held
         self._evictable: list[tuple[tuple, int]] = []  # heap of (priority, id); stale entries skipped
         self._pin_records: dict[tuple[int, ...], list[list[int]]] = {}  # pinned tokens -> stack of id lists
-        self._clock = 0
-        self._next_id = 0
+        self._clock = self._next_id = 0
 
     # ---- queries -------------------------------------------------------------------------
 

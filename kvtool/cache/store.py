@@ -68,7 +68,7 @@ class BlockPool:
 
     @property
     def bytes_per_block(self) -> int:
-        return math.prod(self.block_shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.block_shape) * self.dtype.itemsize
 
     def take(self) -> torch.Tensor:
         """A block [2, L, H, B, D] to write: a slot (PoolExhausted where none is spare, even after `reclaim`), or in an
@@ -76,14 +76,17 @@ class BlockPool:
         with torch.inference_mode(False):  # taken inside a forward, it stays writable outside one
             if not self.blocks:
                 return torch.empty(self.block_shape, dtype=self.dtype, device=self.device)
-            if self._pool is None:
-                self._pool = torch.empty(self.blocks, *self.block_shape, dtype=self.dtype, device=self.device)
-            while not self.spare and (reclaim := self.reclaim and self.reclaim()) is not None and reclaim():
-                pass
-            if not self.spare:
-                raise PoolExhausted(f"the KV pool's {self.blocks} blocks ({self.blocks * self.block_shape[3]} tokens) "
-                                    "are all in use; raise the engine's kv_bytes / cache_bytes (--kv-bytes, "
-                                    "--cache-bytes)")
+            try:
+                self._pool = self._pool if self._pool is not None else torch.empty(
+                    self.blocks, *self.block_shape, dtype=self.dtype, device=self.device)
+            except (RuntimeError, MemoryError) as exc:  # e.g. under a strict overcommit policy
+                raise PoolExhausted(f"the KV pool of {self.blocks * self.bytes_per_block:,} bytes could not be "
+                                    f"allocated ({exc}); lower the engine's kv_bytes / cache_bytes") from None
+            while not self.spare:  # its prefix cache evicts a block no request holds, where it has one
+                if (reclaim := self.reclaim and self.reclaim()) is None or not reclaim():
+                    raise PoolExhausted(f"the KV pool's {self.blocks} blocks ({self.blocks * self.block_shape[3]} "
+                                        "tokens) are all in use; raise the engine's kv_bytes / cache_bytes "
+                                        "(--kv-bytes, --cache-bytes)")
             slot = self.spare.pop()
             block = self._pool[slot]
         weakref.finalize(block, self.spare.append, slot)

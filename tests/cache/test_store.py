@@ -103,6 +103,17 @@ def test_blocks_come_from_one_pool_and_a_slot_returns_when_its_block_is_gone():
     assert unsized.blocks == 0 and len({t.data_ptr() for t in taken}) == 3 and not unsized.spare
 
 
+def test_a_pool_whose_one_allocation_fails_says_so(monkeypatch):
+    pool = BlockPool((2, L, H, B, D), torch.float32, "cpu", 3 * make_store().bytes_per_block)
+
+    def refused(*shape, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(torch, "empty", refused)  # (as under a strict overcommit policy)
+    with pytest.raises(PoolExhausted, match=r"the KV pool of 2,880 bytes could not be allocated \(Default.*\); lower"):
+        pool.take()
+
+
 def test_a_full_pool_evicts_what_the_prefix_cache_may_drop_before_it_refuses():
     pool = BlockPool((2, L, H, B, D), torch.float32, "cpu", 4 * make_store().bytes_per_block)
     cache = PrefixCache(L, H, D, budget_bytes=4 * make_store().bytes_per_block, block_size=B, pool=pool)
