@@ -23,6 +23,10 @@ class InvalidParameterError(KvtoolError):
     """A sampling or engine parameter is out of range or of the wrong type."""
 
 
+class PoolExhausted(KvtoolError):
+    """A KV block pool has no spare block (a request needs more KV than the engine's memory holds)."""
+
+
 class CacheFormatError(KvtoolError):
     """A stored KV object is truncated, tampered or made for another model."""
 

@@ -4,16 +4,15 @@
     FOLDER/blocks/ab/abcd….kvb    one record (kvtool.cache.blockrecord), named by its key
     FOLDER/blocks/ab/.abcd….tmp   a record being written (or left by a writer that was killed)
 
-Publish: the record goes to a temp file of the writer's own in the block's folder, is fsynced, and os.replace()
-puts it in place, so a reader opens the old name's file whole or finds none; two writers of one key replace one
-whole file by another with the same content. Recency is a file's mtime, set on write and by touch().
+Publish: the record goes to a temp file of the writer's own in the block's folder, is fsynced, and os.replace() puts
+it in place, so a reader opens the old name's file whole or finds none; two writers of one key replace one whole
+file by another with the same content. Recency is a file's mtime, set on write and by touch().
 
-Limit: each process counts what it wrote since it last listed the folder; when that passes a sixteenth of the
-limit, or its view of the total passes the limit, it lists the folder, removes temp files older than STALE_S and,
-if the total is over the limit, the least recently used records until it is under LOW of it. So the
-folder stays within the limit plus a sixteenth of it per writer. Two processes evicting at once remove the same
-oldest files (a file removed twice is no error) or a few more than needed; a reader holding a removed file's
-handle still reads it whole.
+Limit: each process counts what it wrote since it last listed the folder; when that passes a sixteenth of the limit,
+or its view of the total passes the limit, it lists the folder, removes temp files older than STALE_S and, if the
+total is over the limit, the least recently used records until it is under LOW of it. So the folder stays within the
+limit plus a sixteenth of it per writer. Two processes evicting at once remove the same oldest files (a file removed
+twice is no error) or a few more than needed; a reader holding a removed file's handle still reads it whole.
 """
 
 from __future__ import annotations

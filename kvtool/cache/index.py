@@ -1,28 +1,26 @@
 """Prefix index over token ids: which full KV blocks can a new request reuse?
 
-Automatic prefix caching across requests, in the spirit of vLLM's APC and SGLang's radix
-cache. The unit of sharing is a *full block* of ``block_size`` tokens. A block is keyed by
-``(parent_block_id, tuple(its tokens))``: an exact dict key, so two different prefixes can
-never collide (no hashing of token content), and the blocks form a tree whose roots have no
-parent. A request's cached prefix is the chain of blocks walked from a root.
+Automatic prefix caching across requests, in the spirit of vLLM's APC and SGLang's radix cache. The unit of sharing
+is a *full block* of ``block_size`` tokens. A block is keyed by ``(parent_block_id, tuple(its tokens))``: an exact
+dict key, so two different prefixes can never collide (no hashing of token content), and the blocks form a tree
+whose roots have no parent. A request's cached prefix is the chain of blocks walked from a root.
 
-Why chained blocks rather than a radix tree over tokens: a radix tree splits a node when a
-new request diverges inside it, and the KV storage behind the node would have to split its
-tensors with it. Fixed blocks never split, so the store keeps one immutable tensor per
-block id. A shared prefix that ends inside a block is still reused to the token: match_tail()
-finds the child of the matched chain that shares the most leading tokens with the request, and
+Why chained blocks rather than a radix tree over tokens: a radix tree splits a node when a new request diverges
+inside it, and the KV storage behind the node would have to split its tensors with it. Fixed blocks never split, so
+the store keeps one immutable tensor per block id. A shared prefix that ends inside a block is still reused to the
+token: match_tail() finds the child of the matched chain that shares the most leading tokens with the request, and
 the caller reads that many tokens' KV out of the block (a slice; the block stays whole).
 
-Memory budget: ``capacity_blocks`` bounds every block whose KV the store holds, including
-blocks that ``reset()`` detached from the tree while running requests still hold them.
-Block ids are never reused, so a stale id can never alias a newer block.
+Memory budget: ``capacity_blocks`` bounds every block whose KV the store holds, including blocks that ``reset()``
+detached from the tree while running requests still hold them. Block ids are never reused, so a stale id can never
+alias a newer block.
 
-Eviction only ever removes a leaf with no holder (refcount 0) and no permanent pin; which
-such leaf goes first is an interchangeable policy from ``EVICTION_POLICIES``. Holders and
-pins protect their ancestors for free: an ancestor has a child, so it is not a leaf.
+Eviction only ever removes a leaf with no holder (refcount 0) and no permanent pin; which such leaf goes first is an
+interchangeable policy from ``EVICTION_POLICIES``. Holders and pins protect their ancestors for free: an ancestor
+has a child, so it is not a leaf.
 
-Pure Python bookkeeping (no torch): every call that frees KV returns the ids the store must
-free, and the caller frees exactly those.
+Pure Python bookkeeping (no torch): every call that frees KV returns the ids the store must free, and the caller
+frees exactly those.
 """
 
 from __future__ import annotations
@@ -49,9 +47,7 @@ class PrefixIndex:
         if eviction not in EVICTION_POLICIES:
             raise InvalidParameterError(f"unknown eviction policy {eviction!r}; choose one of "
                                         f"{sorted(EVICTION_POLICIES)}")
-        self.block_size = block_size
-        self.capacity_blocks = capacity_blocks
-        self.eviction = eviction
+        self.block_size, self.capacity_blocks, self.eviction = block_size, capacity_blocks, eviction
         self._priority = EVICTION_POLICIES[eviction]
         self.stats = IndexStats()
         self._blocks: dict[int, Block] = {}  # live blocks, reachable from a root
@@ -60,8 +56,7 @@ class PrefixIndex:
         self._detached: dict[int, int] = {}  # id -> refcount of blocks dropped by reset() but still held
         self._evictable: list[tuple[tuple, int]] = []  # heap of (priority, id); stale entries skipped
         self._pin_records: dict[tuple[int, ...], list[list[int]]] = {}  # pinned tokens -> stack of id lists
-        self._clock = 0
-        self._next_id = 0
+        self._clock = self._next_id = 0
 
     # ---- queries -------------------------------------------------------------------------
 

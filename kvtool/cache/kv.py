@@ -1,17 +1,17 @@
 """Per-layer KV containers with one small interface.
 
-LayerKV keeps keys (post-RoPE) and values in buffers shaped [1, H_kv, capacity, D]
-that grow by doubling, so a decode step appends in place instead of re-concatenating.
-Slot i of every layer holds the token at sequence index i.
+LayerKV keeps keys (post-RoPE) and values in buffers shaped [1, H_kv, capacity, D] that grow by doubling, so a
+decode step appends in place instead of re-concatenating. Slot i of every layer holds the token at sequence index i.
 
-A paged cache (KVCache.paged) holds every token in immutable [2, L, H, B, D] blocks, by reference (its first
-`base` tokens; the prefix cache's on a hit), and one more block, its page, whose layer parts are the buffers (slot
-i: token base + i); reserve() moves a full page to the blocks and takes a fresh one, so the prefix cache keeps a
-request's full blocks without copying them. The C++ CPU ops read the blocks in place and write a prefill's K/V
-into them (kvtool.models.cpu_step, cpu_prefill), as KVCache.append_all, KVCache.truncate and LayerKV.write do
-(skill composition and edits); a block the cache borrowed (a prefix hit's, a fork's) is copied before such a write
-(copy on write). `keys` and `values` join both parts in a copy; LayerKV.append (the reference forward) first
-copies the blocks into the buffers (materialize()).
+A paged cache (KVCache.paged) holds every token in immutable [2, L, H, B, D] blocks, by reference (its first `base`
+tokens; the prefix cache's on a hit), and one more block, its page, whose layer parts are the buffers (slot i: token
+base + i); reserve() moves a full page to the blocks and takes a fresh one, so the prefix cache keeps a request's
+full blocks without copying them. The C++ CPU ops read the blocks in place and write a prefill's K/V into them
+(kvtool.models.cpu_step, cpu_prefill), as KVCache.append_all, KVCache.truncate and LayerKV.write do (skill
+composition and edits); a block the cache borrowed (a prefix hit's, a fork's) is copied before such a write (copy on
+write). Fresh blocks come from `take` (e.g. an Engine's BlockPool, which raises PoolExhausted when it has none left:
+the scheduler reserves a step's blocks before its forward). `keys` and `values` join both parts in a copy;
+LayerKV.append (the reference forward) first copies the blocks into the buffers (materialize()).
 """
 
 from __future__ import annotations

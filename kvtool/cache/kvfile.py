@@ -1,11 +1,10 @@
 """Checked KV files: safetensors (never pickle) plus the setup the KV was computed under.
 
-Skill blocks (.kvb, kvtool.skills.block) and saved prefix caches (.kvc, kvtool.cache.persist) are
-written and read here. A file holds named tensors and string metadata; the metadata carries a
-sha256 over itself and every tensor's dtype, shape and bytes, verified on load, so a truncated,
-damaged or edited file is refused instead of feeding wrong KV to a model. KV is only valid for the
-setup it came from: SETUP_FIELDS (model, config hash, tokenizer hash, dtype, RoPE) are stored in
-the metadata and compared one by one, each mismatch named.
+Skill blocks (.kvb, kvtool.skills.block) and saved prefix caches (.kvc, kvtool.cache.persist) are written and read
+here. A file holds named tensors and string metadata; the metadata carries a sha256 over itself and every tensor's
+dtype, shape and bytes, verified on load, so a truncated, damaged or edited file is refused instead of feeding wrong
+KV to a model. KV is only valid for the setup it came from: SETUP_FIELDS (model, config hash, tokenizer hash, dtype,
+RoPE) are stored in the metadata and compared one by one, each mismatch named.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Prefix-cache files saved incrementally (format version 2): a save writes only the blocks added since the
-last one, and a crash at any moment leaves the last completed save whole.
+"""Prefix-cache files saved incrementally (format version 2): a save writes only the blocks added since the last one,
+and a crash at any moment leaves the last completed save whole.
 
 Two files sit side by side; users name only the first:
 
@@ -9,12 +9,11 @@ Two files sit side by side; users name only the first:
                          the length of it the manifest covers (data_bytes).
     PATH.<id>.data       append-only: each block's KV [2, L, H, B, D] as raw bytes, one after the other.
 
-A save appends the new blocks to the data file, syncs it, then replaces the manifest atomically (temp
-file, sync, rename). Killed mid-append, the data file has a tail the manifest does not cover: loading
-warns and ignores it, the next save cuts it off. Blocks evicted since they were written stay in the
-data file as dead bytes until they pass COMPACT_SHARE of it; that save writes the live blocks to a new
-data file, points a new manifest at it and deletes the old one. A save that would write the same blocks
-and pins as the last (only hits happened since) writes nothing.
+A save appends the new blocks to the data file, syncs it, then replaces the manifest atomically (temp file, sync,
+rename). Killed mid-append, the data file has a tail the manifest does not cover: loading warns and ignores it, the
+next save cuts it off. Blocks evicted since they were written stay in the data file as dead bytes until they pass
+COMPACT_SHARE of it; that save writes the live blocks to a new data file, points a new manifest at it and deletes
+the old one. A save that would write the same blocks and pins as the last (only hits happened since) writes nothing.
 """
 
 from __future__ import annotations

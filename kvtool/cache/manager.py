@@ -1,28 +1,26 @@
 """PrefixCache: reuse KV across requests. PrefixIndex decides, BlockStore holds the tensors.
 
 It is the Engine's ``prefix_cache`` hook:
-- ``prepare(prompt_ids, runner)`` matches the longest cached chain of full blocks of
-  ``prompt_ids[:-1]`` (the last token is always computed, for its logits) and, after it, the
-  leading tokens a cached block shares with the rest (PrefixIndex.match_tail), and holds them. The
-  request's KVCache is paged (kvtool.cache.kv): it reads the full blocks in place and copies only the
-  partly reused block, into its page; the C++ CPU ops (and skill splicing) write its new tokens into
-  further blocks, the reference forward copies all into buffers of its own first. Blocks are immutable and a
-  request writes only its own, so two requests with one prefix cannot see each other's suffix.
-- ``commit(handle, token_ids, cache)`` inserts the full blocks of what the request computed
-  (prompt and decoded tokens), keeps a paged cache's new full blocks as they are (no copy; other
-  caches' KV is copied into new blocks) and drops the hold. It never raises because of caching, and
-  tolerates aborted requests and a reset() in between.
-- ``publish(handle, token_ids, cache)`` inserts the same way but keeps the hold: the batch
-  scheduler calls it when a prompt's prefill ends, so requests that arrive while that one
-  still decodes reuse its prompt (vLLM shares a block once it is full, too); commit() later
-  adds only the blocks that are new by then.
+- ``prepare(prompt_ids, runner)`` matches the longest cached chain of full blocks of ``prompt_ids[:-1]`` (the last
+  token is always computed, for its logits) and, after it, the leading tokens a cached block shares with the rest
+  (PrefixIndex.match_tail), and holds them. The request's KVCache is paged (kvtool.cache.kv): it reads the full
+  blocks in place and copies only the partly reused block, into its page; the C++ CPU ops (and skill splicing)
+  write its new tokens into further blocks, the reference forward copies all into buffers of its own first. Blocks
+  are immutable and a request writes only its own, so two requests with one prefix cannot see each other's suffix.
+- ``commit(handle, token_ids, cache)`` inserts the full blocks of what the request computed (prompt and decoded
+  tokens), keeps a paged cache's new full blocks as they are (no copy; other caches' KV is copied into new blocks)
+  and drops the hold. It never raises because of caching, and tolerates aborted requests and a reset() in between.
+- ``publish(handle, token_ids, cache)`` inserts the same way but keeps the hold: the batch scheduler calls it when a
+  prompt's prefill ends, so requests that arrive while that one still decodes reuse its prompt (vLLM shares a block
+  once it is full, too); commit() later adds only the blocks that are new by then.
 - ``fork(cache, token_ids, runner)`` (optional for a hook) copies a prefilled prompt's KV for each of its n
   choices: on the C++ CPU path the copy reads the prompt's full blocks in place (and holds the cached ones).
 
-Memory: the store holds at most ``budget_bytes // bytes_per_block`` blocks; eviction is the
-index's (LRU by default). A request whose KV does not fit runs (partly) uncached, with a
-warning. One lock guards index and store: the engine worker and HTTP handlers (pin, reset,
-stats) may call in from different threads.
+Memory: the store holds at most ``budget_bytes // bytes_per_block`` blocks; eviction is the index's (LRU by
+default). A request whose KV does not fit runs (partly) uncached, with a warning. The blocks come from a BlockPool
+(an Engine's: the one count of its KV memory), which evicts a block no request holds or pins (``_reclaim``) before
+it refuses one. One lock guards index and store: the engine worker and HTTP handlers (pin, reset, stats) may call in
+from different threads.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -41,14 +40,10 @@ from kvtool.cache.kv import KVCache
 from kvtool.cache.kvfile import setup_of
 from kvtool.cache.persist import load_cache, save_cache
 from kvtool.cache.shared import SharedBlocks
-from kvtool.cache.store import BlockPool, BlockStore
+from kvtool.cache.store import BlockPool, BlockStore, memory_split
 from kvtool.config import is_whole
-from kvtool.errors import InvalidParameterError, PrefixCacheWarning
+from kvtool.errors import InvalidParameterError, PoolExhausted, PrefixCacheWarning
 from kvtool.ids import as_token_ids
-
-DEFAULT_BUDGET_FRACTION = 0.5  # of available RAM (CPU, MPS) or free GPU memory (CUDA): all of an engine's KV
-DEFAULT_BUDGET_CAP = 32 << 30
-
 
 @dataclass
 class PrefixHandle:
@@ -56,26 +51,6 @@ class PrefixHandle:
     cached_tokens: int
     epoch: int  # reset() count at prepare time; KV from before a reset is not inserted after it
     done: bool = False
-
-
-def available_memory(device: torch.device | str = "cpu") -> int:
-    """Bytes a new allocation could get: free GPU memory on CUDA, available RAM otherwise (psutil, which accelerate
-    depends on)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    import psutil
-
-    return int(psutil.virtual_memory().available)
-
-
-def memory_split(kv_bytes: int | None, cache_bytes: int | None, device: torch.device | str = "cpu") -> tuple[int, int]:
-    """The one split of an engine's KV memory budget (half the memory available on the device, at most 32 GiB, read
-    once): (running requests' bytes, prefix-cache bytes). A size given (EngineConfig.kv_bytes, cache_bytes) is kept;
-    a missing one is half the budget."""
-    total = 0 if kv_bytes is not None and cache_bytes is not None else int(
-        min(DEFAULT_BUDGET_FRACTION * available_memory(device), DEFAULT_BUDGET_CAP))
-    return (total // 2 if kv_bytes is None else kv_bytes), (total - total // 2 if cache_bytes is None else cache_bytes)
 
 
 class PrefixCache(PrefixHook):
@@ -86,17 +61,14 @@ class PrefixCache(PrefixHook):
             raise InvalidParameterError(f"prefix cache block_size must be an integer >= 1 tokens, got {block_size!r}")
         self.store = BlockStore(num_layers, num_kv_heads, head_dim, block_size, dtype, device, pool)
         self.index = PrefixIndex(block_size, self._capacity(budget_bytes), eviction)
-        self.budget_bytes = budget_bytes
-        self.block_size = block_size
+        self.budget_bytes, self.block_size = budget_bytes, block_size
         self.runner = runner  # computes KV for pin() of a prefix that is not cached yet
-        self._lock = threading.RLock()
-        self._epoch = 0
+        self._lock, self._epoch = threading.RLock(), 0  # (_epoch: reset() count)
         self._queries = self._query_tokens = self._hit_tokens = self._copied_tokens = 0
-        self._over_budget = 0  # requests (or pins) whose KV did not fit
+        self._over_budget, self._warned = 0, False  # requests (or pins) whose KV did not fit, and the warning
         self._changes = 0  # what a cache file would hold moved on (blocks, pins, order of use): see `changes`
-        self._warned = False
-        self.loaded: dict | None = None  # what the last load() added (kvtool.cache.persist.load_cache)
-        self.shared = None  # a store other engines share (kvtool.cache.shared.SharedBlocks): attach_prefix_cache
+        self.loaded = self.shared = None  # what the last load() added; a store other engines share (SharedBlocks)
+        self.store.pool.reclaim = weakref.WeakMethod(self._reclaim)  # a full pool first evicts what no request holds
 
     @classmethod
     def for_runner(cls, runner, budget_bytes: int | None = None, block_size: int = 16,
@@ -112,6 +84,12 @@ class PrefixCache(PrefixHook):
         if not is_whole(budget_bytes):
             raise InvalidParameterError(f"prefix cache budget must be an int >= 0 bytes, got {budget_bytes!r}")
         return budget_bytes // self.store.bytes_per_block
+
+    def _reclaim(self) -> bool:  # the pool is full: evict a block no request holds or pins (False: none is left)
+        with self._lock:
+            self.store.free(evicted := self.index.evict_lru(1))
+            self._changes += bool(evicted)
+            return bool(evicted)
 
     # ---- the engine hook -------------------------------------------------------------------
 
@@ -166,7 +144,11 @@ class PrefixCache(PrefixHook):
             ids = self.index.match(list(token_ids)[: first.base], record=False)
             self.index.acquire(ids)
             blocks, shared = self.store.tensors(ids), len(ids) * self.block_size
-        return cache.fork(blocks, shared), PrefixHandle(ids, shared, self._epoch)
+            try:  # (a full pool refuses the copy's page: the hold ends with it)
+                return cache.fork(blocks, shared), PrefixHandle(ids, shared, self._epoch)
+            except PoolExhausted:
+                self.store.free(self.index.release(ids))
+                raise
 
     def _insert_safely(self, handle: PrefixHandle, token_ids: Sequence[int], cache: KVCache, final: bool) -> None:
         try:
@@ -184,7 +166,10 @@ class PrefixCache(PrefixHook):
         n = min((layer.offset for layer in cache.layers), default=0)  # an aborted prefill may leave layers uneven
         tokens, page = tokens[:n], cache.layers[0].page if cache.layers else None
         if paged := page is not None and all(layer.page is page for layer in cache.layers):
-            cache.reserve(cache.offset + 1)  # a full page joins the blocks
+            try:
+                cache.reserve(cache.offset + 1)  # a full page joins the blocks
+            except PoolExhausted:  # (no fresh page for it: its tokens stay uncached)
+                tokens = tokens[: cache.layers[0].base]
         result = self.index.insert(tokens)
         self.store.free(result.evicted)  # before put(): the store never holds more than the budget
         self._changes += 1  # new blocks, or known ones moved to the back of the eviction order
@@ -363,11 +348,8 @@ class PrefixCache(PrefixHook):
             ("over_budget_total", "counter", "requests whose KV did not fit the budget", s["over_budget"]),
             ("resets_total", "counter", "cache resets", s["resets"]),
         ]
-        lines = []
-        for name, kind, help_text, value in metrics:
-            lines += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} {kind}",
-                      f"{prefix}_{name} {value}"]
-        return lines
+        return [line for name, kind, help_text, value in metrics for line in (
+            f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} {kind}", f"{prefix}_{name} {value}")]
 
     def check_integrity(self) -> None:
         """Raise AssertionError if index and store disagree or either is inconsistent."""

@@ -1,11 +1,11 @@
 """Save a PrefixCache to a file and load it back: cached prefixes survive a restart.
 
-As llama.cpp's ``--prompt-cache`` and mlx-lm's ``cache_prompt`` do for one prompt, but for the whole
-prefix tree: a server restarted with ``--cache-file`` answers its first request on a known system
-prompt + tools from the cache, and ``kvtool generate --cache-file`` skips the prefill of a prompt
-it has seen. A .kvc file is a checked KV file (kvtool.cache.kvfile: safetensors, sha256, setup). Saves
-write format version 2 (kvtool.cache.kvlog): the .kvc is a manifest, the KV sits in an append-only data file
-beside it and each save adds only new blocks. Version 1 (still read) held the KV itself:
+As llama.cpp's ``--prompt-cache`` and mlx-lm's ``cache_prompt`` do for one prompt, but for the whole prefix tree: a
+server restarted with ``--cache-file`` answers its first request on a known system prompt + tools from the cache,
+and ``kvtool generate --cache-file`` skips the prefill of a prompt it has seen. A .kvc file is a checked KV file
+(kvtool.cache.kvfile: safetensors, sha256, setup). Saves write format version 2 (kvtool.cache.kvlog): the .kvc is a
+manifest, the KV sits in an append-only data file beside it and each save adds only new blocks. Version 1 (still
+read) held the KV itself:
 
     kv.<j>       [2, L, H, B, D]     block j's keys (post-RoPE, at its positions) then values, cache dtype
                                      (version 1 only; version 2: offsets [N] and sha256 [N, 32] into the data)
@@ -15,12 +15,12 @@ beside it and each save adds only new blocks. Version 1 (still read) held the KV
     pin_tokens   [P]                 the token ids of every permanent pin, concatenated
     pin_lengths  [K]                 their lengths
 
-Loading inserts the pinned prefixes first (pinned as they go in, so nothing loaded later evicts them),
-then every chain root..leaf from the least to the most recently used: when the budget is smaller than
-the file, the index's own eviction keeps the most recent chains. The block size may differ from the
-saving cache's (chains are re-cut). One tensor per block keeps memory flat: saving a CPU cache copies
-no KV, and loading verifies the checksums and then reads block by block, so neither holds the cache twice.
-Blocks detached by a reset but still held by a running request are not saved; hit counts (the lfu policy's key) start again from zero.
+Loading inserts the pinned prefixes first (pinned as they go in, so nothing loaded later evicts them), then every
+chain root..leaf from the least to the most recently used: when the budget is smaller than the file, the index's own
+eviction keeps the most recent chains. The block size may differ from the saving cache's (chains are re-cut). One
+tensor per block keeps memory flat: saving a CPU cache copies no KV, and loading verifies the checksums and then
+reads block by block, so neither holds the cache twice. Blocks detached by a reset but still held by a running
+request are not saved; hit counts (the lfu policy's key) start again from zero.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""KV storage for prefix-cache blocks, addressed by the ids PrefixIndex hands out, and the pool they come from.
+"""KV blocks: the pool they come from, and the store of prefix-cache blocks, addressed by the ids PrefixIndex hands out.
 
-The index decides which blocks exist; this store holds their tensors: each a block [2, L, H, B, D] (keys, then
-values) of a BlockPool (a model's one allocation of blocks, which an Engine sizes from its memory budget and shares
-between its requests' paged caches and its prefix cache), written once by put() (or by the request whose block
-adopt() keeps) and immutable afterwards, so any number of requests share it without copies.
+A BlockPool is a model's one allocation of blocks [2, L, H, B, D] (keys, then values), which an Engine sizes from
+its memory budget (memory_split) and shares between its requests' paged caches and its prefix cache: the one count
+of its KV memory. The index decides which blocks exist; the store holds their tensors, each written once by put()
+(or by the request whose block adopt() keeps) and immutable afterwards, so any number of requests share it.
 """
 
 from __future__ import annotations
@@ -14,14 +14,41 @@ from typing import Iterable, Sequence
 
 import torch
 
+from kvtool.errors import PoolExhausted
+
 # keys/values for one block: a tensor [L, H, B, D] or a sequence of L tensors [H, B, D]
 BlockKV = torch.Tensor | Sequence[torch.Tensor]
 
+DEFAULT_BUDGET_FRACTION = 0.5  # of available RAM (CPU, MPS) or free GPU memory (CUDA): all of an engine's KV
+DEFAULT_BUDGET_CAP = 32 << 30
+
+
+def available_memory(device: torch.device | str = "cpu") -> int:
+    """Bytes a new allocation could get: free GPU memory on CUDA, available RAM otherwise (psutil, which accelerate
+    depends on)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def memory_split(kv_bytes: int | None, cache_bytes: int | None, device: torch.device | str = "cpu") -> tuple[int, int]:
+    """The one split of an engine's KV memory budget (half the memory available on the device, at most 32 GiB, read
+    once): (running requests' bytes, prefix-cache bytes). A size given (EngineConfig.kv_bytes, cache_bytes) is kept;
+    a missing one is half the budget."""
+    total = 0 if kv_bytes is not None and cache_bytes is not None else int(
+        min(DEFAULT_BUDGET_FRACTION * available_memory(device), DEFAULT_BUDGET_CAP))
+    return (total // 2 if kv_bytes is None else kv_bytes), (total - total // 2 if cache_bytes is None else cache_bytes)
+
 
 class BlockPool:
-    """KV blocks [2, L, H, B, D] of one model, all from one allocation made at the first take() (`nbytes`; none:
-    each block is an allocation of its own, as every block is when the pool is used up). A slot goes back to the
-    pool when the last reference to its block tensor goes: a request's paged KVCache's, the store's, a saver's."""
+    """KV blocks [2, L, H, B, D] of one model, all from one allocation of `nbytes` made at the first take(). A sized
+    pool never hands out memory beyond it: with no slot spare, take() has `reclaim` (its prefix cache's eviction of
+    a block no request holds) free some first, then raises PoolExhausted. An unsized pool (nbytes 0: a standalone
+    cache's) makes each block an allocation of its own. A slot goes back to the pool when the last reference to its
+    block tensor goes: a request's paged KVCache's, the store's, a saver's."""
 
     def __init__(self, block_shape: Sequence[int], dtype: torch.dtype, device: torch.device | str, nbytes: int = 0):
         names = ("keys and values", "num_layers", "num_kv_heads", "block_size", "head_dim")
@@ -32,6 +59,7 @@ class BlockPool:
         self.blocks = nbytes // self.bytes_per_block
         self._pool: torch.Tensor | None = None
         self.spare = list(range(self.blocks - 1, -1, -1))  # pool slots that no block tensor refers to
+        self.reclaim: weakref.WeakMethod | None = None  # frees a block, False when none can go (PrefixCache's)
 
     @classmethod
     def for_runner(cls, runner, block_size: int, nbytes: int = 0) -> "BlockPool":
@@ -40,19 +68,25 @@ class BlockPool:
 
     @property
     def bytes_per_block(self) -> int:
-        return math.prod(self.block_shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.block_shape) * self.dtype.itemsize
 
     def take(self) -> torch.Tensor:
-        """A block [2, L, H, B, D] to write: a slot of the pool, or an allocation of its own when no slot is spare.
-        Views of it must not outlive the tensor itself (its slot is then taken again)."""
+        """A block [2, L, H, B, D] to write: a slot (PoolExhausted where none is spare, even after `reclaim`), or in an
+        unsized pool an allocation of its own. Views of it must not outlive the tensor (its slot is taken again)."""
         with torch.inference_mode(False):  # taken inside a forward, it stays writable outside one
-            if self.spare and self._pool is None:
-                try:
-                    self._pool = torch.empty(self.blocks, *self.block_shape, dtype=self.dtype, device=self.device)
-                except (RuntimeError, MemoryError):  # e.g. a strict overcommit policy: a block at a time then
-                    self.spare = []
-            if not self.spare:
+            if not self.blocks:
                 return torch.empty(self.block_shape, dtype=self.dtype, device=self.device)
+            try:
+                self._pool = self._pool if self._pool is not None else torch.empty(
+                    self.blocks, *self.block_shape, dtype=self.dtype, device=self.device)
+            except (RuntimeError, MemoryError) as exc:  # e.g. under a strict overcommit policy
+                raise PoolExhausted(f"the KV pool of {self.blocks * self.bytes_per_block:,} bytes could not be "
+                                    f"allocated ({exc}); lower the engine's kv_bytes / cache_bytes") from None
+            while not self.spare:  # its prefix cache evicts a block no request holds, where it has one
+                if (reclaim := self.reclaim and self.reclaim()) is None or not reclaim():
+                    raise PoolExhausted(f"the KV pool's {self.blocks} blocks ({self.blocks * self.block_shape[3]} "
+                                        "tokens) are all in use; raise the engine's kv_bytes / cache_bytes "
+                                        "(--kv-bytes, --cache-bytes)")
             slot = self.spare.pop()
             block = self._pool[slot]
         weakref.finalize(block, self.spare.append, slot)
@@ -68,8 +102,7 @@ class BlockStore:
             raise ValueError(f"BlockStore: its pool's blocks are {pool.dtype} {list(pool.block_shape)}, not {dtype} "
                              f"{list(self.block_shape)}")
         _, self.num_layers, self.num_kv_heads, self.block_size, self.head_dim = self.block_shape
-        self.dtype, self.device, self.take = pool.dtype, pool.device, pool.take
-        self.bytes_per_block = pool.bytes_per_block
+        self.dtype, self.device, self.take, self.bytes_per_block = pool.dtype, pool.device, pool.take, pool.bytes_per_block
         self._blocks: dict[int, torch.Tensor] = {}  # id -> [2, L, H, B, D]
 
     @property

@@ -1,11 +1,11 @@
 """Engine: one model, its scheduler, and the one request path every caller takes.
 
-Engine.generate() adds a request to the engine's scheduler (kvtool.engine.scheduler) and steps it until
-the request is done, streaming its TokenEvents; the CLI, the inspector, the in-process agent backend,
-generate_batch() and the server's worker all run requests through that same scheduler; the engine's StepExecutor
-(kvtool.engine.step) runs its steps, and the engine opens, publishes and closes each request's KV through its
-prefix-cache hook. The returned Generation is an iterator; when it is exhausted (or closed early, e.g. by a
-disconnected client) its finish_reason, timings, text and token ids are final.
+Engine.generate() adds a request to the engine's scheduler (kvtool.engine.scheduler) and steps it until the request
+is done, streaming its TokenEvents; the CLI, the inspector, the in-process agent backend, generate_batch() and the
+server's worker all run requests through that same scheduler; the engine's StepExecutor (kvtool.engine.step) runs
+its steps, and the engine opens, publishes and closes each request's KV through its prefix-cache hook. The returned
+Generation is an iterator; when it is exhausted (or closed early, e.g. by a disconnected client) its finish_reason,
+timings, text and token ids are final.
 """
 
 from __future__ import annotations
@@ -18,15 +18,14 @@ from typing import Iterator
 
 from kvtool.cache.hook import PrefixHook, checked_hook
 from kvtool.cache.kv import KVCache
-from kvtool.cache.manager import memory_split
-from kvtool.cache.store import BlockPool
+from kvtool.cache.store import BlockPool, memory_split
 from kvtool.config import EngineConfig, SamplingParams, as_sampling_params
 from kvtool.engine.forks import choices
 from kvtool.engine.output import Generation, TokenEvent, scores_prompt
 from kvtool.engine.scheduler import BatchScheduler
 from kvtool.engine.step import StepExecutor
-from kvtool.errors import ContextWindowError, InvalidParameterError, PrefixCacheWarning
-from kvtool.ids import as_token_ids
+from kvtool.errors import InvalidParameterError, PrefixCacheWarning
+from kvtool.ids import as_token_ids, check_request
 
 log = logging.getLogger("kvtool.engine")
 
@@ -44,8 +43,8 @@ class Engine:
         self.prefix_cache = prefix_cache  # optional: a PrefixHook (kvtool.cache.hook), checked by the setter
         # (running requests' KV bytes, prefix-cache bytes): the engine's one memory budget, split once here
         self.memory = memory_split(self.config.kv_bytes, self.config.cache_bytes, self.runner.device)
-        self.pool = BlockPool.for_runner(self.runner, self.config.prefix_block,  # blocks from that whole budget for
-                                         sum(self.memory) if self.paged else 0)  # paged KV (C++ ops)
+        self.pool = BlockPool.for_runner(self.runner, self.config.prefix_block,  # the running requests' share (a
+                                         self.memory[0] if self.paged else 0)  # prefix cache adds its own), paged
         self.end_of_turn = frozenset(model.end_of_turn_ids())
         self._scheduler: BatchScheduler | None = None
         self.executor = StepExecutor(self)  # runs the scheduler's plans: the forward and the sampling of each step
@@ -99,7 +98,8 @@ class Engine:
         worker), built on first use from EngineConfig's max_running, prefill_chunk and kv_bytes."""
         if self._scheduler is None:
             c = self.config
-            self._scheduler = BatchScheduler(self, c.max_running, c.prefill_chunk, kv_budget_tokens(self))
+            self._scheduler = BatchScheduler(self, c.max_running, c.prefill_chunk,  # the pool counts, if sized
+                                             None if self.pool.blocks else kv_budget_tokens(self))
         return self._scheduler
 
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -215,31 +215,3 @@ def kv_budget_tokens(engine: Engine) -> int:
         log.warning("the KV budget (%d bytes) holds %d tokens, less than the %d-token context window: a request "
                     "longer than that runs alone", budget, tokens, engine.model.context_window)
     return tokens
-
-
-def check_request(prompt_ids: list[int], params: SamplingParams, window: int, vocab: int, stop_ids: set[int]) -> int:
-    """Validate a request's sizes against a context window and vocabulary (any engine); return its effective
-    max_tokens. stop_ids: the tokens that end its output."""
-    if not prompt_ids:
-        raise InvalidParameterError("the prompt is empty; give at least one token")
-    bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-    if bad:
-        raise InvalidParameterError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-    for name in ("logit_bias", "allowed_token_ids"):
-        bad = sorted(t for t in getattr(params, name) or () if t >= vocab)
-        if bad:
-            raise InvalidParameterError(f"{name} token ids must be in [0, {vocab}); got {bad[:5]}")
-    if len(prompt_ids) >= window:
-        raise ContextWindowError(f"the prompt has {len(prompt_ids)} tokens; the model's context window is "
-                                 f"{window} tokens and must leave room for at least 1 new token")
-    if params.min_tokens and params.allowed_token_ids is not None and set(params.allowed_token_ids) <= stop_ids:
-        raise InvalidParameterError("allowed_token_ids lists only stop tokens, which min_tokens holds back: "
-                                    "nothing could be drawn")
-    max_tokens = params.max_tokens if params.max_tokens is not None else window - len(prompt_ids)
-    if params.min_tokens > max_tokens:
-        raise ContextWindowError(f"min_tokens ({params.min_tokens}) does not fit: the context window of {window} "
-                                 f"tokens leaves {max_tokens} after the prompt")
-    if len(prompt_ids) + max_tokens > window:
-        raise ContextWindowError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) = "
-                                 f"{len(prompt_ids) + max_tokens} exceeds the context window of {window} tokens")
-    return max_tokens

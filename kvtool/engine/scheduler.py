@@ -2,14 +2,15 @@
 
 schedule() admits waiting requests first come, first served, and returns a Plan: one decode token of each running
 request plus prefill chunks within `prefill_budget` tokens, so a long prompt is prefilled over several steps without
-stalling the streams already running. Under KV pressure the newest request is preempted: its KV is dropped and it
-is re-queued at the front, to be recomputed (its token stream simply continues). The engine's StepExecutor
-(kvtool.engine.step) runs the Plan; postprocess() takes its samples: each token goes out as a TokenEvent, finished
-requests leave, and a fault while taking one request's token (its sampler or on_event raising) ends that request
-alone (finish_reason "error", the exception passed to its on_finish). A request opens its KV (Engine.open_cache, a
-prefix-cache lookup) when admitted, only in a step whose budget starts its prompt, so requests arriving together
-read what the first published (Engine.publish, as soon as its prefill ends; Engine.close_cache takes the rest at
-its end). Requests that share a SharedPrompt prefill it once.
+stalling the streams already running. The blocks a step needs come from the engine's pool before its forward; where
+the pool (or a token cap) cannot hold them, the newest request is preempted: its KV is dropped and it is re-queued at
+the front, to be recomputed (its token stream simply continues). The engine's StepExecutor (kvtool.engine.step) runs
+the Plan; postprocess() takes its samples: each token goes out as a TokenEvent, finished requests leave, and a fault
+while taking one request's token (its sampler or on_event raising) ends that request alone (finish_reason "error",
+the exception passed to its on_finish). A request opens its KV (Engine.open_cache, a prefix-cache lookup) when
+admitted, in a step whose budget starts its prompt, so requests arriving together read what the first published
+(Engine.publish, as soon as its prefill ends; Engine.close_cache takes the rest at its end). Requests that share a
+SharedPrompt prefill it once.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from kvtool.config import SamplingParams, is_whole
 from kvtool.engine.output import Generation, OutputState, TokenEvent, scores_prompt
 from kvtool.engine.sampling import Sample
 from kvtool.engine.scoring import SCORE_CHUNK, PromptScorer
-from kvtool.errors import InvalidParameterError
+from kvtool.errors import InvalidParameterError, PoolExhausted
 
 
 @dataclass(eq=False)  # a request is an entity: membership tests and remove() go by identity
@@ -103,28 +104,24 @@ class SharedPrompt(ABC):
 class BatchScheduler:
     """The batch of an engine: schedule() plans, postprocess() applies; step() runs them through Engine.executor."""
 
-    def __init__(self, engine, max_running: int = 16, prefill_budget: int = 256,
-                 kv_budget_tokens: int | None = None):
+    def __init__(self, engine, max_running: int = 16, prefill_budget: int = 256, kv_budget_tokens: int | None = None):
         for name, value in (("max_running", max_running), ("prefill_budget", prefill_budget),
                             ("kv_budget_tokens", 1 if kv_budget_tokens is None else kv_budget_tokens)):
             if not is_whole(value, 1):
                 raise InvalidParameterError(f"{name} must be an integer >= 1, got {value!r}")
         self.engine, self.max_running, self.prefill_budget = engine, max_running, prefill_budget
-        self.kv_budget_tokens = kv_budget_tokens
+        self._kv_budget = kv_budget_tokens  # a cap in tokens (an engine without a sized pool gives one)
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[BatchRequest] = []
-        self.steps = 0
-        self.preemptions = 0  # running requests whose KV was dropped for room (recomputed when readmitted)
+        self.steps, self.preemptions = 0, 0  # preemptions: requests whose KV was dropped for room (recomputed)
         self.kv_in_use = 0  # _kv_tokens() after the last step, for readers on other threads
+        self.full = False  # the pool refused a block: none is admitted until a request leaves
         self.host_s = 0.0  # time steps spent outside the forward and the token read (scheduling, detokenizing)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, skip_special_tokens: bool = True,
-               on_event: Callable[[TokenEvent], None] | None = None,
-               on_finish: Callable[[Generation, BaseException | None], None] | None = None,
-               shared: SharedPrompt | None = None) -> Generation:
-        """Validate and queue a request (raises KvtoolError for bad input); returns its Generation."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *args, **kwargs) -> Generation:
+        """Validate and queue a request (KvtoolError for bad input; the rest as add()); returns its Generation."""
         gen, max_tokens = self.engine.new_generation(prompt_ids, params)
-        self.add(gen, max_tokens, skip_special_tokens, on_event, on_finish, shared)
+        self.add(gen, max_tokens, *args, **kwargs)
         return gen
 
     def add(self, gen: Generation, max_tokens: int, skip_special_tokens: bool = True,
@@ -138,6 +135,12 @@ class BatchScheduler:
         if shared is not None:
             shared.join(req, self.engine)
         self.waiting.append(req)
+
+    @property
+    def kv_budget_tokens(self) -> int | None:
+        """The KV running requests may hold, in tokens: the cap given, else what the engine's sized pool holds."""
+        pool = self.engine.pool
+        return self._kv_budget if self._kv_budget is not None or not pool.blocks else pool.blocks * pool.block_shape[3]
 
     @property
     def idle(self) -> bool:
@@ -191,7 +194,7 @@ class BatchScheduler:
                 chunk = req.pending[: min(budget, SCORE_CHUNK) if req.scorer is not None else budget]
                 budget -= len(chunk)
                 plan.chunks.append(Chunk(req, chunk, len(chunk) == len(req.pending)))
-        self._preempt(plan)
+        self._fit(plan)
         return plan
 
     def postprocess(self, plan: Plan, logits: list[torch.Tensor],
@@ -226,13 +229,13 @@ class BatchScheduler:
         return (sum(r.cache.own_tokens for r in self.running if r.cache is not None)
                 + sum(s.kept.own_tokens for s in self._kept()))
 
-    def _over_budget(self, new_tokens: int) -> bool:
-        return self.kv_budget_tokens is not None and self._kv_tokens() + new_tokens > self.kv_budget_tokens
+    def _over_budget(self, new_tokens: int) -> bool:  # past the token cap
+        return self._kv_budget is not None and self._kv_tokens() + new_tokens > self._kv_budget
 
     def _admit(self, plan: Plan) -> None:
         left = self.prefill_budget - sum(len(r.pending) for r in self.running if len(r.pending) > 1)  # to start
         for req in list(self.waiting):
-            if len(self.running) >= self.max_running:
+            if len(self.running) >= self.max_running or self.full and self.running:
                 break
             shared = req.shared
             if shared is not None and shared.waits(req):
@@ -248,49 +251,78 @@ class BatchScheduler:
                 now = time.perf_counter()
                 req.gen.timings.queue_ms += (now - req.state.t0) * 1000.0
                 req.state.t0 = now
-            if cost is not None:
-                plan.given.append((req, shared.start(req, self._waiting_on(shared))))
-                req.shared, req.pending, req.admitted_at = None, [], self.steps
-                self.running.append(req)
-                continue
             known = req.gen.prompt_ids + req.gen.token_ids
             try:
-                cache, cached, req.handle = self.engine.open_cache(req.gen, known, first)
+                if cost is not None:  # (a copy of the kept KV, from the pool)
+                    logits = shared.start(req, self._waiting_on(shared))
+                else:
+                    cache, cached, req.handle = self.engine.open_cache(req.gen, known, first)
             except Exception as exc:  # e.g. a skill block that fails to load: this request alone fails
+                if isinstance(exc, PoolExhausted) and self.running:  # no block spare: it waits for the others'
+                    self.waiting.appendleft(req)
+                    break
                 self._finish(req, "error", exc)
                 continue
+            if cost is not None:  # it starts from the kept KV's copy: no token to run, its first drawn from logits
+                plan.given.append((req, logits))
+                req.shared, cache, cached = None, req.cache, len(known)
             req.cache, req.pending, req.admitted_at = cache, known[cached:], self.steps
             left -= len(req.pending)
             if scores_prompt(req.gen):  # its prefill chunks' logits become prompt logprobs, chunk by chunk
                 req.scorer = PromptScorer(known, req.gen.params.prompt_logprobs)
             self.running.append(req)
 
-    def _preempt(self, plan: Plan) -> None:
-        """Release the KV shared prompts keep, then drop the newest requests' KV, until the step fits the budget."""
-        new_tokens = plan.tokens
-        for shared in self._kept():  # first what waiting members would start from: they can prefill on their own
-            if not self._over_budget(new_tokens):
-                break
-            shared.release()
-        while len(self.running) > 1 and self._over_budget(new_tokens):
-            victim = max(self.running, key=lambda r: r.admitted_at)
-            self.running.remove(victim)
-            self._release(victim)
-            victim.pending = victim.gen.prompt_ids + victim.gen.token_ids
-            victim.preemptions += 1
-            victim.scorer = None  # a prompt being scored is scored again from its start
-            self.preemptions += 1
-            self.waiting.appendleft(victim)
-            plan.preempted.append(victim)
-        if plan.preempted:
-            plan.chunks = [c for c in plan.chunks if c.req in self.running]
+    def _fit(self, plan: Plan) -> None:
+        """Make the step fit: its tokens within the token cap, if one was given, then each chunk's blocks taken from
+        the engine's pool before the forward, oldest request first (a full pool's prefix cache first evicts what no
+        request holds). Where they do not fit, room is made (_make_room); a request that does not fit alone fails."""
+        while self._over_budget(plan.tokens) and self._make_room(plan):  # (chunks leave the plan at the end)
+            pass
+        for chunk in plan.chunks:
+            while (req := chunk.req) in self.running:
+                try:
+                    req.cache.reserve(req.cache.offset + len(chunk.tokens))
+                    break
+                except PoolExhausted as exc:
+                    self.full = True  # no one is admitted until a request leaves
+                    if not self._make_room(plan):  # it does not fit alone
+                        need = req.cache.offset + len(chunk.tokens)
+                        self.running.remove(req)
+                        self._finish(req, "error", PoolExhausted(f"this request needs KV for at least {need} tokens, "
+                                                                  f"more than it can get alone: {exc}"))
+        plan.chunks = [c for c in plan.chunks if c.req in self.running]
+
+    def _make_room(self, plan: Plan) -> bool:
+        """Drop the KV a shared prompt keeps (its members prefill on their own), else preempt the newest request."""
+        if kept := self._kept():
+            kept[0].release()
+        elif len(self.running) > 1:
+            self._preempt_newest(plan)
+        else:
+            return False
+        return True
+
+    def _preempt_newest(self, plan: Plan) -> None:
+        """Drop the newest running request's KV (the last admitted: `running` is in order of admission) and
+        re-queue it at the front, to be recomputed."""
+        victim = self.running.pop()
+        self._release(victim)
+        victim.pending = victim.gen.prompt_ids + victim.gen.token_ids
+        victim.preemptions += 1
+        victim.scorer = None  # a prompt being scored is scored again from its start
+        self.preemptions += 1
+        self.waiting.appendleft(victim)
+        plan.preempted.append(victim)
 
     def _prefilled(self, req: BatchRequest, logits: torch.Tensor) -> None:
         """req's prompt is in its cache: publish it to the prefix cache and keep it for members waiting on it."""
         self.engine.publish(req.gen.prompt_ids, req.cache, req.handle)
         shared, req.shared = req.shared, None
         if shared is not None:
-            shared.prefilled(req, logits, self._waiting_on(shared))
+            try:
+                shared.prefilled(req, logits, self._waiting_on(shared))
+            except PoolExhausted:  # no block for the copy: the others prefill on their own
+                shared.release()
             if shared.kept is not None and self._over_budget(0):  # no room: the others prefill on their own
                 shared.release()
 
@@ -319,6 +351,7 @@ class BatchScheduler:
             req.cache, req.handle = None, None
 
     def _finish(self, req: BatchRequest, reason: str | None = None, error: BaseException | None = None) -> None:
+        self.full = False  # (its blocks go back)
         if reason and not req.gen.finish_reason:
             req.gen.finish_reason = reason
         if req.shared is not None:

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from kvtool import SamplingParams
 from kvtool.cache.kv import KVCache
-from kvtool.cache.manager import PrefixCache, attach_prefix_cache, memory_split
+from kvtool.cache.manager import PrefixCache, attach_prefix_cache
+from kvtool.cache.store import memory_split
 from kvtool.config import EngineConfig, SamplingDefaults
 from kvtool.engine import Engine
 from kvtool.errors import InvalidParameterError, PrefixCacheWarning
@@ -279,11 +280,11 @@ def test_changes_count_what_a_cache_file_would_hold(model):
 
 
 def test_one_memory_budget_split_once_between_running_requests_and_the_prefix_cache(model, monkeypatch):
-    import kvtool.cache.manager as manager
+    import kvtool.cache.store as store
     from kvtool.engine.engine import kv_budget_tokens
 
     reads = []
-    monkeypatch.setattr(manager, "available_memory", lambda device="cpu": reads.append(device) or 8 << 30)
+    monkeypatch.setattr(store, "available_memory", lambda device="cpu": reads.append(device) or 8 << 30)
     engine = Engine(model, EngineConfig())  # half of 8 GiB is the budget: 2 GiB each
     assert engine.memory == (2 << 30, 2 << 30) and len(reads) == 1
     assert kv_budget_tokens(engine) == (2 << 30) // model.runner.spec.kv_bytes_per_token(4)  # fp32
@@ -291,7 +292,7 @@ def test_one_memory_budget_split_once_between_running_requests_and_the_prefix_ca
     assert Engine(model, EngineConfig(kv_bytes=1 << 20)).memory == (1 << 20, 2 << 30)
     assert Engine(model, EngineConfig(kv_bytes=1 << 20, cache_bytes=0)).memory == (1 << 20, 0) and len(reads) == 2
     assert PrefixCache.for_runner(model.runner).budget_bytes == 2 << 30  # without an engine: the same half
-    monkeypatch.setattr(manager, "available_memory", lambda device="cpu": 1 << 40)
+    monkeypatch.setattr(store, "available_memory", lambda device="cpu": 1 << 40)
     assert Engine(model, EngineConfig()).memory == (16 << 30, 16 << 30)  # the budget stops at 32 GiB
 
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from kvtool.cache.index import PrefixIndex
+from kvtool.cache.manager import PrefixCache
 from kvtool.cache.store import BlockPool, BlockStore
+from kvtool.errors import PoolExhausted
 
 L, H, B, D = 2, 3, 4, 5
 
@@ -82,8 +84,8 @@ def test_blocks_come_from_one_pool_and_a_slot_returns_when_its_block_is_gone():
     a, b = store.take(), blocks.take()  # the store's blocks and the requests' pages come from the same pool
     pool = a.untyped_storage().data_ptr()
     assert b.untyped_storage().data_ptr() == pool and a.data_ptr() != b.data_ptr() and not blocks.spare
-    c = store.take()  # every slot in use: an allocation of its own
-    assert c.untyped_storage().data_ptr() != pool and c.shape == store.block_shape
+    with pytest.raises(PoolExhausted, match=r"the KV pool's 2 blocks \(8 tokens\) are all in use; raise"):
+        store.take()  # every slot in use: never an allocation beyond the pool
     store.adopt(0, a)
     del a
     assert not blocks.spare  # the store still holds it
@@ -96,6 +98,34 @@ def test_blocks_come_from_one_pool_and_a_slot_returns_when_its_block_is_gone():
     store.check_integrity()
     with pytest.raises(ValueError, match=r"pool's blocks are torch.float32 \[2, 2, 3, 4, 5\], not torch.float16"):
         BlockStore(L, H, D, B, torch.float16, "cpu", blocks)
+    unsized = BlockPool((2, L, H, B, D), torch.float32, "cpu")  # a standalone store's: a block at a time
+    taken = [unsized.take() for _ in range(3)]
+    assert unsized.blocks == 0 and len({t.data_ptr() for t in taken}) == 3 and not unsized.spare
+
+
+def test_a_pool_whose_one_allocation_fails_says_so(monkeypatch):
+    pool = BlockPool((2, L, H, B, D), torch.float32, "cpu", 3 * make_store().bytes_per_block)
+
+    def refused(*shape, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(torch, "empty", refused)  # (as under a strict overcommit policy)
+    with pytest.raises(PoolExhausted, match=r"the KV pool of 2,880 bytes could not be allocated \(Default.*\); lower"):
+        pool.take()
+
+
+def test_a_full_pool_evicts_what_the_prefix_cache_may_drop_before_it_refuses():
+    pool = BlockPool((2, L, H, B, D), torch.float32, "cpu", 4 * make_store().bytes_per_block)
+    cache = PrefixCache(L, H, D, budget_bytes=4 * make_store().bytes_per_block, block_size=B, pool=pool)
+    tokens = list(range(4 * B))
+    assert cache.import_chain(tokens, lambda i: random_kv(i), pin=tokens[: 2 * B]) == 4 * B and not pool.spare
+    held = [pool.take(), pool.take()]  # the two unpinned blocks are evicted for them, the last first
+    assert cache.stats()["blocks"] == 2 and cache.stats()["evictions"] == 2 and not pool.spare
+    with pytest.raises(PoolExhausted, match="4 blocks"):
+        pool.take()  # what is left is pinned
+    cache.check_integrity()
+    del held
+    assert len(pool.spare) == 2
 
 
 def test_misuse_raises_clear_errors():
