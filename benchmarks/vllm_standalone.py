@@ -13,37 +13,48 @@ import time
 from pathlib import Path
 
 SERVER = "python -m vllm.entrypoints.openai.api_server"
-FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "4096", "--enable-prompt-tokens-details"]
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # 1 GiB of KV; vLLM's default
+FLAGS = ["--dtype", "float32", "--enforce-eager", "--enable-prompt-tokens-details"]
+MAX_LEN = 4096  # --max-model-len
+# 1 GiB of KV; vLLM's default multiprocessing; its development endpoints (/reset_prefix_cache)
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_SERVER_DEV_MODE": "1"}
 
 
 def describe() -> dict:
     """What the record says about the vLLM servers."""
-    return {"server": SERVER, "connector": "kv_transfer_config (kvtool.engines.vllm.connector)",
-            "multiprocessing": "vLLM's default: the engine core in its own process", "flags": FLAGS, "env": ENV,
+    from kvtool.engines.vllm.mount import CLASS_NAME, MODULE
+
+    return {"server": SERVER, "connector": f"kv_transfer_config ({MODULE}.{CLASS_NAME})",
+            "multiprocessing": "vLLM's default: the engine core in its own process", "flags": FLAGS,
+            "max_model_len": MAX_LEN, "env": ENV,
             "repair": "none (the only one the connector runs)"}
 
 
-def command(folder: str, port: int, prefix_caching: bool, extra: dict | None = None) -> list[str]:
+def command(folder: str, port: int, prefix_caching: bool, extra: dict | None = None, python: str | None = None,
+            max_len: int = MAX_LEN) -> list[str]:
     """The server's argv on the model's HF folder; `extra`: the connector's kv_connector_extra_config (None: no
-    connector)."""
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--served-model-name", "m",
-            "--host", "127.0.0.1", "--port", str(port), *FLAGS,
+    connector); `python`: the vLLM environment's interpreter (default: this one)."""
+    argv = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+            "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port), *FLAGS, "--max-model-len",
+            str(max_len),
             "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
     if extra is not None:
-        from kvtool.engines.vllm.connector import transfer_config
+        from kvtool.engines.vllm.mount import transfer_config
 
         argv += ["--kv-transfer-config", json.dumps(transfer_config(extra))]
     return argv
 
 
-def start(folder: str, log: Path, prefix_caching: bool, extra: dict | None = None, name: str = "vllm"):
+def start(folder: str, log: Path, prefix_caching: bool, extra: dict | None = None, name: str = "vllm",
+          python: str | None = None, max_len: int = MAX_LEN, kv_gib: int | None = None, threads: int | None = None):
     """command()'s server, ready (kvtool.bench.peers.servers.ServerProcess: stopped with its whole process
-    group)."""
+    group); kv_gib: its KV space (default ENV's), threads: OMP_NUM_THREADS."""
     from kvtool.bench.peers.servers import ServerProcess, free_port
 
     port = free_port()
-    server = ServerProcess(name, command(folder, port, prefix_caching, extra), port, log, env=ENV, startup_s=900.0)
+    env = {**ENV, **({"VLLM_CPU_KVCACHE_SPACE": str(kv_gib)} if kv_gib else {}),
+           **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    server = ServerProcess(name, command(folder, port, prefix_caching, extra, python, max_len), port, log, env=env,
+                           startup_s=900.0)
     server.start()
     return server
 

@@ -75,22 +75,26 @@ def test_fidelity_counts_agreement_kl_and_identical_answers(bench):
 @pytest.mark.real_model
 @pytest.mark.slow
 @needs_vllm
-def test_three_modes_under_load_on_smollm2(tmp_path):
+def test_three_modes_under_load_on_both_engines_on_smollm2(tmp_path):
     out = tmp_path / "record.json"
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "skills_load.py"), "--model", "smollm2",
-                          "--requests", "2", "--rates", "4", "--skills", "2", "--most-skills", "2",
-                          "--output-tokens", "4",
+                          "--engines", "kvtool", "vllm", "--requests", "2", "--rates", "4", "--skills", "2",
+                          "--most-skills", "2", "--output-tokens", "4", "--vllm-kv-gib", "1",
                           "--vllm-python", str(VLLM_PYTHON), "--plot", str(tmp_path / "p90.png"), "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=1800)
+                         cwd=ROOT, capture_output=True, text=True, timeout=2400)
     assert run.returncode == 0, run.stderr[-3000:]
     record = json.loads(run.stdout.strip().splitlines()[-1])
     assert record == json.loads(out.read_text()) and (tmp_path / "p90.png").stat().st_size > 0
-    assert set(record["modes"]) == {"cold", "prefix", "compose"} and len(record["loadavg_end"]) == 3
-    for mode in record["modes"].values():
-        row = mode["rates"]["4.0"]
-        assert row["completed"] == 2 and row["ttft_ms_p50"] <= row["ttft_ms_p90"] <= row["ttft_ms_p99"]
-    modes = record["modes"]
-    assert modes["cold"]["uncomputed_share"] == 0 and modes["cold"]["rates"]["4.0"]["prefix_cached_share"] == 0
-    assert modes["compose"]["uncomputed_share"] > modes["prefix"]["uncomputed_share"]
-    assert modes["prefix"]["fidelity"]["first_token_agreement"] == 1.0  # a prefix hit is the same computation
-    assert 0 <= modes["compose"]["fidelity"]["kl_top20_mean"] and "4.0" in record["p90_speedup_compose_vs_cold"]
+    assert set(record["engines"]) == {"kvtool", "vllm"} and len(record["loadavg_end"]) == 3
+    for engine in record["engines"].values():
+        modes = engine["modes"]
+        assert set(modes) == {"cold", "prefix", "compose"}
+        for mode in modes.values():
+            row = mode["rates"]["4.0"]
+            assert row["completed"] == 2 and row["ttft_ms_p50"] <= row["ttft_ms_p90"] <= row["ttft_ms_p99"]
+        assert modes["cold"]["uncomputed_share"] == 0 and modes["cold"]["rates"]["4.0"]["prefix_cached_share"] == 0
+        # the blocks serve most of every prompt (kvtool counts them as skill_block_tokens, vLLM as cached tokens)
+        assert modes["compose"]["uncomputed_share"] > max(0.5, modes["prefix"]["uncomputed_share"])
+        assert modes["prefix"]["fidelity"]["first_token_agreement"] == 1.0  # a prefix hit is the same computation
+        assert 0 <= modes["compose"]["fidelity"]["kl_top20_mean"]
+        assert {"4.0"} == set(engine["p90_speedup_compose_vs_cold"]) == set(engine["p90_speedup_compose_vs_prefix"])

@@ -4,6 +4,8 @@ keys; each tensor-parallel rank's share of the KV heads (TP = 1, 2 and 4) and it
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -98,3 +100,16 @@ def test_each_rank_places_and_stores_its_own_kv_heads(llama, tmp_path, tp):
     assert all(x.shape == (2, 3, h[1] - h[0], 16, 16) for h, x in layouts.items())
     with pytest.raises(ValueError):
         rank_heads(3, 2, 0)  # 3 heads do not split over 2 ranks
+
+
+def test_the_transfer_config_is_written_without_vllm_and_names_the_connector():
+    import importlib.util
+
+    from kvtool.engines.vllm.mount import transfer_config
+
+    config = transfer_config({"blocks": "b"})
+    assert config["kv_connector_extra_config"] == {"blocks": "b"} and config["kv_role"] == "kv_both"
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed: the named class cannot be imported here")
+    module = importlib.import_module(config["kv_connector_module_path"])
+    assert isinstance(getattr(module, config["kv_connector"]), type)

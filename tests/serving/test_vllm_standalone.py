@@ -1,6 +1,7 @@
 """kvtool's KV connector inside a plain vLLM server (real SmolLM2 and Qwen2.5): `python -m
 vllm.entrypoints.openai.api_server` with vLLM's default multiprocessing (its engine core in a process of its own)
-and the connector given by --kv-transfer-config alone. For each model, in one run:
+and the connector (kvtool.engines.vllm.connector) given by --kv-transfer-config alone. For each model, in one
+run:
 - a prompt holding two mounted skills is composed: the connector's block tokens are above zero (in the response's
   kv_transfer_params and in Prometheus) and the first token equals kvtool's composed answer on the same blocks;
 - the server's memory (its whole process tree) is at most 1.10x that of the same server without the connector;
@@ -62,7 +63,7 @@ class VllmServer:
                 "m", "--port", str(self.port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
                 "--enable-prefix-caching", "--enable-prompt-tokens-details"]
         if extra is not None:
-            from kvtool.engines.vllm.connector import transfer_config
+            from kvtool.engines.vllm.mount import transfer_config
 
             argv += ["--kv-transfer-config", json.dumps(transfer_config(extra))]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}

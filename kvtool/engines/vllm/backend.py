@@ -188,7 +188,7 @@ def load_backend(model: str, dtype: str = "auto", engine_args: dict | None = Non
     if mounted is not None:
         from vllm.config import KVTransferConfig
 
-        from kvtool.engines.vllm.connector import transfer_config
+        from kvtool.engines.vllm.mount import transfer_config
 
         kwargs["kv_transfer_config"] = KVTransferConfig(**transfer_config(mounted.extra))
     t0 = time.perf_counter()

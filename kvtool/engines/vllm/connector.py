@@ -34,21 +34,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 
 from kvtool.cache.shared import TAIL, write
 from kvtool.engines.vllm import paged
-from kvtool.engines.vllm.mount import MountSettings, RopeFrame, Shelf, model_setup, rank_heads, store_layout
+from kvtool.engines.vllm.mount import (CLASS_NAME, MountSettings, RopeFrame, Shelf, model_setup, rank_heads,
+                                      store_layout)
 from kvtool.engines.vllm.plan import Piece, Plan, plan_request
 from kvtool.engines.vllm.stats import KvtoolPromMetrics, KvtoolStats
 from kvtool.engines.vllm.transfers import Transfers
 
 log = logging.getLogger("kvtool.serving")
-CLASS_NAME = "KvtoolConnector"
-
-
-def transfer_config(extra: dict) -> dict:
-    """The kv_transfer_config (as vLLM's EngineArgs and --kv-transfer-config take it) that mounts this connector
-    with kv_connector_extra_config `extra` (kvtool.engines.vllm.mount.SETTINGS); a block the store lost is
-    recomputed by vLLM rather than failing its request."""
-    return {"kv_connector": CLASS_NAME, "kv_role": "kv_both", "kv_connector_module_path": __name__,
-            "kv_connector_extra_config": extra, "kv_load_failure_policy": "recompute"}
 
 
 @dataclass

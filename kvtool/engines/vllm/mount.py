@@ -30,6 +30,16 @@ SETTINGS = {"blocks": "compiled skill blocks: a folder of .kvb files or a list o
                     "while vLLM's steps go on; the request waits in WAITING_FOR_REMOTE_KVS) or 'auto' (default: "
                     "sync when no other request is running, else async)"}
 
+CLASS_NAME, MODULE = "KvtoolConnector", "kvtool.engines.vllm.connector"  # what kv_transfer_config names
+
+
+def transfer_config(extra: dict) -> dict:
+    """The kv_transfer_config (as vLLM's EngineArgs and --kv-transfer-config take it) that mounts kvtool's connector
+    with kv_connector_extra_config `extra` (SETTINGS); a block the store lost is recomputed by vLLM rather than
+    failing its request. Built without importing vLLM, so a launcher in another environment can write it."""
+    return {"kv_connector": CLASS_NAME, "kv_role": "kv_both", "kv_connector_module_path": MODULE,
+            "kv_connector_extra_config": extra, "kv_load_failure_policy": "recompute"}
+
 
 @dataclass(frozen=True)
 class MountSettings:
