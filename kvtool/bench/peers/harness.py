@@ -163,7 +163,7 @@ def run_pass(cfg: PeersConfig, files: ModelFiles, out_dir: Path, log, command: s
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               "command": command or f"run_peers({cfg!r})", "config": asdict(sized),
               "order": [f"{name} #{r}" for r, name in order], "engines": engines, "seconds": seconds,
-              "versions": versions()}
+              "versions": versions(), "roofline": _roofline(files, sized, log)}
     for i, (rnd, name) in enumerate(order, start=1):
         if any(r["status"] == "missing" for r in runs[name]):
             continue  # not installed: once is enough to say so
@@ -195,6 +195,20 @@ def run_pass(cfg: PeersConfig, files: ModelFiles, out_dir: Path, log, command: s
     record.pop("unfinished", None)
     write_report(record, out_dir, log)
     return record
+
+
+def _roofline(files: ModelFiles, cfg: PeersConfig, log) -> dict:
+    """The machine at the pass's thread count and each engine's reads (roofline.measure), before any engine runs;
+    a probe that fails is recorded with why, and the engines still run."""
+    from kvtool.bench.peers import roofline
+
+    try:
+        roof = roofline.measure(files, cfg)
+    except Exception as exc:
+        log(f"roofline not measured: {type(exc).__name__}: {exc}")
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    log(f"the machine: {json.dumps(roof['machine'])}")
+    return roof
 
 
 def _cpu_name() -> str:
