@@ -182,6 +182,7 @@ def test_quick_run_against_llama_server_and_kvtool_serve(tmp_path, capsys):
     assert vllm and {t["status"] for t in vllm} == {"not measured"}  # no vLLM in this run
     roof = record["roofline"]  # the machine, measured before the engines ran, and every row against its limit
     assert roof["machine"]["threads"] == 2 and roof["machine"]["bandwidth_gb_s"] > 0
+    assert len(roof["machine"]["probes"]) == 2  # before the first engine and after the last
     assert {(r["engine"], r["row"]) for r in roof["rows"]} == {
         (n, row) for n in ("kvtool", "llama.cpp") for row in ("decode bs=1", "4 streams", "cold TTFT @128")}
     assert all(r["fraction"] > 0 for r in roof["rows"])

@@ -193,21 +193,23 @@ def run_pass(cfg: PeersConfig, files: ModelFiles, out_dir: Path, log, command: s
             record["unfinished"] = [f"{n} #{r}" for r, n in order[i:]]
             write_report(record, out_dir, log, quiet=True)
     record.pop("unfinished", None)
+    record["roofline"] = _roofline(files, sized, log, record["roofline"])
     write_report(record, out_dir, log)
     return record
 
 
-def _roofline(files: ModelFiles, cfg: PeersConfig, log) -> dict:
+def _roofline(files: ModelFiles, cfg: PeersConfig, log, first: dict | None = None) -> dict:
     """The machine at the pass's thread count and each engine's reads (roofline.measure), before any engine runs;
-    a probe that fails is recorded with why, and the engines still run."""
+    given the first measurement, the machine probed again after the last engine (roofline.probe_again). A first probe
+    that fails is recorded with why, a second one leaves the first as it was; the engines run either way."""
     from kvtool.bench.peers import roofline
 
     try:
-        roof = roofline.measure(files, cfg)
+        roof = roofline.measure(files, cfg) if first is None else roofline.probe_again(first, cfg.pass_threads())
     except Exception as exc:
         log(f"roofline not measured: {type(exc).__name__}: {exc}")
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    log(f"the machine: {json.dumps(roof['machine'])}")
+        return first or {"error": f"{type(exc).__name__}: {exc}"}
+    log(f"the machine: {json.dumps((roof.get('machine') or {}).get('probes', [None])[-1])}")
     return roof
 
 

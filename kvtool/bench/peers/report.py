@@ -189,12 +189,15 @@ def _roofline_md(record: dict) -> list[str]:
               f"{_num(r['tok_s'])} tok/s", pct(r)] if "limit_tok_s" in r else
              [r["engine"], r["row"], f"{r['gflop']:.2f} GFLOP", f"{_num(r['peak_gflop_s'])} GFLOP/s ({r['gemm']})",
               f"{_num(r['gflop_s'])} GFLOP/s", pct(r)] for r in rows]
-    return [f"The machine at {threads_text(m)}, before the engines ran (load {_num(m['load_1min'])}): a streaming read "
-            f"of {m['buffer_mib']} MiB at {_num(m['bandwidth_gb_s'])} GB/s, a {m['gemm_size']}^2 matmul at "
-            + ", ".join(f"{_num(v)} GFLOP/s in {k}" for k, v in m["gemm_gflop_s"].items())
-            + f" (medians of {m['passes']}). A decode row's limit is that bandwidth over the bytes it reads a token "
-            "(weights / rows + KV at its mean context); a cold TTFT's FLOPs over its time are read against the GEMM "
-            "peak of the dtype the engine multiplies in (docs/benchmarks.md, \"Roofline\").", "",
+    probes = m.get("probes", [m])
+    when = "before the first engine and after the last" if len(probes) > 1 else "before the first engine"
+    loads = " and ".join(_num(p["load_1min"]) for p in probes)
+    peaks = ", ".join(f"{_num(v)} GFLOP/s in {k}" for k, v in m["gemm_gflop_s"].items())
+    return [f"The machine at {threads_text(m)}, probed {when} (load {loads}): a streaming read of {m['buffer_mib']} "
+            f"MiB at {_num(m['bandwidth_gb_s'])} GB/s, a {m['gemm_size']}^2 matmul at {peaks}"
+            f" (the fastest of {m['passes']} passes of each probe). A decode row's limit is that bandwidth over the "
+            "bytes it reads a token (weights / rows + KV at its mean context); a cold TTFT's FLOPs over its time are "
+            "read against the GEMM peak of the dtype the engine multiplies in (docs/benchmarks.md, \"Roofline\").", "",
             *_table(["engine", "row", "a token reads / prompt FLOPs", "limit / peak", "measured", "of the limit"],
                     cells), "", "Weights read: " + "; ".join(f"{n}: {v['source']}" for n, v in engines.items()) + "."]
 
