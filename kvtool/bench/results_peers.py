@@ -13,6 +13,7 @@ from pathlib import Path
 from kvtool.bench.peers.config import ENGINE_NAMES
 from kvtool.bench.peers.judge import CLIENT_ROWS, client_load
 from kvtool.bench.peers.report import client_load_text, equal_table, threads_text
+from kvtool.bench.peers.roofline import roofline_rows, summary
 from kvtool.bench.peers.rounds import figure
 from kvtool.bench.peers.vllm_client import result_key
 
@@ -119,7 +120,7 @@ def peer_table(path: Path, record: dict, link: str) -> list[str]:
     lines += ["| " + " | ".join(row) + " |" for row in rows + [["load average (min/max)", *load]]]
     lines += ["", "Targets: " + "; ".join(f"{t['target']}: {_x(t['ratio'])} ({t['status']})"
                                           for t in record.get("targets", []))]
-    return lines
+    return lines + (["", f"Roofline: {summary(record)}."] if roofline_rows(record) is not None else [])
 
 
 def _x(v) -> str:
@@ -162,6 +163,13 @@ def quiet_block(peers: list[tuple[Path, dict]], readme: Path) -> list[str]:
                           "ratio to each peer, above 1 in kvtool's favour; a `bench serve` row gives output tok/s, "
                           "TPOT p50, TTFT p50, TTFT p90.", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
                       *["| " + " | ".join(row) + " |" for row in rows]]
+    measured = sorted(((p, r) for p, r in peers if roofline_rows(r) is not None), key=lambda pr: pr[1]["date"])
+    if measured:  # the newest record that measured the machine, quiet or not: its load said beside it
+        path, rec = measured[-1]
+        used[path] = rec
+        lines += ["", f"Roofline of {path.parent.name} ({rec['model']}, {threads_text(rec)}, "
+                      f"{'quiet' if is_quiet(rec) else 'noisy'}, {load_text(rec)}; docs/benchmarks.md, \"Roofline\"): "
+                      f"{summary(rec)}."]
     lines += ["", "Reproduce a record with its command:", ""]
     for path, rec in used.items():
         lines.append(f"- {path.parent.name} ({rec['date'][:10]}, {load_text(rec)}): `{rec['command']}`")

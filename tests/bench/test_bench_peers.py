@@ -180,8 +180,15 @@ def test_quick_run_against_llama_server_and_kvtool_serve(tmp_path, capsys):
                                                              "streams_4_tok_s", "layout_shared-prefix_hit_after_first"}
     vllm = [t for t in record["targets"] if "vllm" in t["target"].lower()]
     assert vllm and {t["status"] for t in vllm} == {"not measured"}  # no vLLM in this run
+    roof = record["roofline"]  # the machine, measured before the engines ran, and every row against its limit
+    assert roof["machine"]["threads"] == 2 and roof["machine"]["bandwidth_gb_s"] > 0
+    assert len(roof["machine"]["probes"]) == 2  # before the first engine and after the last
+    assert {(r["engine"], r["row"]) for r in roof["rows"]} == {
+        (n, row) for n in ("kvtool", "llama.cpp") for row in ("decode bs=1", "4 streams", "cold TTFT @128")}
+    assert all(r["fraction"] > 0 for r in roof["rows"])
     md = (tmp_path / "report.md").read_text()
-    for section in ("## Engines", "## Targets", "## Equal precision", "## Decode, cold TTFT and prefix hit", "## Concurrent streams",
+    for section in ("## Roofline", "## Engines", "## Targets", "## Equal precision",
+                    "## Decode, cold TTFT and prefix hit", "## Concurrent streams",
                     "## Context layouts", "## Ratios", "GGUF Q4_1"):
         assert section in md
     for plot in record["files"]["plots"].values():

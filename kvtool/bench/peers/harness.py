@@ -163,7 +163,7 @@ def run_pass(cfg: PeersConfig, files: ModelFiles, out_dir: Path, log, command: s
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               "command": command or f"run_peers({cfg!r})", "config": asdict(sized),
               "order": [f"{name} #{r}" for r, name in order], "engines": engines, "seconds": seconds,
-              "versions": versions()}
+              "versions": versions(), "roofline": _roofline(files, sized, log)}
     for i, (rnd, name) in enumerate(order, start=1):
         if any(r["status"] == "missing" for r in runs[name]):
             continue  # not installed: once is enough to say so
@@ -193,8 +193,24 @@ def run_pass(cfg: PeersConfig, files: ModelFiles, out_dir: Path, log, command: s
             record["unfinished"] = [f"{n} #{r}" for r, n in order[i:]]
             write_report(record, out_dir, log, quiet=True)
     record.pop("unfinished", None)
+    record["roofline"] = _roofline(files, sized, log, record["roofline"])
     write_report(record, out_dir, log)
     return record
+
+
+def _roofline(files: ModelFiles, cfg: PeersConfig, log, first: dict | None = None) -> dict:
+    """The machine at the pass's thread count and each engine's reads (roofline.measure), before any engine runs;
+    given the first measurement, the machine probed again after the last engine (roofline.probe_again). A first probe
+    that fails is recorded with why, a second one leaves the first as it was; the engines run either way."""
+    from kvtool.bench.peers import roofline
+
+    try:
+        roof = roofline.measure(files, cfg) if first is None else roofline.probe_again(first, cfg.pass_threads())
+    except Exception as exc:
+        log(f"roofline not measured: {type(exc).__name__}: {exc}")
+        return first or {"error": f"{type(exc).__name__}: {exc}"}
+    log(f"the machine: {json.dumps((roof.get('machine') or {}).get('probes', [None])[-1])}")
+    return roof
 
 
 def _cpu_name() -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 import json
 
 from kvtool.bench.peers.judge import CLIENT_ROWS, ROW_METRICS, best, client_load, pairs, ratios, targets
+from kvtool.bench.peers.roofline import not_measured, roofline_rows
 from kvtool.bench.peers.rounds import figure
 from kvtool.bench.peers.vllm_client import result_key
 from kvtool.bench.protocol import emit, portable
@@ -178,6 +179,29 @@ def _equal_md(record: dict) -> list[str]:
             f"gives {', '.join(ROW_METRICS.values())}.", "", *_table(head, rows)]
 
 
+def _roofline_md(record: dict) -> list[str]:
+    rows = roofline_rows(record)
+    if rows is None:
+        return [f"Roofline: {not_measured(record)}."]
+    m, engines = record["roofline"]["machine"], record["roofline"]["engines"]
+    pct = lambda r: f"{100 * r['fraction']:.0f}%"  # noqa: E731
+    cells = [[r["engine"], r["row"], f"{r['bytes_per_token'] / 1e6:.1f} MB", f"{_num(r['limit_tok_s'])} tok/s",
+              f"{_num(r['tok_s'])} tok/s", pct(r)] if "limit_tok_s" in r else
+             [r["engine"], r["row"], f"{r['gflop']:.2f} GFLOP", f"{_num(r['peak_gflop_s'])} GFLOP/s ({r['gemm']})",
+              f"{_num(r['gflop_s'])} GFLOP/s", pct(r)] for r in rows]
+    probes = m.get("probes", [m])
+    when = "before the first engine and after the last" if len(probes) > 1 else "before the first engine"
+    loads = " and ".join(_num(p["load_1min"]) for p in probes)
+    peaks = ", ".join(f"{_num(v)} GFLOP/s in {k}" for k, v in m["gemm_gflop_s"].items())
+    return [f"The machine at {threads_text(m)}, probed {when} (load {loads}): a streaming read of {m['buffer_mib']} "
+            f"MiB at {_num(m['bandwidth_gb_s'])} GB/s, a {m['gemm_size']}^2 matmul at {peaks}"
+            f" (the fastest of {m['passes']} passes of each probe). A decode row's limit is that bandwidth over the "
+            "bytes it reads a token (weights / rows + KV at its mean context); a cold TTFT's FLOPs over its time are "
+            "read against the GEMM peak of the dtype the engine multiplies in (docs/benchmarks.md, \"Roofline\").", "",
+            *_table(["engine", "row", "a token reads / prompt FLOPs", "limit / peak", "measured", "of the limit"],
+                    cells), "", "Weights read: " + "; ".join(f"{n}: {v['source']}" for n, v in engines.items()) + "."]
+
+
 def _load_line(record: dict) -> str:
     load = record.get("load") or {}
     if not load:
@@ -221,6 +245,7 @@ def markdown(record: dict, plots: dict[str, str]) -> str:
                                            [[t["target"], _ratio(t["ratio"]), t["detail"], t["status"]]
                                             for t in record["targets"]]),
              "", "## Equal precision", "", *_equal_md(record),
+             "", "## Roofline", "", *_roofline_md(record),
              "", "## Decode, cold TTFT and prefix hit", "", *_single_md(record),
              "", "## Concurrent streams", "", *_streams_md(record),
              "", "## Context layouts", "", *_layouts_md(record),
@@ -301,6 +326,8 @@ def write_report(record: dict, out_dir: Path, log=print, quiet: bool = False) ->
     record["ratios"] = ratios(record["engines"])
     record["pairs"], record["best"] = pairs(record["engines"]), best(record["engines"])
     record["targets"] = targets(record)
+    if roofline_rows(record) is not None:
+        record["roofline"]["rows"] = roofline_rows(record)
     plots, errors = {}, {}
     for key, draw in PLOTS.items():
         if not set(PLOTTED[key]) & set(record["config"]["workloads"]):
