@@ -43,7 +43,7 @@ def vllm_modes(args, files, skills_dir: Path, dataset: Path, prompts: list[str],
     from vllm_standalone import start
 
     from kvtool.cache.kvstore import open_store
-    from kvtool.engines.vllm.attach import settle
+    from kvtool.integrations.vllm.attach import settle
 
     blocks = compile_blocks(files.folder, skills_dir, work / "kvb") if "compose" in args.modes else None
     out: dict = {}

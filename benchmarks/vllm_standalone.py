@@ -21,7 +21,7 @@ ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VL
 
 def describe() -> dict:
     """What the record says about the vLLM servers."""
-    from kvtool.engines.vllm.mount import CLASS_NAME, MODULE
+    from kvtool.integrations.vllm.mount import CLASS_NAME, MODULE
 
     return {"server": SERVER, "connector": f"kv_transfer_config ({MODULE}.{CLASS_NAME})",
             "multiprocessing": "vLLM's default: the engine core in its own process", "flags": FLAGS,
@@ -38,7 +38,7 @@ def command(folder: str, port: int, prefix_caching: bool, extra: dict | None = N
             str(max_len),
             "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
     if extra is not None:
-        from kvtool.engines.vllm.mount import transfer_config
+        from kvtool.integrations.vllm.mount import transfer_config
 
         argv += ["--kv-transfer-config", json.dumps(transfer_config(extra))]
     return argv

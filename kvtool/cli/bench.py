@@ -243,7 +243,7 @@ def run_engines(args) -> int:
     from pathlib import Path
 
     from kvtool.bench.engines import EnginesBenchConfig, run_engines_bench
-    from kvtool.engines.vllm import available
+    from kvtool.integrations.vllm import available
     from kvtool.errors import InvalidParameterError
 
     if not available():

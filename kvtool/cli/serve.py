@@ -6,7 +6,7 @@ import os
 import sys
 
 from kvtool.cli.common import ENGINE, add_model_args, check_writable, describe_load, load_from_args
-from kvtool.engines import ENGINES
+from kvtool.integrations import ENGINES
 from kvtool.serving.config import ServerConfig
 
 SERVER = ServerConfig()

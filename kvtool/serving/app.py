@@ -100,7 +100,7 @@ def create_app(model, engine_config: EngineConfig | None = None, server_config: 
                prefix_cache=None, skills=None, backend=None) -> FastAPI:
     """The app; `skills` is a SkillCatalog to serve (else EngineConfig.skills_dir is loaded, if set).
 
-    backend: what computes (default: kvtool's own engine, a KvtoolBackend; kvtool.engines.vllm gives a
+    backend: what computes (default: kvtool's own engine, a KvtoolBackend; kvtool.integrations.vllm gives a
     VllmBackend); the routes here are the same for every backend."""
     cfg = (server_config or ServerConfig()).validate()  # names an unknown tool parser too
     fmt = TOOL_FORMATS[cfg.tool_parser]

@@ -1,5 +1,5 @@
 """What computes behind kvtool serve's routes. KvtoolBackend: kvtool's own engine, with its prefix cache,
-skill blocks, cache routes and the attention inspector. (kvtool.engines.vllm.backend: the vLLM one.)
+skill blocks, cache routes and the attention inspector. (kvtool.integrations.vllm.backend: the vLLM one.)
 
 A backend gives create_app: `name`, `start_worker(metrics)` (kvtool.serving.worker.Worker over
 the backend's engine core), `metrics_lines` (more Prometheus lines, or

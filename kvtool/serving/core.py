@@ -1,5 +1,5 @@
 """The engine-core protocol: what the serving Worker drives, on kvtool's engine (KvtoolCore, here) or on vLLM's
-(kvtool.engines.vllm.worker.VllmCore).
+(kvtool.integrations.vllm.worker.VllmCore).
 
 A core validates a request (`new_generation`), takes it (`add`), ends requests early (`abort`) and runs one step
 (`step`). `step`, `abort` and `fail` return the outputs produced since the last call: a token event of a request,

@@ -40,14 +40,14 @@ def test_the_modes_run_plain_vllm_servers(server):
 
 def test_compose_mounts_the_connector_by_kv_transfer_config_alone(server, tmp_path):
     pytest.importorskip("vllm")
-    from kvtool.engines.vllm.mount import MountSettings
+    from kvtool.integrations.vllm.mount import MountSettings
 
     (tmp_path / "a.kvb").write_bytes(b"")
     argv = server.command("/m", 8000, True, {"blocks": [str(tmp_path / "a.kvb")], "kv_store": str(tmp_path / "s"),
                                              "skill_min_tokens": 0})
     assert "--enable-prefix-caching" in argv
     config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-    assert config["kv_connector_module_path"] == "kvtool.engines.vllm.connector"
+    assert config["kv_connector_module_path"] == "kvtool.integrations.vllm.connector"
     assert MountSettings.from_extra(config["kv_connector_extra_config"]).kv_store == str(tmp_path / "s")
 
 

@@ -150,7 +150,7 @@ def subject(step: Step) -> str:
     if argv[1:3] == ["-m", "venv"]:
         return "venv"
     if argv[1:3] == ["-m", VLLM_SERVER]:  # and the connector's module, when the command mounts it
-        return VLLM_SERVER + (" kvtool.engines.vllm.connector" if "KvtoolConnector" in " ".join(argv) else "")
+        return VLLM_SERVER + (" kvtool.integrations.vllm.connector" if "KvtoolConnector" in " ".join(argv) else "")
     if argv[1].startswith("benchmarks/"):
         return Path(argv[1]).name
     # pip install/uninstall: the first package named (the extra of `.[extra]`), not an option's value

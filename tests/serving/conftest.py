@@ -73,7 +73,7 @@ def sse_events():
 def _vllm_server(gguf, tmp_path_factory, max_tokens: int):
     """kvtool serve --engine vllm in a child process (vLLM changes process-wide thread settings), started once
     per session; stopped with SIGINT at the end (test_vllm_start_stop checks the exit itself)."""
-    from kvtool.engines.vllm import available
+    from kvtool.integrations.vllm import available
 
     if not available():
         pytest.skip("vLLM is not installed (pip install -e '.[vllm]'; scripts/setup.sh --test installs it)")

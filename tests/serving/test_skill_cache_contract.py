@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 
-from kvtool.engines.vllm import available
+from kvtool.integrations.vllm import available
 
 pytestmark = pytest.mark.real_model
 

@@ -1,4 +1,4 @@
-"""kvtool.engines.vllm.mount: what the connector builds from kv_transfer_config alone (no vLLM, tiny models): its
+"""kvtool.integrations.vllm.mount: what the connector builds from kv_transfer_config alone (no vLLM, tiny models): its
 settings, checked; the model's RoPE without weights, equal to the runner's; skill blocks placed with re-rotated
 keys; each tensor-parallel rank's share of the KV heads (TP = 1, 2 and 4) and its own store layout."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvtool.cache.kvfile import rope_info, setup_of
-from kvtool.engines.vllm.mount import MountSettings, RopeFrame, Shelf, rank_heads, store_layout
+from kvtool.integrations.vllm.mount import MountSettings, RopeFrame, Shelf, rank_heads, store_layout
 from kvtool.errors import InvalidParameterError
 from kvtool.skills.block import compile_ids, save_block
 from kvtool.testing.tiny import tiny_checkpoint, tiny_config, tiny_runner
@@ -105,7 +105,7 @@ def test_each_rank_places_and_stores_its_own_kv_heads(llama, tmp_path, tp):
 def test_the_transfer_config_is_written_without_vllm_and_names_the_connector():
     import importlib.util
 
-    from kvtool.engines.vllm.mount import transfer_config
+    from kvtool.integrations.vllm.mount import transfer_config
 
     config = transfer_config({"blocks": "b"})
     assert config["kv_connector_extra_config"] == {"blocks": "b"} and config["kv_role"] == "kv_both"

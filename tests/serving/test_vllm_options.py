@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvtool.cli import main
-from kvtool.engines.vllm import available
+from kvtool.integrations.vllm import available
 
 needs_vllm = pytest.mark.skipif(not available(), reason="vLLM is not installed (pip install -e '.[vllm]')")
 
@@ -34,7 +34,7 @@ def test_engine_arg_needs_the_vllm_engine(capsys):
 
 @needs_vllm
 def test_engine_args_are_typed():
-    from kvtool.engines.vllm.settings import parse_engine_args
+    from kvtool.integrations.vllm.settings import parse_engine_args
 
     parsed = parse_engine_args(["max_model_len=4096", "enable_prefix_caching=false", "tensor-parallel-size=2",
                                 "gpu_memory_utilization=0.5", "dtype=bfloat16", 'compilation_config={"mode": 0}'])
@@ -51,7 +51,7 @@ def test_engine_args_are_typed():
     ("model=x", "give the model with --model"),
     ("generation_config=vllm", "give it as --generation-config")])
 def test_bad_engine_args_say_what_is_wrong(item, message):
-    from kvtool.engines.vllm.settings import parse_engine_args
+    from kvtool.integrations.vllm.settings import parse_engine_args
     from kvtool.errors import InvalidParameterError
 
     with pytest.raises(InvalidParameterError, match=None) as info:
@@ -60,7 +60,7 @@ def test_bad_engine_args_say_what_is_wrong(item, message):
 
 
 def test_settings_keep_the_users_environment(monkeypatch):
-    from kvtool.engines.vllm.settings import ENV_DEFAULTS, apply_env_defaults
+    from kvtool.integrations.vllm.settings import ENV_DEFAULTS, apply_env_defaults
 
     import os
 
@@ -74,7 +74,7 @@ def test_settings_keep_the_users_environment(monkeypatch):
 
 
 def test_engine_kwargs_defaults_then_user():
-    from kvtool.engines.vllm.settings import engine_kwargs
+    from kvtool.integrations.vllm.settings import engine_kwargs
 
     cpu = engine_kwargs("/m", "auto", on_gpu=False, user={"max_model_len": 1024, "enforce_eager": False})
     assert cpu["dtype"] == "float32" and cpu["enforce_eager"] is False and cpu["max_model_len"] == 1024
@@ -85,7 +85,7 @@ def test_engine_kwargs_defaults_then_user():
 
 def test_a_config_naming_no_architecture_gets_the_causal_lm_for_its_model_type():
     """A converted GGUF's config names no architecture; vLLM would load Gemma 3's as an embedding model."""
-    from kvtool.engines.vllm.settings import engine_kwargs
+    from kvtool.integrations.vllm.settings import engine_kwargs
 
     named = engine_kwargs("/m", "auto", on_gpu=False, user={}, model_type="gemma3_text")
     assert named["hf_overrides"] == {"architectures": ["Gemma3ForCausalLM"]}
@@ -96,8 +96,8 @@ def test_a_config_naming_no_architecture_gets_the_causal_lm_for_its_model_type()
 
 @needs_vllm
 def test_the_connectors_counters_sum_across_halves_and_reset_when_taken():
-    from kvtool.engines.vllm.connector import KvtoolConnector
-    from kvtool.engines.vllm.stats import COUNTERS, KvtoolStats
+    from kvtool.integrations.vllm.connector import KvtoolConnector
+    from kvtool.integrations.vllm.stats import COUNTERS, KvtoolStats
 
     scheduler, worker = KvtoolStats(), KvtoolStats()
     assert scheduler.take() is None  # nothing to report

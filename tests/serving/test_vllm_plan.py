@@ -1,9 +1,9 @@
-"""kvtool.engines.vllm.plan: the prefix run the connector supplies for a request, over plain token ids (no vLLM, no
+"""kvtool.integrations.vllm.plan: the prefix run the connector supplies for a request, over plain token ids (no vLLM, no
 model): store blocks, the saved tail of the prefix's last block, then skill blocks back to back."""
 
 from __future__ import annotations
 
-from kvtool.engines.vllm.plan import Piece, plan_request
+from kvtool.integrations.vllm.plan import Piece, plan_request
 from kvtool.skills.match import BlockIndex
 
 A, B = list(range(100, 140)), list(range(200, 230))  # two blocks: 40 and 30 tokens

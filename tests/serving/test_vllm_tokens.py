@@ -23,7 +23,7 @@ CHATS = [[{"role": "user", "content": "Name three colours."}],
 # last line printed: {"raw": [ids...], "chat": [ids...]}, vLLM's prompt_token_ids.
 CHILD = """
 import json, sys
-from kvtool.engines.vllm.settings import apply_env_defaults, engine_kwargs
+from kvtool.integrations.vllm.settings import apply_env_defaults, engine_kwargs
 apply_env_defaults()
 from vllm import LLM, SamplingParams
 job = json.loads(sys.argv[1])
@@ -37,7 +37,7 @@ print(json.dumps({"raw": raw, "chat": chat}))
 
 @pytest.fixture(scope="module", autouse=True)
 def needs_vllm():
-    from kvtool.engines.vllm import available
+    from kvtool.integrations.vllm import available
 
     if not available():
         pytest.skip("vLLM is not installed (pip install -e '.[vllm]'; scripts/setup.sh --test installs it)")

@@ -1,4 +1,4 @@
-"""kvtool.engines.vllm.transfers: the worker half's thread that writes supplied KV into a request's pages (or copies
+"""kvtool.integrations.vllm.transfers: the worker half's thread that writes supplied KV into a request's pages (or copies
 a prompt out) beside vLLM's steps. vLLM frees a request's pages, or schedules it, only once get_finished reports it,
 so every queued request must come back exactly once, a failed one too, and never while its work still runs."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvtool.engines.vllm.transfers import Transfers
+from kvtool.integrations.vllm.transfers import Transfers
 
 
 def wait_for(transfers: Transfers, count: int, timeout: float = 30.0) -> set[str]:

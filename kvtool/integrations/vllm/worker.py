@@ -17,7 +17,7 @@ from kvtool.config import SamplingParams, as_sampling_params
 from kvtool.engine import Generation
 from kvtool.engine.engine import check_request
 from kvtool.engine.output import OutputText
-from kvtool.engines.vllm.sampling import prompt_rows, to_vllm, top_list
+from kvtool.integrations.vllm.sampling import prompt_rows, to_vllm, top_list
 from kvtool.ids import as_token_ids
 from kvtool.serving.core import Output
 from kvtool.serving.worker import RequestFailed, WorkerCrash
@@ -146,7 +146,7 @@ class VllmCore:
             self._end(req)
 
     def _account(self, req: VllmRequest, acc: dict | None) -> None:
-        """The connector's account (kvtool.engines.vllm.connector.account) splits vLLM's cached tokens."""
+        """The connector's account (kvtool.integrations.vllm.connector.account) splits vLLM's cached tokens."""
         if acc is None:
             return
         gen, n = req.gen, len(req.gen.prompt_ids)

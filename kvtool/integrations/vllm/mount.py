@@ -30,7 +30,7 @@ SETTINGS = {"blocks": "compiled skill blocks: a folder of .kvb files or a list o
                     "while vLLM's steps go on; the request waits in WAITING_FOR_REMOTE_KVS) or 'auto' (default: "
                     "sync when no other request is running, else async)"}
 
-CLASS_NAME, MODULE = "KvtoolConnector", "kvtool.engines.vllm.connector"  # what kv_transfer_config names
+CLASS_NAME, MODULE = "KvtoolConnector", "kvtool.integrations.vllm.connector"  # what kv_transfer_config names
 
 
 def transfer_config(extra: dict) -> dict:

@@ -3,7 +3,7 @@
 The HTTP layer sees the same seam as with kvtool's engine (a worker of Handles that yield TokenEvents,
 and a ServedModel), so the routes, tool parser, raw token stream, template render, timings and metrics
 are kvtool's own. vLLM runs in this process (LLMEngine, one worker thread), with the settings of
-kvtool.engines.vllm.settings applied before vllm is imported.
+kvtool.integrations.vllm.settings applied before vllm is imported.
 """
 
 

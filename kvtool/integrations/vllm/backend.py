@@ -3,8 +3,8 @@
 `load_backend(model, dtype, engine_args, cfg)` resolves the model as kvtool does (hub id, HF folder, or a
 GGUF file converted once to an fp32 HF folder in kvtool's cache), reads only its tokenizer and config
 for kvtool's side, and lets vLLM load the weights. With --skills, --kv-store or --cache-file it mounts kvtool's
-KV connector (kvtool.engines.vllm.connector) exactly as a plain `vllm serve` does, through kv_transfer_config
-(kvtool.engines.vllm.mount): the skills are compiled with kvtool's model first, which is then released, and the
+KV connector (kvtool.integrations.vllm.connector) exactly as a plain `vllm serve` does, through kv_transfer_config
+(kvtool.integrations.vllm.mount): the skills are compiled with kvtool's model first, which is then released, and the
 prefix store is the shared block store (--cache-file imports a .kvc into it at start and exports it on save).
 Routes that need kvtool's own engine (the prefix tree, pins, cache edits, the attention inspector) answer 501
 naming the engine.
@@ -68,7 +68,7 @@ class VllmBackend:
         return self.mounted.store if self.mounted is not None else None
 
     def start_worker(self, metrics):
-        from kvtool.engines.vllm.worker import VllmCore
+        from kvtool.integrations.vllm.worker import VllmCore
         from kvtool.serving.worker import Worker
 
         catalog = self.mounted.catalog if self.mounted is not None else None
@@ -163,8 +163,8 @@ def load_backend(model: str, dtype: str = "auto", engine_args: dict | None = Non
     """(TextModel, VllmBackend) for `model`: kvtool's text side and vLLM's engine, warmed up by one token (the
     first forward pays vLLM's one-time kernel set-up, so the first request does not). A model vLLM cannot
     load raises ModelLoadError with vLLM's reason in one line. kv: an EngineConfig whose skills_dir, kv_store or
-    cache_file mount kvtool's KV connector (kvtool.engines.vllm.attach)."""
-    from kvtool.engines.vllm.settings import apply_env_defaults, engine_kwargs
+    cache_file mount kvtool's KV connector (kvtool.integrations.vllm.attach)."""
+    from kvtool.integrations.vllm.settings import apply_env_defaults, engine_kwargs
     from kvtool.models.loading import load_text
 
     apply_env_defaults()
@@ -182,13 +182,13 @@ def load_backend(model: str, dtype: str = "auto", engine_args: dict | None = Non
         kwargs["structured_outputs_config"] = StructuredOutputsConfig(**kwargs["structured_outputs_config"])
     mounted = None
     if kv is not None:
-        from kvtool.engines.vllm.attach import mount
+        from kvtool.integrations.vllm.attach import mount
 
         mounted = mount(model, text, kv, kwargs["dtype"] if kwargs["dtype"] != "auto" else "float32")
     if mounted is not None:
         from vllm.config import KVTransferConfig
 
-        from kvtool.engines.vllm.mount import transfer_config
+        from kvtool.integrations.vllm.mount import transfer_config
 
         kwargs["kv_transfer_config"] = KVTransferConfig(**transfer_config(mounted.extra))
     t0 = time.perf_counter()

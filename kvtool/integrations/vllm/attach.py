@@ -1,5 +1,5 @@
 """What `kvtool serve --engine vllm` mounts through kvtool's KV connector: the same kv_connector_extra_config a plain
-`vllm serve` is given (kvtool.engines.vllm.mount), built from kvtool's options.
+`vllm serve` is given (kvtool.integrations.vllm.mount), built from kvtool's options.
 
 - --skills DIR: the skills are compiled with kvtool's own model (or read from the skill cache), which is then
   released before vLLM loads, so the server holds one copy of the weights; the connector reads the .kvb files.
@@ -116,7 +116,7 @@ def check_file(path: str, text, dtype: str) -> None:
     """Refuse a .kvc saved for another model, tokenizer, dtype or RoPE than the one vLLM serves."""
     from kvtool.cache.kvfile import SETUP_FIELDS, setup_mismatches
     from kvtool.cache.persist import open_file
-    from kvtool.engines.vllm.mount import RopeFrame, setup_for
+    from kvtool.integrations.vllm.mount import RopeFrame, setup_for
     from kvtool.errors import CacheFormatError
 
     with open_file(path) as f:

@@ -5,7 +5,7 @@ stop_token_ids) and on the stop strings; kvtool's OutputText still makes the tex
 trimming, include_stop_str_in_output and min_tokens read the same on both engines.
 
 Structured output goes to vLLM's llguidance backend (`guidance`, which kvtool's vLLM engine defaults to:
-kvtool.engines.vllm.settings). A JSON schema goes as the grammar kvtool's own engine compiles
+kvtool.integrations.vllm.settings). A JSON schema goes as the grammar kvtool's own engine compiles
 (kvtool.structured.grammar.json_compiled's Lark text): the schema with kvtool's compile options (compact JSON;
 with strict, all of it or nothing, else lenient, the same keywords left out and reported), then any suffix (a
 forced tool call's closing `\n</tool_call>`), with each special token of the model in it (Qwen2.5's

