@@ -20,8 +20,8 @@ answers.
 
 --engines vllm runs the same three modes on plain vLLM servers (benchmarks/skills_load_vllm.py: `python -m
 vllm.entrypoints.openai.api_server` from the vLLM environment, prefix caching off / on / on with kvtool's KV
-connector mounted by --kv-transfer-config and the library compiled to .kvb blocks), a fresh server for each rate
-since vLLM's prefix cache and the connector's block store cannot be emptied from outside. Requests that do not fit
+connector mounted by --kv-transfer-config and the library compiled to .kvb blocks), composition on a fresh server
+for each rate since the connector's block store cannot be emptied from outside. Requests that do not fit
 the model's context (with their output) are left out of the set, on both engines alike.
 """
 

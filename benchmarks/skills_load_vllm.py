@@ -4,11 +4,12 @@ vllm.entrypoints.openai.api_server` from the vLLM environment with vLLM's defaul
 and kvtool's KV connector, mounted by --kv-transfer-config alone, with the library compiled to .kvb blocks by
 `kvtool skill compile` and a block store of the server's own).
 
-vLLM's prefix cache and the connector's store cannot be emptied from outside a running server, so every rate gets a
-fresh server, and the no-load fidelity pass one more. Each is warmed with the --warmup requests kvtool's servers
-answer (requests outside the measured set), then its prefix cache is reset (vLLM's development endpoint); the
-connector's store keeps what the warm-ups saved, the shared system prompt's blocks among them, once its writer
-has published them (the connector needs KV for the text before a prompt's first skill to place the blocks).
+vLLM's prefix cache is emptied before each rate and the no-load pass (vLLM's development endpoint
+/reset_prefix_cache), but the connector's store cannot be from outside, so composition gets a fresh server for every
+rate and for the no-load pass, and cold and prefix one server each. Each server is warmed with the --warmup requests
+kvtool's servers answer (requests outside the measured set); the connector's store keeps what the warm-ups saved,
+the shared system prompt's blocks among them, once its writer has published them (the connector needs KV for the
+text before a prompt's first skill to place the blocks).
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def vllm_modes(args, files, skills_dir: Path, dataset: Path, prompts: list[str],
     out: dict = {}
     for mode in args.modes:
         row: dict = {"rates": {}}
-        for rate in [*args.rates, None]:  # None: the no-load pass
-            label = f"vllm-{mode}-{'answers' if rate is None else rate}"
+        passes = [*args.rates, None]  # None: the no-load pass; only the connector's store needs a server of its own
+        for group in [[r] for r in passes] if mode == "compose" else [passes]:
+            label = f"vllm-{mode}-{'-'.join('answers' if r is None else str(r) for r in group)}"
             extra = {"blocks": str(blocks), "kv_store": str(work / label / "store")} if mode == "compose" else None
             server = start(str(files.folder), work / "logs" / f"{label}.log", mode != "cold", extra, name=label,
                            python=args.vllm_python, max_len=context, kv_gib=args.vllm_kv_gib, threads=args.threads)
@@ -61,14 +63,15 @@ def vllm_modes(args, files, skills_dir: Path, dataset: Path, prompts: list[str],
                             "model": SERVED, "prompt": prompt, "max_tokens": 1, "temperature": 0}).raise_for_status()
                     if extra is not None:  # the connector's writer publishes the warm-ups' blocks in the background
                         settle(open_store(extra["kv_store"]), quiet_s=1.0, limit_s=120.0)
-                    client.post(f"{server.url}/reset_prefix_cache").raise_for_status()  # (the store keeps its records)
-                    if rate is not None:
-                        row["rates"][str(rate)] = loaded_rate(server.url, client, label, rate, args, files, dataset,
-                                                              len(prompts), work, SERVED, COUNTERS)
-                    else:  # usage's cached_tokens: vLLM's prefix cache's tokens and the connector's together
-                        answers, usages = zip(*(answer(server.url, p, client, SERVED) for p in prompts))
-                        row["uncomputed_share"] = uncomputed_share(list(usages))
-                        row["answers"] = list(answers)
+                    for rate in group:
+                        client.post(f"{server.url}/reset_prefix_cache").raise_for_status()  # (the store keeps its own)
+                        if rate is not None:
+                            row["rates"][str(rate)] = loaded_rate(server.url, client, f"vllm-{mode}", rate, args,
+                                                                  files, dataset, len(prompts), work, SERVED, COUNTERS)
+                        else:  # usage's cached_tokens: vLLM's prefix cache's tokens and the connector's together
+                            answers, usages = zip(*(answer(server.url, p, client, SERVED) for p in prompts))
+                            row["uncomputed_share"] = uncomputed_share(list(usages))
+                            row["answers"] = list(answers)
             finally:
                 server.stop()
         log(f"  vllm {mode}: {row['uncomputed_share']:.1%} of prompt tokens not computed (no load)")

@@ -15,10 +15,9 @@ import logging
 
 from kvtool.config import SamplingParams, as_sampling_params
 from kvtool.engine import Generation
-from kvtool.engine.engine import check_request
 from kvtool.engine.output import OutputText
+from kvtool.ids import as_token_ids, check_request
 from kvtool.integrations.vllm.sampling import prompt_rows, to_vllm, top_list
-from kvtool.ids import as_token_ids
 from kvtool.serving.core import Output
 from kvtool.serving.worker import RequestFailed, WorkerCrash
 
