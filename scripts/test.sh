@@ -3,7 +3,8 @@
 # .venv, then the --engine vllm tests again in .venv-vllm, where vLLM is installed (in .venv they skip).
 # The skill/cache-file contract and the plain vLLM server with kvtool's connector run in a pytest process of their own
 # there: their Qwen2.5 servers must not share 24 GB with the session-scoped servers and models of the other vLLM tests.
-# Arguments go to the first run only; with arguments the vLLM runs are left out.
+# Arguments go to the first run only; with arguments the vLLM runs are left out. Each run ends with its slowest tests
+# (--durations), the figures that keep the whole run within its time.
 #   scripts/test.sh --latest [ARGS]   the release canary: the fast tests (no real model, not slow) in
 #                                     .venv-latest, set up with the newest releases pyproject.toml allows
 set -euo pipefail
@@ -25,9 +26,9 @@ VLLM_ONLY="not kvtool-smol and not kvtool-qwen and not kvtool-gemma"
 VLLM_ALONE="tests/serving/test_skill_cache_contract.py tests/serving/test_vllm_cache_file.py
   tests/serving/test_vllm_standalone.py"
 status=0
-.venv/bin/python -m pytest -q "$@" || status=$?
+.venv/bin/python -m pytest -q --durations=15 "$@" || status=$?
 if [ $# -eq 0 ]; then
-  .venv-vllm/bin/python -m pytest -q $VLLM_TESTS -k "$VLLM_ONLY" || status=$?
-  .venv-vllm/bin/python -m pytest -q $VLLM_ALONE || status=$?
+  .venv-vllm/bin/python -m pytest -q --durations=10 $VLLM_TESTS -k "$VLLM_ONLY" || status=$?
+  .venv-vllm/bin/python -m pytest -q --durations=5 $VLLM_ALONE || status=$?
 fi
 exit $status

@@ -136,6 +136,8 @@ def add_peers_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=c.warmup, help="untimed runs before each measurement")
     p.add_argument("--rounds", type=int, default=c.rounds,
                    help="runs of every engine, in alternating order (A B C C B A ...); figures are their median")
+    p.add_argument("--settle-max-s", type=float, default=c.settle_max_s,
+                   help="before each engine, wait up to this long for the machine's load to decay (0: no wait)")
     p.add_argument("--client-prompts", type=int, default=c.client_prompts, help="vllm-bench: requests")
     p.add_argument("--client-prefix-tokens", type=int, default=c.client_prefix_tokens,
                    help="vllm-bench: tokens of the prefix every prompt shares")
@@ -292,7 +294,7 @@ def run_peers(args) -> int:
                       scenario_requests=args.scenario_requests,
                       decode_tokens=args.decode_tokens, ttft_lengths=args.ttft_lengths,
                       streams=args.streams, stream_tokens=args.stream_tokens, threads=parse_threads(args.threads),
-                      rounds=args.rounds, client_prompts=args.client_prompts,
+                      rounds=args.rounds, settle_max_s=args.settle_max_s, client_prompts=args.client_prompts,
                       client_prefix_tokens=args.client_prefix_tokens, client_input_tokens=args.client_input_tokens,
                       client_output_tokens=args.client_output_tokens, client_concurrency=args.client_concurrency,
                       kv_mib=args.kv_mib, prefix_cache_mib=args.prefix_cache_mib,

@@ -29,11 +29,23 @@ def test_bad_settings_are_named():
         PeersConfig(decode_tokens=1).validate()
     with pytest.raises(InvalidParameterError, match="--vllm-dtype"):
         PeersConfig(vllm_dtype="int8").validate()
-    with pytest.raises(InvalidParameterError, match="settle_max_s >= 0.*'settle_max_s': -1"):
+    with pytest.raises(InvalidParameterError, match="--settle-max-s >= 0.*'settle_max_s': -1"):
         PeersConfig(settle_max_s=-1).validate()
     quick = PeersConfig(quick=True).sized()
     assert quick.streams == [4] and quick.repeats == 1 and PeersConfig().sized().streams == [8, 64]
     assert quick.settle_max_s == 0 and PeersConfig().sized().settle_max_s == 180  # a smoke run does not wait
+
+
+def test_the_command_line_sets_the_wait_for_the_load_to_settle(monkeypatch, tmp_path):
+    import kvtool.bench.peers
+    from kvtool.cli import main
+
+    seen = []
+    monkeypatch.setattr(kvtool.bench.peers, "run_peers", lambda cfg, log, command: seen.append(cfg) or [])
+    assert main(["bench", "peers", "--settle-max-s", "30", "--out-dir", str(tmp_path / "p")]) == 0
+    assert main(["bench", "peers", "--out-dir", str(tmp_path / "q")]) == 0
+    assert [c.settle_max_s for c in seen] == [30.0, PeersConfig().settle_max_s]
+    assert main(["bench", "peers", "--settle-max-s", "-1", "--out-dir", str(tmp_path / "r")]) == 2 and len(seen) == 2
 
 
 def test_cpu_key_is_the_one_the_build_script_files_its_binary_under():

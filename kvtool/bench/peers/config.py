@@ -124,7 +124,7 @@ class PeersConfig:
             bad["client_prefix_tokens"] = self.client_prefix_tokens
         if bad or self.warmup < 0:
             raise InvalidParameterError(f"these must be >= 1 (--decode-tokens and --rounds >= 2, --warmup, "
-                                        f"--client-prefix-tokens and settle_max_s >= 0): {bad or 'warmup'}")
+                                        f"--client-prefix-tokens and --settle-max-s >= 0): {bad or 'warmup'}")
         if self.vllm_dtype not in ("float32", "bfloat16", "float16"):
             raise InvalidParameterError(f"--vllm-dtype {self.vllm_dtype!r}: choose float32, bfloat16 or float16")
         return self
