@@ -84,5 +84,6 @@ def describe(context: int) -> dict:
     from vllm_standalone import describe as servers
 
     return {**servers(), "max_model_len": context,
-            "per_rate": "a fresh server for each rate and one for the no-load pass",
+            "per_rate": "composition: a fresh server for each rate and one for the no-load pass; cold and prefix: "
+                        "one server each, its prefix cache reset before each",
             "blocks": "kvtool skill compile of the library (kvtool's default preamble)"}

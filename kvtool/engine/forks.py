@@ -17,7 +17,7 @@ import torch
 
 from kvtool.cache.kv import KVCache
 from kvtool.config import SamplingParams
-from kvtool.engine.scheduler import BatchRequest, SharedPrompt
+from kvtool.engine.plan import BatchRequest, SharedPrompt
 
 
 def choice_seed(seed: int | None, i: int) -> int | None:

@@ -1,104 +1,27 @@
 """Continuous batching, planned: which requests run in a step, which tokens of each, and what their results do.
 
-schedule() admits waiting requests first come, first served, and returns a Plan: one decode token of each running
-request plus prefill chunks within `prefill_budget` tokens, so a long prompt is prefilled over several steps without
-stalling the streams already running. The blocks a step needs come from the engine's pool before its forward; where
-the pool (or a token cap) cannot hold them, the newest request is preempted: its KV is dropped and it is re-queued at
-the front, to be recomputed (its token stream simply continues). The engine's StepExecutor (kvtool.engine.step) runs
-the Plan; postprocess() takes its samples: each token goes out as a TokenEvent, finished requests leave, and a fault
-while taking one request's token (its sampler or on_event raising) ends that request alone (finish_reason "error",
-the exception passed to its on_finish). A request opens its KV (Engine.open_cache, a prefix-cache lookup) when
-admitted, in a step whose budget starts its prompt, so requests arriving together read what the first published
-(Engine.publish, as soon as its prefill ends; Engine.close_cache takes the rest at its end). Requests that share a
-SharedPrompt prefill it once.
+schedule() admits waiting requests first come, first served (each opens its KV then, Engine.open_cache: a prefix-cache
+lookup, so requests arriving together read what the first published) and returns a Plan: a decode token of each
+running request plus prefill chunks within `prefill_budget` tokens. A step's blocks come from the engine's pool before
+its forward; where it has none left the newest request is preempted (its KV dropped, it re-queues at the front to be
+recomputed). The engine's StepExecutor runs the Plan; postprocess() takes its samples: each token goes out as a
+TokenEvent, finished requests leave, and a fault while taking one request's token ends that request alone.
 """
 
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
-from kvtool.cache.kv import KVCache
 from kvtool.config import SamplingParams, is_whole
 from kvtool.engine.output import Generation, OutputState, TokenEvent, scores_prompt
+from kvtool.engine.plan import BatchRequest, Chunk, Plan, SharedPrompt
 from kvtool.engine.sampling import Sample
 from kvtool.engine.scoring import SCORE_CHUNK, PromptScorer
 from kvtool.errors import InvalidParameterError, PoolExhausted
-
-
-@dataclass(eq=False)  # a request is an entity: membership tests and remove() go by identity
-class BatchRequest:
-    gen: Generation
-    state: OutputState
-    on_event: Callable[[TokenEvent], None] | None
-    on_finish: Callable[[Generation, BaseException | None], None] | None = None
-    pending: list[int] = field(default_factory=list)  # tokens whose KV is not yet in the cache
-    cache: KVCache | None = None
-    handle: object = None
-    admitted_at: int = -1
-    preemptions: int = 0
-    shared: SharedPrompt | None = None  # until its prompt is in its cache: the prompt it shares with other requests
-    scorer: PromptScorer | None = None  # while a prompt_logprobs request prefills: its rows so far
-
-
-class Chunk(NamedTuple):
-    req: BatchRequest
-    tokens: list[int]  # the next of its pending tokens, to run in this step
-    samples: bool  # they end its pending tokens: the last one's logits draw its next token
-
-
-@dataclass
-class Plan:
-    """One step's work. chunks: the requests that run tokens, oldest admitted first (a decode: one token that
-    samples). given: requests that start from a shared prompt's logits and draw their first token from them, with
-    no forward (a Plan of those alone). preempted: running requests whose KV was dropped for room."""
-    chunks: list[Chunk] = field(default_factory=list)
-    given: list[tuple[BatchRequest, torch.Tensor]] = field(default_factory=list)
-    preempted: list[BatchRequest] = field(default_factory=list)
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(c.tokens) for c in self.chunks)
-
-
-class SharedPrompt(ABC):
-    """One prompt that its members (the n choices of a prompt) prefill once. `waiting`: how many other members
-    the waiting queue holds. `kept`: the prompt's KV kept for the members not started (it counts against the KV
-    budget)."""
-    kept: KVCache | None
-
-    @abstractmethod
-    def join(self, req: BatchRequest, engine) -> None:
-        """req shares the prompt (ValueError where its prompt ids differ from the first member's)."""
-
-    @abstractmethod
-    def waits(self, req: BatchRequest) -> bool:
-        """Whether req waits for another member's prefill."""
-
-    @abstractmethod
-    def start_cost(self, req: BatchRequest, waiting: int) -> int | None:
-        """KV tokens that starting req from the kept KV takes; None where req prefills the prompt itself."""
-
-    @abstractmethod
-    def start(self, req: BatchRequest, waiting: int) -> torch.Tensor:
-        """Give req the kept KV (its cache and handle) and the prompt's timings; the logits its first token draws from."""
-
-    @abstractmethod
-    def prefilled(self, req: BatchRequest, logits: torch.Tensor, waiting: int) -> None:
-        """req's prompt is in its cache (logits: of its last token): keep them for the members waiting."""
-
-    @abstractmethod
-    def release(self) -> None:
-        """Drop the kept KV: the members not started prefill the prompt themselves."""
-
-    @abstractmethod
-    def leave(self, req: BatchRequest, waiting: int) -> None:
-        """req ends before it started from the kept KV."""
 
 
 class BatchScheduler:
@@ -128,8 +51,7 @@ class BatchScheduler:
             on_event: Callable[[TokenEvent], None] | None = None,
             on_finish: Callable[[Generation, BaseException | None], None] | None = None,
             shared: SharedPrompt | None = None) -> None:
-        """Queue a Generation already validated by Engine.new_generation(); requests given one `shared` prompt
-        prefill it once."""
+        """Queue a Generation Engine.new_generation() validated; requests given one `shared` prompt prefill it once."""
         state = OutputState(self.engine, gen, max_tokens, skip_special_tokens, time.perf_counter())
         req = BatchRequest(gen, state, on_event, on_finish, pending=list(gen.prompt_ids), shared=shared)
         if shared is not None:
@@ -179,9 +101,8 @@ class BatchScheduler:
             self.step()
 
     def schedule(self) -> Plan:
-        """Admit what fits. Where some start from a shared prompt's logits, the Plan is only those (their first
-        tokens come before the step's chunks). Else plan each running request's chunk (decodes first come,
-        prefills within the budget, oldest first) and preempt until the step fits the KV budget."""
+        """Admit what fits. Where some start from a shared prompt's logits, the Plan is only those (first tokens come
+        first); else each running request's chunk (decodes, prefills within the budget, oldest first), made to fit."""
         plan = Plan()
         self._admit(plan)
         if plan.given:
@@ -199,8 +120,7 @@ class BatchScheduler:
 
     def postprocess(self, plan: Plan, logits: list[torch.Tensor],
                     samples: dict[BatchRequest, Sample | Exception]) -> None:
-        """Advance the planned requests: logits (per chunk, of its last token) and samples (of each request that
-        samples, or the exception its sampler raised) from the StepExecutor."""
+        """Advance the planned requests by the StepExecutor's logits (of a chunk's last token) and samples."""
         self.steps += bool(plan.chunks)  # a given Plan (first tokens, no forward) belongs to the step after it
         for req, _ in plan.given:
             self._deliver(req, samples[req])
@@ -224,8 +144,7 @@ class BatchScheduler:
         return list({id(s): s for s in (r.shared for r in self.waiting) if s and s.kept is not None}.values())
 
     def _kv_tokens(self) -> int:
-        """Tokens of KV the batch holds: the running requests' own (not the prefix cache's blocks a hit reads in
-        place: that cache holds them), and what shared prompts keep for waiting members."""
+        """KV tokens the batch holds: running requests' own (not prefix-cache blocks read in place), and shared kept."""
         return (sum(r.cache.own_tokens for r in self.running if r.cache is not None)
                 + sum(s.kept.own_tokens for s in self._kept()))
 
@@ -273,9 +192,8 @@ class BatchScheduler:
             self.running.append(req)
 
     def _fit(self, plan: Plan) -> None:
-        """Make the step fit: its tokens within the token cap, if one was given, then each chunk's blocks taken from
-        the engine's pool before the forward, oldest request first (a full pool's prefix cache first evicts what no
-        request holds). Where they do not fit, room is made (_make_room); a request that does not fit alone fails."""
+        """Make the step fit: its tokens within a token cap, then each chunk's blocks taken from the pool before the
+        forward, oldest request first; room is made where they do not fit (_make_room), and one too big alone fails."""
         while self._over_budget(plan.tokens) and self._make_room(plan):  # (chunks leave the plan at the end)
             pass
         for chunk in plan.chunks:
@@ -303,8 +221,7 @@ class BatchScheduler:
         return True
 
     def _preempt_newest(self, plan: Plan) -> None:
-        """Drop the newest running request's KV (the last admitted: `running` is in order of admission) and
-        re-queue it at the front, to be recomputed."""
+        """Drop the newest (last admitted) running request's KV; it re-queues at the front, to be recomputed."""
         victim = self.running.pop()
         self._release(victim)
         victim.pending = victim.gen.prompt_ids + victim.gen.token_ids

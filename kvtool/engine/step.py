@@ -19,7 +19,7 @@ import torch
 
 from kvtool.engine.batch_sampling import batchable, sample_rows
 from kvtool.engine.sampling import Sample
-from kvtool.engine.scheduler import BatchRequest, Plan
+from kvtool.engine.plan import BatchRequest, Plan
 from kvtool.models.layers import ForwardPlan
 
 
