@@ -3,8 +3,8 @@ steps of --rows decoding requests, decode-only and while --arrivals new prompts 
 the same step, the ops' self time grouped into categories (projections, attention, norms and elementwise, sampling,
 other ops) and the step's host time (wall minus the ops' self time). JSON record as the last line.
 
-Each engine runs in a process of its own, one after the other (one model loaded at a time): kvtool with fp32 (dense)
-and with bf16 weights (kvtool.load(weights=...)), and vLLM's engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
+Each engine runs in a process of its own, one after the other (one model loaded at a time): kvtool with fp32 (dense),
+bf16 and int4 weights (kvtool.load(weights=...)), and vLLM's engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
 so the profiler sees its model) at dtype bfloat16, run by the vLLM python (--vllm-python, $KVTOOL_VLLM_PYTHON);
 all on --threads threads.
 Every engine gets the same requests: --rows prompts of --prompt random tokens (seeded) decode with ignore_eos,
@@ -42,7 +42,8 @@ CATEGORIES = {
                           "_to_copy", "aten::to", "aten::neg", "aten::pow", "aten::rsqrt", "aten::mean",
                           "aten::embedding", "aten::cat"),
 }
-SIDES = ("kvtool-fp32", "kvtool-bf16", "vllm-bf16")
+SIDES = ("kvtool-fp32", "kvtool-bf16", "kvtool-int4", "vllm-bf16")
+WEIGHTS = {"kvtool-fp32": "dense", "kvtool-bf16": "bf16", "kvtool-int4": "int4"}  # kvtool.load(weights=...)
 
 
 def category(name: str, in_sampling: bool) -> str:
@@ -266,7 +267,7 @@ def run_side(args) -> dict:
     if args.side == "vllm-bf16":
         engine = VllmSide(args, args.folder)
     else:
-        engine = KvtoolSide(args, "dense" if args.side == "kvtool-fp32" else "bf16")
+        engine = KvtoolSide(args, WEIGHTS[args.side])
     out = run_workload(engine, args)
     return {"side": args.side, **engine.describe(), "torch_threads": torch.get_num_threads(), **out}
 

@@ -57,11 +57,14 @@ def test_op_names_fall_in_their_category(name, pieces):
 def test_every_profiled_step_holds_the_decoding_rows_and_the_arrivals(tmp_path):
     out = tmp_path / "record.json"
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--sides", "kvtool-fp32",
-                          "--rows", "3", "--prompt", "16", "--arrivals", "2", "--steps", "2", "--top", "3", "--out",
-                          str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          "kvtool-int4", "--settle-s", "0", "--rows", "3", "--prompt", "16", "--arrivals", "2",
+                          "--steps", "2", "--top", "3", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     record = json.loads(run.stdout.strip().splitlines()[-1])
     assert record == json.loads(out.read_text())
-    (side,) = record["runs"]
-    assert side["decode"]["tokens"] == [3, 3] and side["mixed"]["tokens"] == [3 + 2 * 16] * 2
-    assert side["engine"] == "kvtool" and side["weights"] == "dense" and side["torch_threads"] == 2
+    assert [(side["side"], side["weights"]) for side in record["runs"]] == [("kvtool-fp32", "dense"),
+                                                                              ("kvtool-int4", "int4")]
+    for side in record["runs"]:
+        assert side["decode"]["tokens"] == [3, 3] and side["mixed"]["tokens"] == [3 + 2 * 16] * 2
+        assert side["engine"] == "kvtool" and side["torch_threads"] == 2
