@@ -29,7 +29,7 @@ from kvtool.errors import ContextWindowError, InvalidParameterError
 from kvtool.ids import as_token_ids
 from kvtool.skills.block import SkillBlock
 from kvtool.skills.repair import PlaceStats, append_relocated, is_query_guided, make_repair
-from kvtool.skills.selective import recompute_slots
+from kvtool.skills.selective import append_empty, recompute_slots
 
 
 
@@ -172,9 +172,7 @@ def _one_pass(runner, cache, segments, repair, out: Composition, chunk: int, log
             out.placements.append(PlaceStats(block.name, at, len(block), recomputed=len(take), shared=shared))
         else:  # the pass writes every layer's K/V here before anything reads it
             take = seg
-            shape = (runner.spec.num_layers, runner.spec.num_kv_heads, len(seg), runner.spec.head_dim)
-            empty = torch.zeros(shape, dtype=runner.dtype, device=runner.device)
-            cache.append_all(empty, empty)
+            append_empty(runner, cache, len(seg))
             out.prefilled_tokens += len(seg)
         slots += range(at, at + len(take))
         ids += take

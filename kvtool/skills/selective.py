@@ -55,11 +55,12 @@ def query_groups(positions: list[int], groups: int = QUERY_GROUPS) -> list[tuple
     return [(lo, hi, max(positions[lo:hi]) + 1) for lo, hi in zip(bounds, bounds[1:])]
 
 
-def _layer(layer, lkv, x: torch.Tensor, pos: torch.Tensor, cos, sin, slots: torch.Tensor, groups, keep=None):
+def _layer(layer, lkv, x: torch.Tensor, pos: torch.Tensor, cos, sin, slots: torch.Tensor, groups, keep=None,
+           look=None):
     """One layer for the active tokens x [1, n, hidden] at positions pos: fresh K/V written at their slots,
     attention over every slot at or before each position, a run of query_groups() at a time. keep(k, v)
     may pick a subset (indices into the n tokens) after the write, with its groups; returns (x, that
-    subset or None)."""
+    subset or None). look(attn, q, keys, values, pos) sees the queries and what they attend to (recompute_slots)."""
     attn, chosen = layer.self_attn, None
     q, k, v = attn.qkv(layer.input_layernorm(x))  # the fused (on CPU packed) projection
     q, k = attn.rotate(q, cos, sin), attn.rotate(k, cos, sin)  # this layer's RoPE base
@@ -72,6 +73,8 @@ def _layer(layer, lkv, x: torch.Tensor, pos: torch.Tensor, cos, sin, slots: torc
         if not len(chosen):
             return x, chosen
     outs, (keys, values) = [], lkv.span(0, max(end for _, _, end in groups))  # (paged: one copy of its blocks)
+    if look is not None:
+        look(attn, q, keys, values, pos)
     for lo, hi, end in groups:
         mask = slots[None, :end] <= pos[lo:hi, None]  # [run, end]: causal by position
         if attn.window is not None:  # a sliding-window layer sees only its window
@@ -86,55 +89,66 @@ def _layer(layer, lkv, x: torch.Tensor, pos: torch.Tensor, cos, sin, slots: torc
 ROW_BUDGET_BYTES = 128 << 20  # scores of one block of query rows, all heads
 
 
+def append_empty(runner, cache, n: int) -> None:
+    """Append n slots whose K/V a pass writes, every layer's, before anything reads them."""
+    shape = (runner.spec.num_layers, runner.spec.num_kv_heads, n, runner.spec.head_dim)
+    empty = torch.zeros(shape, dtype=runner.dtype, device=runner.device)
+    cache.append_all(empty, empty)
+
+
+def receiver(received: torch.Tensor, first_row: int, values: bool):
+    """A look for _layer that adds to received [start] the attention probability each slot before `start` gets from
+    the rows at positions >= first_row, summed over heads and rows (values: each weighted by the norm of the slot's
+    value in its KV head). Scores are fp32 over the keys the layer already holds, each KV head's query heads in one
+    matmul (no copy of the keys per query head), a block of rows at a time; columns past a row's position (and
+    outside a sliding layer's window) get nothing."""
+    start = received.shape[0]
+
+    def look(attn, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, pos: torch.Tensor) -> None:
+        rows = (pos >= first_row).nonzero()[:, 0]
+        hkv, end, d = keys.shape[1], keys.shape[2], keys.shape[3]
+        group, scale = q.shape[1] // hkv, attn.scale or 1.0 / math.sqrt(d)
+        k = keys[0].float().transpose(1, 2)  # [Hkv, D, end]
+        weight = vals[0, :, :start].float().norm(dim=-1) if values and len(rows) else None  # [Hkv, start]
+        slots, step = torch.arange(end, device=q.device), max(1, ROW_BUDGET_BYTES // (4 * q.shape[1] * end))
+        for lo in range(0, len(rows), step):
+            r = rows[lo : lo + step]
+            at, qr = pos[r], q[0][:, r].float() * scale  # [R], [Hq, R, D]: query head h reads KV head h // group
+            scores = torch.matmul(qr.reshape(hkv, group * len(r), d), k).view(hkv, group, len(r), end)
+            hidden = slots[None, :] > at[:, None]  # [R, end]
+            if attn.window is not None:
+                hidden |= slots[None, :] <= at[:, None] - attn.window
+            got = torch.softmax(scores.masked_fill_(hidden, float("-inf")), -1)[..., :start].sum((1, 2))  # [Hkv, start]
+            received.add_((got if weight is None else got * weight).sum(0))
+
+    return look
+
+
 @torch.inference_mode()
 def attention_received(runner, cache, ids: list[int], window: int, chunk: int,
                        values: bool = False) -> torch.Tensor:
-    """Prefill ids after what `cache` holds (they stay appended) and return, for every slot before them,
-    the attention probability it receives from the last `window` of ids, summed over layers, heads and
-    those rows: [start] fp32 on the runner's device. Probabilities are softmax(q_rot·kᵀ/√d) in fp32 over
-    the keys each row sees (the fused path never materialises them), a block of rows at a time.
-    Only the columns from `start` on, where a row's future can be, are masked. values=True weights each
-    probability by the norm of the slot's value in that head: the size of what it adds to the output."""
+    """Compute ids after what `cache` holds (they stay appended; recompute_slots, over a paged cache's blocks in
+    place) and return, for every slot before them, the attention probability it receives from the last `window` of
+    ids, summed over layers, heads and those rows: [start] fp32 on the runner's device (receiver() scores them).
+    values=True weights each probability by the norm of the slot's value in that head: the size of what it adds to
+    the output."""
     start = cache.offset
-    first_row = start + max(0, len(ids) - window)
     received = torch.zeros(start, dtype=torch.float32, device=runner.device)
-    spec = runner.spec
-    group = spec.num_heads // spec.num_kv_heads
-
-    def tap(t) -> None:
-        attn = runner.model.layers[t.layer].self_attn
-        scale = attn.scale or 1.0 / math.sqrt(spec.head_dim)
-        end, n = t.cache[t.layer].offset, t.q_rot.shape[2]
-        lo = max(first_row, end - n)
-        if lo >= end:
-            return
-        keys = t.cache[t.layer].keys[0, :, :end].float().repeat_interleave(group, 0).transpose(1, 2)  # [Hq, D, end]
-        weight = t.cache[t.layer].values[0, :, :start].float().norm(dim=-1).repeat_interleave(group, 0)[:, None] \
-            if values else None  # [Hq, 1, start]
-        step = max(1, ROW_BUDGET_BYTES // (4 * spec.num_heads * end))
-        for r in range(lo, end, step):
-            rows = torch.arange(r, min(end, r + step), device=runner.device)
-            scores = torch.matmul(t.q_rot[0][:, rows - (end - n)].float() * scale, keys)  # [Hq, R, end]
-            future = torch.arange(start, end, device=runner.device)[None, :] > rows[:, None]  # [R, end - start]
-            scores[..., start:].masked_fill_(future, float("-inf"))
-            if attn.window is not None:  # slots outside a sliding layer's window get nothing
-                scores.masked_fill_(torch.arange(end, device=runner.device)[None, :] <= rows[:, None] - attn.window,
-                                    float("-inf"))
-            probs = torch.softmax(scores, -1)[..., :start]
-            received.add_((probs if weight is None else probs * weight).sum((0, 1)))
-
-    runner.prefill(ids, cache, chunk=chunk, logits="none", tap=tap)
+    append_empty(runner, cache, len(ids))
+    recompute_slots(runner, cache, list(range(start, start + len(ids))), ids, chunk=chunk,
+                    look=receiver(received, start + max(0, len(ids) - window), values))
     return received
 
 
 @torch.inference_mode()
 def recompute_slots(runner, cache, slots: list[int], ids: list[int], chunk: int | None = None,
-                    rows: int = 0) -> torch.Tensor | None:
+                    rows: int = 0, look=None) -> torch.Tensor | None:
     """Run the tokens ids at cache slots `slots` (ascending; slot = position) through every layer over the
     cache as it stands: each attends to every slot at or before its own, recomputed ones included. A pass
     takes at most `chunk` tokens (all by default); a later pass attends to what the earlier ones wrote,
     which is what one pass would have seen, as every slot after a token's own is masked.
-    Returns the logits [rows, V] (fp32) of the last `rows` tokens, or None for rows=0."""
+    look(attn, q, keys, values, pos), if given, sees each layer's rotated queries and the keys and values they attend
+    to (receiver()). Returns the logits [rows, V] (fp32) of the last `rows` tokens, or None for rows=0."""
     if any(a >= b for a, b in zip(slots, slots[1:])):
         raise ValueError("recompute_slots: slots must be ascending and distinct")
     step, logits = chunk or max(1, len(slots)), []
@@ -146,7 +160,7 @@ def recompute_slots(runner, cache, slots: list[int], ids: list[int], chunk: int 
         cos, sin = runner.rope_cos_sin(pos)
         everything, groups = torch.arange(part[-1] + 1, device=runner.device), query_groups(part)
         for i, layer in enumerate(runner.model.layers):
-            x, _ = _layer(layer, cache[i], x, pos, cos, sin, everything, groups)
+            x, _ = _layer(layer, cache[i], x, pos, cos, sin, everything, groups, look=look)
         wanted = min(len(part), max(0, lo + len(part) - (len(slots) - rows)))  # this pass's share of the last rows
         if wanted:
             logits.append(runner.head(runner.model.norm(x[0, -wanted:])))

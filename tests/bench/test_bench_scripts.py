@@ -26,6 +26,7 @@ SCRIPTS = {
     "chunk_attention.py": ["--prefix", "16", "--tokens", "4", "--repeats", "1"],
     "decode_products.py": ["--rows", "1", "3", "--repeats", "1"],
     "decode_products.py --weights int4": ["--weights", "int4", "--rows", "5", "--repeats", "1"],
+    "skills_repair_cost.py": ["--requests", "1", "--rounds", "1", "--most", "2"],
     "prefix_blocks.py": ["--prefix", "32", "--suffix", "4", "--rows", "2", "--steps", "1", "--repeats", "1"],
 }
 

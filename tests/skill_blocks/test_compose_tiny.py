@@ -339,7 +339,8 @@ def test_a_block_placed_again_at_a_position_reads_the_pool_blocks_kept_there(tin
     pristine = [blk.clone() for blk in kept]  # [2, L, H, 4, D] each
     two, plain = run(rand_ids(7, 4)), run(rand_ids(7, 4), paged=False)
     assert [one.placements[0].shared, two.placements[0].shared, plain.placements[0].shared] == [0, 28, 0]
-    assert all(a is b for a, b in zip(two.cache.layers[0].blocks[3:9], kept[1:]))
+    same = [a is b for a, b in zip(two.cache.layers[0].blocks[3:9], kept[1:])]  # the cache stays paged
+    assert len(same) == 6 and (all(same) or repair.startswith("recompute_attended"))  # (its recompute writes copies)
     for got, want in zip(two.cache.stacked(), plain.cache.stacked()):
         assert torch.allclose(got, want, atol=1e-6)
     assert all(map(torch.equal, kept, pristine)) and len(alpha.placed) == 1
