@@ -16,6 +16,7 @@ from kvtool.structured.grammar import request_grammar, unenforced_keywords
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 FORWARDS = ("auto", "reference", "cpu-ops")  # which forward a model's steps take (EngineConfig.forward)
+KV_DTYPES = ("auto", "float32", "bfloat16")  # a paged engine's KV elements (EngineConfig.kv_dtype)
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes; the server's seed fields use it too
 REAL = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 FLAGS = ("ignore_eos", "include_stop_str_in_output", "strict")
@@ -53,6 +54,8 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda, then mps, then cpu
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU; or float32/bfloat16/float16
     weights: str = "dense"  # dense | int4: 4-bit projections, 8-bit head (CPU decode ~2x) | bf16: bf16 GEMMs (AMX)
+    kv_dtype: str = "auto"  # the KV cache's elements where steps run the C++ CPU ops: auto | float32 | bfloat16
+    # (kvtool.engine.engine.kv_dtype_of says what auto picks); elsewhere the model's dtype
     prefill_chunk: int = 2048  # prompt tokens per scheduler step (each forward): bounds activation memory and how
     # long one step stalls running streams; a later chunk attends over all earlier keys
     max_running: int = 16  # requests the scheduler batches in each step (kvtool serve --max-active sets it)
@@ -85,7 +88,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not (optional and value is None) and not is_whole(value, least):
                 bad(name, f"must be an integer >= {least}" + (" or None" if optional else ""))
-        choices = {"weights": ("dense", "int4", "bf16"), "forward": FORWARDS}
+        choices = {"weights": ("dense", "int4", "bf16"), "forward": FORWARDS, "kv_dtype": KV_DTYPES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 bad(name, f"must be one of {', '.join(allowed)}")

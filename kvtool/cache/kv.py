@@ -76,6 +76,7 @@ class LayerKV:
     def write(self, at: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Overwrite the KV of the tokens at positions `at` [n] (each below capacity) with k, v [1, H, n, D] in place:
         a paged cache's through its blocks, a borrowed block first replaced by a copy of its own for every layer."""
+        k, v = k.to(self._k.dtype), v.to(self._k.dtype)  # (e.g. fp32 KV into an engine's bf16 blocks: rounded)
         if not self.blocks:  # every token in the buffers
             self._k[:, :, at - self.base], self._v[:, :, at - self.base] = k, v
             return

@@ -73,12 +73,12 @@ class PrefixCache(PrefixHook):
     @classmethod
     def for_runner(cls, runner, budget_bytes: int | None = None, block_size: int = 16,
                    eviction: str = "lru", pool: BlockPool | None = None) -> "PrefixCache":
-        """A cache shaped for ``runner``'s KV (layers, heads, dtype, device); its blocks and the requests' pages
-        come from ``pool`` (e.g. its Engine's), else each is an allocation of its own."""
+        """A cache shaped for ``runner``'s KV (layers, heads, dtype, device; ``pool``'s dtype where given); its blocks
+        and the requests' pages come from ``pool`` (e.g. its Engine's), else each is an allocation of its own."""
         s = runner.spec
         budget = memory_split(None, None, runner.device)[1] if budget_bytes is None else budget_bytes
         return cls(s.num_layers, s.num_kv_heads, s.head_dim, budget_bytes=budget, block_size=block_size,
-                   dtype=runner.dtype, device=runner.device, eviction=eviction, runner=runner, pool=pool)
+                   dtype=(pool or runner).dtype, device=runner.device, eviction=eviction, runner=runner, pool=pool)
 
     def _capacity(self, budget_bytes) -> int:
         if not is_whole(budget_bytes):
@@ -371,7 +371,7 @@ def attach_prefix_cache(engine, budget_bytes: int | None = None, block_size: int
     budget, size = budget_bytes if budget_bytes is not None else engine.memory[1], block_size or cfg.prefix_block
     pool = engine.memory[0] + budget if engine.paged else 0  # the paged requests' and the cache's
     if (engine.pool.block_shape[3], engine.pool.blocks) != (size, pool // engine.pool.bytes_per_block):
-        engine.pool = BlockPool.for_runner(engine.runner, size, pool)  # (running requests keep the blocks they hold)
+        engine.pool = BlockPool.for_runner(engine.runner, size, pool, engine.pool.dtype)  # (requests keep theirs)
     cache = PrefixCache.for_runner(engine.runner, budget, size, eviction, engine.pool)
     if cfg.kv_store is not None:
         setup = setup_of(engine.model, engine.runner)

@@ -41,6 +41,7 @@ FORMAT_VERSION = "1"
 INDEX_TENSORS = ("tokens", "parents", "recency", "pin_tokens", "pin_lengths")  # and kv.<j> per block
 KIND = "prefix cache (.kvc)"
 REMEDY = "Delete it; the server or `kvtool generate --cache-file` writes a new one."
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # what a file's blocks may hold
 
 
 def snapshot(cache, setup: dict[str, str]) -> tuple[dict, list[torch.Tensor], dict]:
@@ -183,10 +184,14 @@ def _load(cache, f: CheckedFile, setup: dict[str, str], start: float) -> dict:
     rows, bs, store = saved["rows"], saved["block_size"], cache.store
     n, want = len(rows), (2, store.num_layers, store.num_kv_heads, saved["block_size"], store.head_dim)
 
-    read = block_reader(f, saved, store.dtype, want) if v2 else (lambda j: f.tensor(block_name(j)))
+    # KV in the file's dtype, converted to the cache's as read (bf16 widens exactly, fp32 rounds to nearest even)
+    dtype = KV_DTYPES.get(saved["meta"].get("kv_dtype"), store.dtype) if v2 else store.dtype
+    read = block_reader(f, saved, dtype, want) if v2 else (lambda j: f.tensor(block_name(j)))
 
     def row(j: int) -> torch.Tensor:  # block j's KV [2, L, H, B, D], read from the file now
         kv = read(j)
+        if kv.dtype != store.dtype and kv.dtype in KV_DTYPES.values():
+            kv = kv.to(store.dtype)
         if tuple(kv.shape) != want or kv.dtype != store.dtype:
             raise CacheFormatError(f"{path}: block {j} is {kv.dtype} {tuple(kv.shape)}; this cache holds "
                                    f"{store.dtype} [2, layers, kv_heads, block_size, head_dim] = {list(want)}")

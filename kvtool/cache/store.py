@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from kvtool.errors import PoolExhausted
+from kvtool.errors import InvalidParameterError, PoolExhausted
 
 # keys/values for one block: a tensor [L, H, B, D] or a sequence of L tensors [H, B, D]
 BlockKV = torch.Tensor | Sequence[torch.Tensor]
@@ -43,6 +43,21 @@ def memory_split(kv_bytes: int | None, cache_bytes: int | None, device: torch.de
     return (total // 2 if kv_bytes is None else kv_bytes), (total - total // 2 if cache_bytes is None else cache_bytes)
 
 
+def kv_dtype(config, runner, paged: bool) -> torch.dtype:
+    """An EngineConfig's (checked) kv_dtype as the dtype of an engine's blocks: another than the model's needs the C++
+    CPU ops' steps (`paged`), which read fp32 or bf16, and no skills_dir (skill repair attends in the model's dtype);
+    auto is then bfloat16 for bf16 weights, else the model's."""
+    setting, skills = config.kv_dtype, config.skills_dir is not None
+    auto = torch.bfloat16 if paged and not skills and runner.weights == "bf16" else runner.dtype
+    dtype = auto if setting == "auto" else getattr(torch, setting)
+    if dtype != runner.dtype and (skills or not paged):
+        why = "skill blocks (skills_dir) are repaired in the model's dtype" if skills else "this engine runs the " \
+            "reference forward, not the C++ CPU ops (forward auto or cpu-ops, an fp32 CPU model whose ops built)"
+        raise InvalidParameterError(f"kv_dtype={setting!r}: KV in another dtype than the model's "
+                                    f"({str(runner.dtype)[6:]}) cannot be used here: {why}; use kv_dtype='auto'")
+    return dtype
+
+
 class BlockPool:
     """KV blocks [2, L, H, B, D] of one model, all from one allocation of `nbytes` made at the first take(). A sized
     pool never hands out memory beyond it: with no slot spare, take() has `reclaim` (its prefix cache's eviction of
@@ -62,9 +77,10 @@ class BlockPool:
         self.reclaim: weakref.WeakMethod | None = None  # frees a block, False when none can go (PrefixCache's)
 
     @classmethod
-    def for_runner(cls, runner, block_size: int, nbytes: int = 0) -> "BlockPool":
-        s = runner.spec
-        return cls((2, s.num_layers, s.num_kv_heads, block_size, s.head_dim), runner.dtype, runner.device, nbytes)
+    def for_runner(cls, runner, block_size: int, nbytes: int = 0, dtype: torch.dtype | None = None) -> "BlockPool":
+        s = runner.spec  # (dtype: kv_dtype()'s, else the model's)
+        return cls((2, s.num_layers, s.num_kv_heads, block_size, s.head_dim), dtype or runner.dtype, runner.device,
+                   nbytes)
 
     @property
     def bytes_per_block(self) -> int:

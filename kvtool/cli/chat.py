@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import sys
 
-from kvtool.cli.common import (add_model_args, add_sampling_args, check_writable, describe_load, load_from_args,
-                               sampling_from_args)
+from kvtool.cli.common import (add_kv_dtype_arg, add_model_args, add_sampling_args, check_writable, describe_load,
+                               load_from_args, sampling_from_args)
 
 COMMANDS = {"/reset": "start a new conversation (the KV of the old one stays cached)",
             "/system TEXT": "set the system message and start a new conversation",
@@ -26,6 +26,7 @@ def register(subparsers) -> None:
                    help="load the prefix cache from PATH (if it exists) and save it there when the chat ends")
     p.add_argument("--raw", action="store_true", help="show special tokens verbatim")
     add_model_args(p)
+    add_kv_dtype_arg(p)
     add_sampling_args(p)
     p.set_defaults(func=run)
 
@@ -38,7 +39,7 @@ def run(args) -> int:
     params = sampling_from_args(args)
     check_writable(args.cache_file, "--cache-file")
     model = load_from_args(args)
-    engine = Engine(model, EngineConfig(cache_file=args.cache_file))
+    engine = Engine(model, EngineConfig(cache_file=args.cache_file, kv_dtype=args.kv_dtype))
     cache = attach_prefix_cache(engine)
     if args.cache_file is not None:
         say(f"kvtool: prefix cache file {args.cache_file}: {describe_load(cache.loaded, 'when the chat ends')}")

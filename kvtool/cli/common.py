@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvtool.config import FORWARDS, EngineConfig, SamplingParams
+from kvtool.config import FORWARDS, KV_DTYPES, EngineConfig, SamplingParams
 from kvtool.models.loading import WEIGHTS
 
 ENGINE = EngineConfig()
@@ -57,6 +57,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="sampling defaults of requests that name no temperature, top_p, top_k, min_p or "
                         "penalties: auto (the model's generation_config.json or GGUF metadata, else its card, else "
                         "llama-server's), none (temperature 1, no top-p/top-k), or FOLDER's generation_config.json "
+                        "(default: %(default)s)")
+
+
+def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-dtype", default=ENGINE.kv_dtype, choices=KV_DTYPES,
+                   help="the KV cache's elements where steps run the C++ CPU ops: bfloat16 halves the KV memory and "
+                        "the bytes attention reads (keys and values rounded as written, widened to fp32 as read); "
+                        "auto: bfloat16 with --weights bf16 (and no --skills), else the model's dtype "
                         "(default: %(default)s)")
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from kvtool.cli.common import (add_model_args, add_sampling_args, check_writable, describe_load, load_from_args,
-                               sampling_from_args)
+from kvtool.cli.common import (add_kv_dtype_arg, add_model_args, add_sampling_args, check_writable, describe_load,
+                               load_from_args, sampling_from_args)
 
 
 def register(subparsers) -> None:
@@ -22,6 +22,7 @@ def register(subparsers) -> None:
                    help="reuse the KV of earlier prompts: load the prefix cache from PATH (if it exists), save it "
                         "there afterwards (a .kvc file, as kvtool serve --cache-file writes)")
     add_model_args(p)
+    add_kv_dtype_arg(p)
     add_sampling_args(p)
     p.set_defaults(func=run)
 
@@ -53,7 +54,7 @@ def run(args) -> int:
         ids = model.encode_chat(messages)  # what the template writes, its <bos> included
     else:
         ids = model.encode(args.prompt, add_special_tokens=not args.no_special_tokens)  # as /v1/completions does
-    engine = Engine(model, EngineConfig(cache_file=args.cache_file))
+    engine = Engine(model, EngineConfig(cache_file=args.cache_file, kv_dtype=args.kv_dtype))
     if args.cache_file is not None:
         cache = attach_prefix_cache(engine)
         print(f"kvtool: prefix cache file {args.cache_file}: {describe_load(cache.loaded, 'after this run')}",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from kvtool.cli.common import ENGINE, add_model_args, check_writable, describe_load, load_from_args
+from kvtool.cli.common import ENGINE, add_kv_dtype_arg, add_model_args, check_writable, describe_load, load_from_args
 from kvtool.integrations import ENGINES
 from kvtool.serving.config import ServerConfig
 
@@ -17,6 +17,7 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_model_args(p)
+    add_kv_dtype_arg(p)
     p.add_argument("--host", default=SERVER.host, help="address to bind (use 0.0.0.0 to listen on all interfaces)")
     p.add_argument("--port", type=int, default=SERVER.port)
     p.add_argument("--api-key", default=os.environ.get("KVTOOL_API_KEY", SERVER.api_key),
@@ -117,7 +118,7 @@ def run(args) -> int:
                                  kv_store_bytes=args.kv_store_bytes, skills_dir=args.skills,
                                  skill_repair=args.skill_repair,
                                  skill_preamble=args.skill_preamble,
-                                 skill_min_tokens=args.skill_min_tokens, forward=args.forward,
+                                 skill_min_tokens=args.skill_min_tokens, forward=args.forward, kv_dtype=args.kv_dtype,
                                  generation_config=args.generation_config).validate()
     check_writable(args.cache_file, "--cache-file")
     if args.kv_store is not None:  # a store that cannot open (a file, no Redis server there) fails before the load

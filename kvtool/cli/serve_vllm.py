@@ -11,7 +11,7 @@ from kvtool.serving.config import ServerConfig
 
 # kvtool serve options that configure kvtool's own engine: (attribute, flag, its default)
 KVTOOL_ENGINE_ONLY = [("weights", "--weights", ENGINE.weights), ("forward", "--forward", ENGINE.forward),
-                      ("kv_bytes", "--kv-bytes", None)]
+                      ("kv_bytes", "--kv-bytes", None), ("kv_dtype", "--kv-dtype", ENGINE.kv_dtype)]
 
 
 def check_options(args) -> dict:

@@ -18,7 +18,7 @@ from typing import Iterator
 
 from kvtool.cache.hook import PrefixHook, checked_hook
 from kvtool.cache.kv import KVCache
-from kvtool.cache.store import BlockPool, memory_split
+from kvtool.cache.store import BlockPool, kv_dtype, memory_split
 from kvtool.config import EngineConfig, SamplingParams, as_sampling_params
 from kvtool.engine.forks import choices
 from kvtool.engine.output import Generation, TokenEvent, scores_prompt
@@ -43,8 +43,8 @@ class Engine:
         self.prefix_cache = prefix_cache  # optional: a PrefixHook (kvtool.cache.hook), checked by the setter
         # (running requests' KV bytes, prefix-cache bytes): the engine's one memory budget, split once here
         self.memory = memory_split(self.config.kv_bytes, self.config.cache_bytes, self.runner.device)
-        self.pool = BlockPool.for_runner(self.runner, self.config.prefix_block,  # the running requests' share (a
-                                         self.memory[0] if self.paged else 0)  # prefix cache adds its own), paged
+        self.pool = BlockPool.for_runner(self.runner, self.config.prefix_block, self.memory[0] if self.paged else 0,
+                                         kv_dtype(self.config, self.runner, self.paged))  # the requests' share
         self.end_of_turn = frozenset(model.end_of_turn_ids())
         self._scheduler: BatchScheduler | None = None
         self.executor = StepExecutor(self)  # runs the scheduler's plans: the forward and the sampling of each step

@@ -7,7 +7,8 @@
 // blocks or the buffers), the online softmax down each column (eight rows per vector: no horizontal sums), then
 // O += P V. Keys past a row's own position get no weight. Each item runs on one thread in a fixed order, so the
 // result does not depend on the thread count, nor on the vector width (eight floats with AVX2, sixteen with
-// AVX-512): every lane does the same steps in the same order.
+// AVX-512): every lane does the same steps in the same order. The keys and values are fp32 or bf16 (an engine's
+// kv_dtype), bf16 widened to fp32 as read.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,11 +21,6 @@
 
 #include "cpu_simd.h"
 
-namespace kvtool_cpu {
-std::vector<float*> block_pointers(at::TensorList blocks, int64_t layer, int64_t hkv, int64_t d, int64_t& bs,
-                                   int64_t& nl, const char* what);  // cpu_decode.cpp
-}  // namespace kvtool_cpu
-
 namespace {
 
 // The few vector operations the tiles need, W floats at a time: V8 (AVX2 where the build has it, else plain loops)
@@ -32,9 +28,11 @@ namespace {
 // value kernel (as many accumulators as the registers hold). Every lane does the same steps in the same order at
 // either width, so both give the same bits.
 
-// The operations both widths spell alike, but for the intrinsics' prefix P.
-#define KVTOOL_VEC_OPS(P)                                                      \
+// The operations both widths spell alike, but for the intrinsics' prefix P and WIDEN, the load of W bf16 values
+// widened to fp32 (cpu_simd.h).
+#define KVTOOL_VEC_OPS(P, WIDEN)                                               \
   static t load(const float* p) { return P##_loadu_ps(p); }                    \
+  static t load(const uint16_t* p) { return WIDEN(p); }                        \
   static void store(float* p, t a) { P##_storeu_ps(p, a); }                    \
   static t splat(float a) { return P##_set1_ps(a); }                           \
   static t fma(t a, t b, t c) { return P##_fmadd_ps(a, b, c); }                \
@@ -45,7 +43,7 @@ namespace {
 struct V8 {
   using t = __m256;
   static constexpr int W = 8, KR = 6, NV = 2;
-  KVTOOL_VEC_OPS(_mm256)
+  KVTOOL_VEC_OPS(_mm256, kvtool_cpu::load8)
   // b where a > -inf, else 0
   static t keep_finite(t a, t b) { return _mm256_and_ps(b, _mm256_cmp_ps(a, splat(-INFINITY), _CMP_GT_OQ)); }
   static t vexp(t x) { return kvtool_cpu::exp8(x); }  // for x <= 0 (cpu_simd.h)
@@ -55,7 +53,8 @@ struct V8 {
   struct t { float v[8]; };
   static constexpr int W = 8, KR = 6, NV = 2;
 #define KVTOOL_EACH(expr) t r; for (int i = 0; i < 8; ++i) r.v[i] = (expr); return r
-  static t load(const float* p) { KVTOOL_EACH(p[i]); }
+  template <class E>
+  static t load(const E* p) { KVTOOL_EACH(kvtool_cpu::widen(p[i])); }
   static void store(float* p, t a) { for (int i = 0; i < 8; ++i) p[i] = a.v[i]; }
   static t splat(float a) { KVTOOL_EACH(a); }
   static t fma(t a, t b, t c) { KVTOOL_EACH(a.v[i] * b.v[i] + c.v[i]); }
@@ -71,7 +70,7 @@ struct V8 {
 struct V16 {
   using t = __m512;
   static constexpr int W = 16, KR = 12, NV = 4;
-  KVTOOL_VEC_OPS(_mm512)
+  KVTOOL_VEC_OPS(_mm512, kvtool_cpu::load16)
   static t keep_finite(t a, t b) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, splat(-INFINITY), _CMP_GT_OQ), b); }
   static t vexp(t x) { return kvtool_cpu::exp16(x); }
 };
@@ -81,15 +80,16 @@ struct V16 {
 constexpr int64_t TILE = 64;  // keys per tile
 constexpr int ROWS = 6;  // query rows per pass of the value kernel
 
-// s [R, 2W] (row stride ld) = the R keys k[0..R) (each d floats) against 2W transposed queries qt [d, ld].
-template <class V, int R>
-inline void scores(const float* const* k, const float* qt, int64_t ld, int64_t d, float* s) {
+// s [R, 2W] (row stride ld) = the R keys k[0..R) (each d values, fp32 or bf16) against 2W transposed queries
+// qt [d, ld].
+template <class V, int R, class E>
+inline void scores(const E* const* k, const float* qt, int64_t ld, int64_t d, float* s) {
   typename V::t acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V::splat(0.f);
   for (int64_t i = 0; i < d; ++i) {
     const typename V::t q0 = V::load(qt + i * ld), q1 = V::load(qt + i * ld + V::W);
     for (int r = 0; r < R; ++r) {
-      const typename V::t kr = V::splat(k[r][i]);
+      const typename V::t kr = V::splat(kvtool_cpu::widen(k[r][i]));
       acc[r][0] = V::fma(kr, q0, acc[r][0]);
       acc[r][1] = V::fma(kr, q1, acc[r][1]);
     }
@@ -98,8 +98,8 @@ inline void scores(const float* const* k, const float* qt, int64_t ld, int64_t d
 }
 
 // o [R, W NV dims from c] (row stride d) += sum over the n keys of p [key, row] (row stride ld) * v[key][c..].
-template <class V, int R, int NV>
-inline void weigh(const float* p, int64_t ld, const float* const* v, int64_t n, int64_t c, int64_t d, float* o) {
+template <class V, int R, int NV, class E>
+inline void weigh(const float* p, int64_t ld, const E* const* v, int64_t n, int64_t c, int64_t d, float* o) {
   typename V::t acc[R][NV];
   for (int r = 0; r < R; ++r) for (int j = 0; j < NV; ++j) acc[r][j] = V::load(o + r * d + c + V::W * j);
   for (int64_t t = 0; t < n; ++t) {
@@ -113,32 +113,32 @@ inline void weigh(const float* p, int64_t ld, const float* const* v, int64_t n, 
   for (int r = 0; r < R; ++r) for (int j = 0; j < NV; ++j) V::store(o + r * d + c + V::W * j, acc[r][j]);
 }
 
-template <class V, int R>
-void scores_n(int rest, const float* const* k, const float* qt, int64_t ld, int64_t d, float* s) {
+template <class V, int R, class E>
+void scores_n(int rest, const E* const* k, const float* qt, int64_t ld, int64_t d, float* s) {
   if constexpr (R > 0) {
-    if (rest == R) return scores<V, R>(k, qt, ld, d, s);
-    scores_n<V, R - 1>(rest, k, qt, ld, d, s);
+    if (rest == R) return scores<V, R, E>(k, qt, ld, d, s);
+    scores_n<V, R - 1, E>(rest, k, qt, ld, d, s);
   }
 }
 
-template <class V, int R, int NV>
-void weigh_n(int rest, const float* p, int64_t ld, const float* const* v, int64_t n, int64_t c, int64_t d, float* o) {
+template <class V, int R, int NV, class E>
+void weigh_n(int rest, const float* p, int64_t ld, const E* const* v, int64_t n, int64_t c, int64_t d, float* o) {
   if constexpr (R > 0) {
-    if (rest == R) return weigh<V, R, NV>(p, ld, v, n, c, d, o);
-    weigh_n<V, R - 1, NV>(rest, p, ld, v, n, c, d, o);
+    if (rest == R) return weigh<V, R, NV, E>(p, ld, v, n, c, d, o);
+    weigh_n<V, R - 1, NV, E>(rest, p, ld, v, n, c, d, o);
   }
 }
 
 // The work items begin .. end - 1 of prefill_attention at W = V::W floats a vector; row(kv, g, pos) is the key
-// (kv 0) or value (kv 1) of KV head g at position pos.
-template <class V, class Row>
+// (kv 0) or value (kv 1) of KV head g at position pos, a pointer to E (float, or uint16_t for bf16).
+template <class V, class E, class Row>
 void attend_items(int64_t begin, int64_t end, const Row& row, const float* qp, float* op, int64_t T, int64_t hq,
                   int64_t d, int64_t group, int64_t per, int64_t blocks_of_t, int64_t slot) {
   constexpr int64_t COLS = 2 * V::W;  // query rows per pass of the score kernel; rows are padded to it
   const int64_t pad = (per * group + COLS - 1) / COLS * COLS;
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   std::vector<float> qt(d * pad), s(TILE * pad), o(pad * d), m(pad), l(pad), alpha(pad);
-  std::vector<const float*> kr(TILE), vr(TILE);
+  std::vector<const E*> kr(TILE), vr(TILE);
   for (int64_t it = begin; it < end; ++it) {
     // items of one KV head alternate between early and late blocks, so a thread's share of items is even
     const int64_t g = it / blocks_of_t, k = it % blocks_of_t;
@@ -206,39 +206,41 @@ void attend_items(int64_t begin, int64_t end, const Row& row, const float* qp, f
 // Attention out [T, hq, d] of a chunk's T queries q [T, hq, d] at positions slot .. slot + T - 1. Keys and values
 // 0 .. base - 1 are in the blocks [2, L, hkv, B, d] (this layer's part; n B == base), base onwards in the
 // buffers keys/values [1, hkv, capacity, d] from their slot 0; the chunk's own are already written to either. width: 0
-// for the widest vectors the build has (sixteen floats with AVX-512 where d is a multiple of 16), 8 for eight.
-at::Tensor prefill_attention(const at::Tensor& q, at::TensorList blocks, int64_t layer, const at::Tensor& keys,
-                             const at::Tensor& values, int64_t base, int64_t slot, int64_t width) {
+// for the widest vectors the build has (sixteen floats with AVX-512 where d is a multiple of 16), 8 for eight. The
+// blocks and buffers are fp32 or bf16 alike (E: float, or uint16_t for bf16, widened as read; sums in fp32).
+template <class E>
+at::Tensor prefill_attention_as(const at::Tensor& q, at::TensorList blocks, int64_t layer, const at::Tensor& keys,
+                                const at::Tensor& values, int64_t base, int64_t slot, int64_t width) {
   TORCH_CHECK(q.is_contiguous() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.size(0) > 0,
               "prefill_attention: q must be contiguous fp32 [T, hq, d]");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.dim() == 4 && keys.sizes() == values.sizes() &&
-                  keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
-              "prefill_attention: keys and values must be contiguous fp32 [1, hkv, capacity, d]");
+                  keys.scalar_type() == values.scalar_type(),
+              "prefill_attention: keys and values must be contiguous [1, hkv, capacity, d] of one dtype");
   TORCH_CHECK(width == 0 || width == 8, "prefill_attention: width must be 0 (the widest) or 8, got ", width);
   const int64_t T = q.size(0), hq = q.size(1), d = q.size(2), hkv = keys.size(1), cap = keys.size(2);
   TORCH_CHECK(keys.size(3) == d && d % 8 == 0 && hkv > 0 && hq % hkv == 0,
               "prefill_attention: head_dim must match the buffers' and be a multiple of 8, hq a multiple of hkv");
   int64_t bs = 1, nl = 0;
-  const std::vector<float*> block = kvtool_cpu::block_pointers(blocks, layer, hkv, d, bs, nl, "prefill_attention");
+  const std::vector<E*> block = kvtool_cpu::block_pointers<E>(blocks, layer, hkv, d, bs, nl, "prefill_attention");
   const int64_t n = static_cast<int64_t>(block.size());
   TORCH_CHECK(base == n * (n ? bs : 0) && slot >= 0 && slot + T - base <= cap,
               "prefill_attention: positions ", slot, "..", slot + T - 1, " do not fit ", n, " blocks (", base,
               " tokens) and buffers of ", cap);
-  const float* own[2] = {keys.data_ptr<float>(), values.data_ptr<float>()};
+  const E* own[2] = {static_cast<const E*>(keys.data_ptr()), static_cast<const E*>(values.data_ptr())};
   // where the key (kv 0) or value (kv 1) of KV head g at position pos is, for every pos a query sees: looked up,
   // not divided out per key (a division per key and tile took ~5% of a 2,048-token prefill's attention)
   const int64_t total = slot + T;
-  std::vector<const float*> at(2 * hkv * total);
+  std::vector<const E*> at(2 * hkv * total);
   for (int64_t kv = 0; kv < 2; ++kv) {
     for (int64_t g = 0; g < hkv; ++g) {
-      const float** dst = at.data() + (kv * hkv + g) * total;
+      const E** dst = at.data() + (kv * hkv + g) * total;
       for (int64_t pos = 0; pos < std::min(base, total); ++pos) {
         dst[pos] = block[pos / bs] + (((kv * nl + layer) * hkv + g) * bs + pos % bs) * d;
       }
       for (int64_t pos = base; pos < total; ++pos) dst[pos] = own[kv] + (g * cap + pos - base) * d;
     }
   }
-  auto row = [&](int kv, int64_t g, int64_t pos) -> const float* { return at[(kv * hkv + g) * total + pos]; };
+  auto row = [&](int kv, int64_t g, int64_t pos) -> const E* { return at[(kv * hkv + g) * total + pos]; };
   const int64_t group = hq / hkv, per = std::max<int64_t>(1, 96 / group);  // positions per item: ~96 query rows
   const int64_t blocks_of_t = (T + per - 1) / per, items = hkv * blocks_of_t;
   at::Tensor out = at::empty({T, hq, d}, q.options());
@@ -247,11 +249,18 @@ at::Tensor prefill_attention(const at::Tensor& q, at::TensorList blocks, int64_t
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
     if (width == 0 && d % 16 == 0)
-      return attend_items<V16>(begin, end, row, qp, op, T, hq, d, group, per, blocks_of_t, slot);
+      return attend_items<V16, E>(begin, end, row, qp, op, T, hq, d, group, per, blocks_of_t, slot);
 #endif
-    attend_items<V8>(begin, end, row, qp, op, T, hq, d, group, per, blocks_of_t, slot);
+    attend_items<V8, E>(begin, end, row, qp, op, T, hq, d, group, per, blocks_of_t, slot);
   });
   return out;
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, at::TensorList blocks, int64_t layer, const at::Tensor& keys,
+                             const at::Tensor& values, int64_t base, int64_t slot, int64_t width) {
+  return kvtool_cpu::with_kv_type(keys.scalar_type(), "prefill_attention", [&](auto kind) {
+    return prefill_attention_as<decltype(kind)>(q, blocks, layer, keys, values, base, slot, width);
+  });
 }
 
 }  // namespace

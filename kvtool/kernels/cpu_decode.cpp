@@ -3,7 +3,8 @@
 // bf16 weights; 4-bit weights against 16-bit activations), as torch ops (torch.ops.kvtool_cpu.*).
 // kvtool/kernels/cpu_decode.py builds this file and documents why.
 //
-// Activations are fp32; every tensor is contiguous and on the CPU; each op checks what it indexes into.
+// Activations are fp32, the KV cache fp32 or bf16 (rounded as written, widened as read; cpu_simd.h); every tensor is
+// contiguous and on the CPU; each op checks what it indexes into.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -41,13 +42,21 @@ float dot(const float* a, const float* b, int64_t n) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 // out[t] = dot(q, k + t * d, d) for t < 8 keys (d a multiple of 8): the same products, partial sums and order of
-// adding them as dot's, eight keys at a time (their sums reduced together instead of one by one).
-inline void dot8(const float* q, const float* k, int64_t d, float* out) {
+// adding them as dot's, eight keys at a time (their sums reduced together instead of one by one). bf16 keys take
+// explicit FMAs, as dot_as does for one (the compiler contracts a product and its sum, or not, by its own choice).
+template <class E>
+inline void dot8(const float* q, const E* k, int64_t d, float* out) {
   __m256 acc[8];
   for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; i += 8) {
     const __m256 qi = _mm256_loadu_ps(q + i);
-    for (int t = 0; t < 8; ++t) acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(qi, _mm256_loadu_ps(k + t * d + i)));
+    for (int t = 0; t < 8; ++t) {
+      if constexpr (std::is_same_v<E, float>) {
+        acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(qi, _mm256_loadu_ps(k + t * d + i)));
+      } else {
+        acc[t] = _mm256_fmadd_ps(qi, load8(k + t * d + i), acc[t]);
+      }
+    }
   }
   // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]; twice, then the halves: ((0+1)+(2+3)) +
   // ((4+5)+(6+7)) per key
@@ -58,28 +67,36 @@ inline void dot8(const float* q, const float* k, int64_t d, float* out) {
 }
 #endif
 
-// The data of a sequence's blocks [2, L, hkv, B, d] (keys then values of L layers), checked to be contiguous fp32
-// alike, with L > layer; bs and nl get B and L (1 and 0 without blocks). `what` names the op in errors.
-std::vector<float*> block_pointers(at::TensorList blocks, int64_t layer, int64_t hkv, int64_t d, int64_t& bs,
-                                   int64_t& nl, const char* what) {
-  std::vector<float*> out(blocks.size());
-  const bool some = !blocks.empty() && blocks[0].dim() == 5;
-  bs = some ? blocks[0].size(3) : 1, nl = some ? blocks[0].size(1) : 0;
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    const at::Tensor& b = blocks[i];
-    TORCH_CHECK(b.is_contiguous() && b.scalar_type() == at::kFloat && b.dim() == 5 && b.size(0) == 2 &&
-                    b.size(1) == nl && b.size(2) == hkv && b.size(3) == bs && b.size(4) == d && 0 <= layer &&
-                    layer < nl, what, ": blocks must be contiguous fp32 [2, L, hkv, B, d] alike, L > layer");
-    out[i] = b.data_ptr<float>();
+// dot(a, b, n) for b fp32 or bf16 (n <= 1024). A bf16 row takes dot8's steps for one key where dot8 runs (AVX2,
+// n a multiple of 8), else is widened into a row first, so a key gives the same score on either path.
+template <class E>
+float dot_as(const float* a, const E* b, int64_t n) {
+  if constexpr (std::is_same_v<E, float>) {
+    return dot(a, b, n);
+  } else {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (n % 8 == 0) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
+      float p[8];
+      _mm256_storeu_ps(p, acc);
+      return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+    }
+#endif
+    float wide[1024];
+    for (int64_t i = 0; i < n; ++i) wide[i] = widen(b[i]);
+    return dot(a, wide, n);
   }
-  return out;
 }
 
 }  // namespace kvtool_cpu
 
 namespace {
 
+using kvtool_cpu::bf16_to_float;
 using kvtool_cpu::dot;
+using kvtool_cpu::dot_as;
+using kvtool_cpu::widen;
 #if defined(__AVX2__) && defined(__FMA__)
 using kvtool_cpu::dot8;
 #endif
@@ -119,26 +136,15 @@ inline float row_dot(const float* w, const float* x, int64_t n) {
 #endif
 }
 
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 // Sum of w[i] * x[i] for a bf16 weight row w (raw bits) and fp32 x: each weight widened to fp32 exactly.
 inline float row_dot_bf16(const uint16_t* w, const float* x, int64_t n) {
   int64_t i = 0;
   float s = 0.f;
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  auto widen = [](const uint16_t* p) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  };
   for (; i + 16 <= n; i += 16) {
-    a0 = _mm256_fmadd_ps(widen(w + i), _mm256_loadu_ps(x + i), a0);
-    a1 = _mm256_fmadd_ps(widen(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+    a0 = _mm256_fmadd_ps(kvtool_cpu::load8(w + i), _mm256_loadu_ps(x + i), a0);
+    a1 = _mm256_fmadd_ps(kvtool_cpu::load8(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
   }
   s = hsum(_mm256_add_ps(a0, a1));
 #endif
@@ -147,13 +153,7 @@ inline float row_dot_bf16(const uint16_t* w, const float* x, int64_t n) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {  // eight bf16 weights widened to fp32 exactly
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline float widen(float v) { return v; }
-inline float widen(uint16_t h) { return bf16_to_float(h); }
+using kvtool_cpu::load8;  // fp32, or bf16 widened exactly (cpu_simd.h)
 
 constexpr int64_t ROWS_AHEAD_BYTES = 32768;  // how far ahead tiled_gemv and gemv_q8 prefetch their weight rows
 
@@ -687,34 +687,35 @@ inline float exp_sum(float* s, int64_t n, float mx) {
 }
 
 // A run of keys and values of one kv head that lies in one piece of memory (a block's, or the buffers'): rows
-// k[t * d], v[t * d] for t < n, which are keys off .. off + n - 1 of the chunk an attend item scores.
+// k[t * d], v[t * d] (fp32 or bf16) for t < n, which are keys off .. off + n - 1 of the chunk an attend item scores.
+template <class E>
 struct Run {
-  const float* k;
-  const float* v;
+  const E* k;
+  const E* v;
   int64_t off, n;
 };
 
 // o [d] += sum over the runs' rows t of w[off + t] * v[t * d : t * d + d]: 8 * NV columns from c0 held in
 // registers across every row of every run (rows in order: the sums are those of one run over all of them).
-template <int NV>
-inline void weighted_rows(float* o, const float* w, const Run* runs, int64_t count, int64_t d, int64_t c0) {
+template <int NV, class E>
+inline void weighted_rows(float* o, const float* w, const Run<E>* runs, int64_t count, int64_t d, int64_t c0) {
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 acc[NV];
   for (int k = 0; k < NV; ++k) acc[k] = _mm256_loadu_ps(o + c0 + 8 * k);
   for (int64_t r = 0; r < count; ++r) {
     const float* wr = w + runs[r].off;
-    const float* v = runs[r].v + c0;
+    const E* v = runs[r].v + c0;
     for (int64_t t = 0; t < runs[r].n; ++t) {
       const __m256 wt = _mm256_broadcast_ss(wr + t);
-      const float* vt = v + t * d;
-      for (int k = 0; k < NV; ++k) acc[k] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 8 * k), acc[k]);
+      const E* vt = v + t * d;
+      for (int k = 0; k < NV; ++k) acc[k] = _mm256_fmadd_ps(wt, load8(vt + 8 * k), acc[k]);
     }
   }
   for (int k = 0; k < NV; ++k) _mm256_storeu_ps(o + c0 + 8 * k, acc[k]);
 #else
   for (int64_t r = 0; r < count; ++r) {
     for (int64_t t = 0; t < runs[r].n; ++t) {
-      for (int64_t i = c0; i < c0 + 8 * NV; ++i) o[i] += w[runs[r].off + t] * runs[r].v[t * d + i];
+      for (int64_t i = c0; i < c0 + 8 * NV; ++i) o[i] += w[runs[r].off + t] * widen(runs[r].v[t * d + i]);
     }
   }
 #endif
@@ -722,7 +723,8 @@ inline void weighted_rows(float* o, const float* w, const Run* runs, int64_t cou
 
 // o [d] += sum over the runs' rows of w[off + t] * v[t]: the columns in blocks of 64, 32, 16 and 8, the rest one
 // by one.
-inline void weighted_sum(float* o, const float* w, const Run* runs, int64_t count, int64_t d) {
+template <class E>
+inline void weighted_sum(float* o, const float* w, const Run<E>* runs, int64_t count, int64_t d) {
   int64_t c0 = 0;
   for (; c0 + 64 <= d; c0 += 64) weighted_rows<8>(o, w, runs, count, d, c0);
   if (c0 + 32 <= d) weighted_rows<4>(o, w, runs, count, d, c0), c0 += 32;
@@ -730,7 +732,7 @@ inline void weighted_sum(float* o, const float* w, const Run* runs, int64_t coun
   if (c0 + 8 <= d) weighted_rows<1>(o, w, runs, count, d, c0), c0 += 8;
   for (int64_t r = 0; r < count; ++r) {
     for (int64_t t = 0; t < runs[r].n; ++t) {
-      for (int64_t i = c0; i < d; ++i) o[i] += w[runs[r].off + t] * runs[r].v[t * d + i];
+      for (int64_t i = c0; i < d; ++i) o[i] += w[runs[r].off + t] * widen(runs[r].v[t * d + i]);
     }
   }
 }
@@ -758,10 +760,13 @@ void norm_rotate(float* x, int64_t d, const float* nw, float eps, const float* c
 // With prefix_count (one entry per row), row r's keys start with prefix_count[r] shared blocks, the next ones
 // of `prefix` ([2, L, hkv, B, d] each: keys then values of L layers, this call's being `layer`), read in
 // place; its buffers then hold the keys after them, so it attends to prefix_count[r] * B + slot + 1 keys.
-at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList values, at::IntArrayRef slots,
-                  const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& q_norm,
-                  const std::optional<at::Tensor>& k_norm, double eps, int64_t hq, int64_t hkv,
-                  at::TensorList prefix, at::IntArrayRef prefix_count, int64_t layer) {
+// The buffers and blocks are fp32 or bf16 alike (E: float, or uint16_t for bf16): k and v are computed in fp32 and
+// rounded as written, keys and values widened as read, every sum in fp32.
+template <class E>
+at::Tensor attend_as(const at::Tensor& qkv, at::TensorList keys, at::TensorList values, at::IntArrayRef slots,
+                     const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& q_norm,
+                     const std::optional<at::Tensor>& k_norm, double eps, int64_t hq, int64_t hkv,
+                     at::TensorList prefix, at::IntArrayRef prefix_count, int64_t layer) {
   const int64_t rows = qkv.dim() == 2 ? qkv.size(0) : 0;
   TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == at::kFloat && rows > 0,
               "attend: qkv must be contiguous fp32 [n, (hq + 2 hkv) d]");
@@ -777,8 +782,8 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
   for (int64_t r = 0; r < rows; ++r) {
     const at::Tensor& k = keys[r];
     TORCH_CHECK(k.is_contiguous() && values[r].is_contiguous() && k.dim() == 4 && k.sizes() == values[r].sizes() &&
-                    k.scalar_type() == at::kFloat && values[r].scalar_type() == at::kFloat,
-                "attend: keys and values must be contiguous fp32 [1, hkv, capacity, d]");
+                    k.scalar_type() == kvtool_cpu::kv_kind<E> && values[r].scalar_type() == kvtool_cpu::kv_kind<E>,
+                "attend: keys and values must be contiguous [1, hkv, capacity, d], all of one dtype");
     TORCH_CHECK(k.size(1) == hkv && k.size(3) == d, "attend: head counts or head_dim do not match the buffers");
     TORCH_CHECK(slots[r] >= 0 && slots[r] < k.size(2), "attend: slot is outside the buffers");
   }
@@ -791,24 +796,25 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
   TORCH_CHECK(first_block[rows] == static_cast<int64_t>(prefix.size()), "attend: prefix_count does not add up to "
               "the blocks given");
   int64_t bs = 1, nl = 0;
-  const std::vector<float*> block = kvtool_cpu::block_pointers(prefix, layer, hkv, d, bs, nl, "attend");
+  const std::vector<E*> block = kvtool_cpu::block_pointers<E>(prefix, layer, hkv, d, bs, nl, "attend");
   for (int64_t r = 0; r < rows; ++r) shared[r] = (first_block[r + 1] - first_block[r]) * bs;
   const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
   const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
   const int64_t width = (hq + 2 * hkv) * d, group = hq / hkv;
   // The runs of keys t0 .. t0 + n - 1 of row r's kv head g, into out: a shared block's, then the buffers'
-  auto runs = [&](int64_t r, int64_t g, int64_t t0, int64_t n, std::vector<Run>& out) {
+  auto runs = [&](int64_t r, int64_t g, int64_t t0, int64_t n, std::vector<Run<E>>& out) {
     out.clear();
     int64_t t = t0;
     for (; t < t0 + n && t < shared[r]; t += bs - t % bs) {
-      const float* b = block[first_block[r] + t / bs];
+      const E* b = block[first_block[r] + t / bs];
       const int64_t in = t % bs;
       out.push_back({b + ((layer * hkv + g) * bs + in) * d, b + (((nl + layer) * hkv + g) * bs + in) * d, t - t0,
                      std::min(bs - in, t0 + n - t)});
     }
     if (t < t0 + n) {
       const int64_t pos = g * keys[r].size(2) + t - shared[r];
-      out.push_back({keys[r].data_ptr<float>() + pos * d, values[r].data_ptr<float>() + pos * d, t - t0, t0 + n - t});
+      out.push_back({static_cast<const E*>(keys[r].data_ptr()) + pos * d,
+                     static_cast<const E*>(values[r].data_ptr()) + pos * d, t - t0, t0 + n - t});
     }
   };
 
@@ -821,10 +827,11 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
     std::memcpy(q.data() + r * hq * d, in, hq * d * sizeof(float));
     for (int64_t h = 0; h < hq; ++h) norm_rotate(q.data() + (r * hq + h) * d, d, qn, static_cast<float>(eps), cp, sp);
     for (int64_t g = 0; g < hkv; ++g) {
-      float* kdst = keys[r].data_ptr<float>() + (g * cap + slot) * d;
-      std::memcpy(kdst, in + (hq + g) * d, d * sizeof(float));
-      norm_rotate(kdst, d, kn, static_cast<float>(eps), cp, sp);
-      std::memcpy(values[r].data_ptr<float>() + (g * cap + slot) * d, in + (hq + hkv + g) * d, d * sizeof(float));
+      float k[1024];
+      std::memcpy(k, in + (hq + g) * d, d * sizeof(float));
+      norm_rotate(k, d, kn, static_cast<float>(eps), cp, sp);
+      kvtool_cpu::narrow_row(k, static_cast<E*>(keys[r].data_ptr()) + (g * cap + slot) * d, d);
+      kvtool_cpu::narrow_row(in + (hq + hkv + g) * d, static_cast<E*>(values[r].data_ptr()) + (g * cap + slot) * d, d);
     }
   }
 
@@ -852,7 +859,7 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
   const int64_t grain = keys_total >= 512 ? 1 : count;
   at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> score(group * CHUNK);
-    std::vector<Run> pieces;
+    std::vector<Run<E>> pieces;
     for (int64_t it = begin; it < end; ++it) {
       const Item& item = items[it];
       const int64_t n = item.n;
@@ -860,12 +867,12 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
       runs(item.row, item.g, item.t0, n, pieces);
       for (size_t p = 0; p < pieces.size(); ++p) {
         if (p + 1 < pieces.size()) {  // the next run's keys and values, while this one is read
-          for (int64_t i = 0; i < std::min(pieces[p + 1].n, bs) * d; i += 16) {
+          for (int64_t i = 0; i < std::min(pieces[p + 1].n, bs) * d; i += 64 / sizeof(E)) {
             __builtin_prefetch(pieces[p + 1].k + i);
             __builtin_prefetch(pieces[p + 1].v + i);
           }
         }
-        const Run& run = pieces[p];
+        const Run<E>& run = pieces[p];
         int64_t t = 0;
 #if defined(__AVX2__) && defined(__FMA__)
         for (; d % 8 == 0 && t + 8 <= run.n; t += 8) {
@@ -878,7 +885,7 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
 #endif
         for (; t < run.n; ++t) {
           for (int64_t j = 0; j < group; ++j) {
-            score[j * CHUNK + run.off + t] = dot(qg + j * d, run.k + t * d, d) * scale;
+            score[j * CHUNK + run.off + t] = dot_as(qg + j * d, run.k + t * d, d) * scale;
           }
         }
       }
@@ -919,6 +926,17 @@ at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList val
     }
   }
   return out;
+}
+
+at::Tensor attend(const at::Tensor& qkv, at::TensorList keys, at::TensorList values, at::IntArrayRef slots,
+                  const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& q_norm,
+                  const std::optional<at::Tensor>& k_norm, double eps, int64_t hq, int64_t hkv,
+                  at::TensorList prefix, at::IntArrayRef prefix_count, int64_t layer) {
+  TORCH_CHECK(!keys.empty(), "attend: keys need one entry per row of qkv");
+  return kvtool_cpu::with_kv_type(keys[0].scalar_type(), "attend", [&](auto kind) {
+    return attend_as<decltype(kind)>(qkv, keys, values, slots, cos, sin, q_norm, k_norm, eps, hq, hkv, prefix,
+                                     prefix_count, layer);
+  });
 }
 
 // All decoder layers of one decode step in one call (kvtool.models.cpu_step.DecodeStep), each as the

@@ -20,7 +20,11 @@ dispatch from Python instead of ~240. Other steps go layer by layer.
 
 `attend` reads each sequence's whole cache, so at long contexts it rivals the matmuls: its softmax takes eight
 exps at a time (Cephes' expf, ~1 ulp; cpu_simd.h) and the weighted sum of values keeps each head's output in
-registers across the keys. `silu_mul` goes through ATen's silu, vectorized and the reference forward's own.
+registers across the keys. The ops that write or read the KV cache (`attend`, `rope_qkv`, `prefill_attention`)
+take it in fp32 or in bf16 (EngineConfig.kv_dtype), the blocks and buffers of one call alike: K and V are
+computed in fp32 and rounded to nearest even as written, widened exactly as read, every sum in fp32; bf16
+halves the bytes a step's attention reads. `silu_mul` goes through ATen's silu, vectorized and the reference
+forward's own.
 
 ModelRunner.run (forward, forward_batch) takes this path for one new token of each sequence, without a tap,
 once `use_cpu_decode()` turned it on (kvtool.load does, for fp32 CPU models). Prefill chunks take

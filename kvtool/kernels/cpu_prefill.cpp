@@ -15,12 +15,12 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_simd.h"
+
 #pragma GCC optimize("fp-contract=off")
 
 namespace kvtool_cpu {
 float dot(const float* a, const float* b, int64_t n);  // cpu_decode.cpp
-std::vector<float*> block_pointers(at::TensorList blocks, int64_t layer, int64_t hkv, int64_t d, int64_t& bs,
-                                   int64_t& nl, const char* what);  // cpu_decode.cpp
 }  // namespace kvtool_cpu
 
 namespace {
@@ -43,11 +43,13 @@ inline void norm_rope(const float* in, float* out, int64_t d, const float* nw, f
 // q and k normed (when q_norm/k_norm are given) and rotated at cos/sin [T, d]; k and v written for positions
 // slot .. slot + T - 1: those below base to the blocks [2, L, hkv, B, d] (this layer's part; n B == base), the
 // rest to the layer's buffers keys/values [1, hkv, capacity, d] from their slot 0. Returns q [T, hq, d]
-// (token-major, as the projection wrote it; attention takes it as the view [1, hq, T, d]).
-at::Tensor rope_qkv(const at::Tensor& qkv, at::Tensor& keys, at::Tensor& values, int64_t slot, const at::Tensor& cos,
-                    const at::Tensor& sin, const std::optional<at::Tensor>& q_norm,
-                    const std::optional<at::Tensor>& k_norm, double eps, int64_t hq, int64_t hkv,
-                    at::TensorList blocks, int64_t layer, int64_t base) {
+// (token-major, as the projection wrote it; attention takes it as the view [1, hq, T, d]). The blocks and buffers
+// are fp32 or bf16 alike (E: float, or uint16_t for bf16); K and V are computed in fp32 and rounded to bf16 as written.
+template <class E>
+at::Tensor rope_qkv_as(const at::Tensor& qkv, at::Tensor& keys, at::Tensor& values, int64_t slot,
+                       const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& q_norm,
+                       const std::optional<at::Tensor>& k_norm, double eps, int64_t hq, int64_t hkv,
+                       at::TensorList blocks, int64_t layer, int64_t base) {
   TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.size(0) > 0,
               "rope_qkv: qkv must be contiguous fp32 [T, (hq + 2 hkv) d]");
   TORCH_CHECK(hkv > 0 && hq % hkv == 0, "rope_qkv: hq must be a multiple of hkv");
@@ -58,11 +60,11 @@ at::Tensor rope_qkv(const at::Tensor& qkv, at::Tensor& keys, at::Tensor& values,
                   sin.scalar_type() == at::kFloat && cos.numel() == rows * d && sin.numel() == rows * d,
               "rope_qkv: cos/sin must be contiguous fp32 [T, head_dim]");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.dim() == 4 && keys.sizes() == values.sizes() &&
-                  keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
-              "rope_qkv: keys and values must be contiguous fp32 [1, hkv, capacity, d]");
+                  keys.scalar_type() == values.scalar_type(),
+              "rope_qkv: keys and values must be contiguous [1, hkv, capacity, d] of one dtype");
   TORCH_CHECK(keys.size(1) == hkv && keys.size(3) == d, "rope_qkv: head counts or head_dim do not match the buffers");
   int64_t bs = 1, nl = 0;
-  const std::vector<float*> block = kvtool_cpu::block_pointers(blocks, layer, hkv, d, bs, nl, "rope_qkv");
+  const std::vector<E*> block = kvtool_cpu::block_pointers<E>(blocks, layer, hkv, d, bs, nl, "rope_qkv");
   const int64_t n = static_cast<int64_t>(block.size());
   TORCH_CHECK(base == n * (n ? bs : 0) && slot >= 0 && slot + rows - base <= keys.size(2), "rope_qkv: slots ", slot,
               "..", slot + rows - 1, " are outside ", n, " blocks (", base, " tokens) and the buffers' ", keys.size(2));
@@ -79,10 +81,10 @@ at::Tensor rope_qkv(const at::Tensor& qkv, at::Tensor& keys, at::Tensor& values,
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   float* qp = q.data_ptr<float>();
-  float* kp = keys.data_ptr<float>();
-  float* vp = values.data_ptr<float>();
+  E* kp = static_cast<E*>(keys.data_ptr());
+  E* vp = static_cast<E*>(values.data_ptr());
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    float scratch[1024];
+    float scratch[1024], rotated[1024];
     for (int64_t t = begin; t < end; ++t) {
       const float* row = in + t * width;
       const float* c = cp + t * d;
@@ -91,14 +93,25 @@ at::Tensor rope_qkv(const at::Tensor& qkv, at::Tensor& keys, at::Tensor& values,
       const int64_t pos = slot + t;
       for (int64_t g = 0; g < hkv; ++g) {
         const int64_t own = (g * cap + pos - base) * d;
-        float* k = pos < base ? block[pos / bs] + ((layer * hkv + g) * bs + pos % bs) * d : kp + own;
-        float* v = pos < base ? k + nl * hkv * bs * d : vp + own;
-        norm_rope(row + (hq + g) * d, k, d, kn, e, c, s, scratch);
-        std::memcpy(v, row + (hq + hkv + g) * d, d * sizeof(float));
+        E* k = pos < base ? block[pos / bs] + ((layer * hkv + g) * bs + pos % bs) * d : kp + own;
+        E* v = pos < base ? k + nl * hkv * bs * d : vp + own;
+        norm_rope(row + (hq + g) * d, rotated, d, kn, e, c, s, scratch);
+        kvtool_cpu::narrow_row(rotated, k, d);
+        kvtool_cpu::narrow_row(row + (hq + hkv + g) * d, v, d);
       }
     }
   });
   return q;
+}
+
+at::Tensor rope_qkv(const at::Tensor& qkv, at::Tensor& keys, at::Tensor& values, int64_t slot, const at::Tensor& cos,
+                    const at::Tensor& sin, const std::optional<at::Tensor>& q_norm,
+                    const std::optional<at::Tensor>& k_norm, double eps, int64_t hq, int64_t hkv,
+                    at::TensorList blocks, int64_t layer, int64_t base) {
+  return kvtool_cpu::with_kv_type(keys.scalar_type(), "rope_qkv", [&](auto kind) {
+    return rope_qkv_as<decltype(kind)>(qkv, keys, values, slot, cos, sin, q_norm, k_norm, eps, hq, hkv, blocks, layer,
+                                       base);
+  });
 }
 
 }  // namespace

@@ -30,7 +30,7 @@ class PrefillPass:
     """New tokens of n sequences (any count each, packed back to back) through the layers, each sequence over its
     own KVCache. Reads the runner's modules on every call, so fuse(), packing or a move need no rebuild."""
 
-    takes = staticmethod(DecodeStep.takes)  # the same cache layout: contiguous fp32 CPU [1, H, capacity, D]
+    takes = staticmethod(DecodeStep.takes)  # the same cache layout: contiguous fp32 or bf16 CPU [1, H, capacity, D]
 
     def __init__(self, runner):
         self.runner = runner

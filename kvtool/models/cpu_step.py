@@ -12,6 +12,8 @@ from kvtool.kernels import cpu_gemm, quant
 from kvtool.kernels.cpu_decode import GEMV_MAX_ROWS, gemv_takes, unavailable
 from kvtool.kernels.linear import linear
 
+KV_DTYPES = (torch.float32, torch.bfloat16)  # the KV caches the ops read and write (widened to fp32 as read)
+
 
 def unsupported(runner) -> str | None:
     """None when `runner` can decode through these ops, else why not."""
@@ -66,11 +68,13 @@ class DecodeStep:
 
     @staticmethod
     def takes(caches) -> bool:
-        """True when every layer's buffers and shared blocks are the contiguous fp32 CPU tensors the ops index into
-        (a runner moved to another dtype or device after use_cpu_decode() makes caches that are not)."""
-        return all(t.is_contiguous() and t.dtype == torch.float32 and t.device.type == "cpu" for cache in caches
-                   if cache.layers  # whose layers share one list of blocks
-                   for t in (*cache.layers[0].blocks[:1], *(b for layer in cache.layers for b in layer.buffers)))
+        """True when every layer's buffers and shared blocks are the contiguous CPU tensors the ops index into, all
+        fp32 or all bf16 (KV_DTYPES; a runner moved to another dtype or device after use_cpu_decode() makes caches
+        that are not)."""
+        tensors = [t for cache in caches if cache.layers  # whose layers share one list of blocks
+                   for t in (*cache.layers[0].blocks[:1], *(b for layer in cache.layers for b in layer.buffers))]
+        return (len({t.dtype for t in tensors}) <= 1 and all(
+            t.is_contiguous() and t.dtype in KV_DTYPES and t.device.type == "cpu" for t in tensors))
 
     def layer_args(self, rows: int) -> tuple | None:
         """(norms, mats, qkv_bias, qk_norms, eps, qk_eps, q4) for ops.layers, which runs every layer in one call,

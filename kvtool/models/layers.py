@@ -147,6 +147,8 @@ class Attention(nn.Module):
         for cache, t in zip(caches, lengths):
             sl = slice(start, start + t)
             keys, values = cache[layer_idx].append(k_rot[:, :, sl], v[:, :, sl])
+            if keys.dtype != q_rot.dtype:  # a bf16 KV cache of an fp32 model (EngineConfig.kv_dtype): widened exactly
+                keys, values = keys.to(q_rot.dtype), values.to(q_rot.dtype)
             if tap is not None:
                 tap(AttentionTap(layer_idx, positions[sl], q[:, :, sl], k[:, :, sl], q_rot[:, :, sl],
                                  k_rot[:, :, sl], v[:, :, sl], cache))

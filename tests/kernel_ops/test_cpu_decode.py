@@ -207,21 +207,23 @@ def test_attend_refuses_what_does_not_fit(ops):
         ops.attend(qkv, [keys, keys], [values], [0], row, row, None, None, 1e-6, 4, 2, [], [], 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size,blocks", [(16, [3, 0, 20]), (5, [1, 7, 60])])
-def test_attend_reads_shared_blocks_in_place_with_the_same_bits(ops, block_size, blocks):
+def test_attend_reads_shared_blocks_in_place_with_the_same_bits(ops, block_size, blocks, dtype):
     """Rows whose first keys sit in shared [2, L, hkv, B, d] blocks (layer 1 of 3 here), the rest in their own
     buffers: the output has the bits of the same keys in one buffer (chunks of 256 keys cross block edges), the
-    new K/V go to the buffers, and the blocks are only read."""
+    new K/V go to the buffers, and the blocks are only read. In fp32 and in bf16 (EngineConfig.kv_dtype), where
+    blocks of another dtype than the buffers' are refused."""
     hq, hkv, d, layers, gen = 6, 2, 32, 3, torch.Generator().manual_seed(block_size)
     slots = [9, 300, 2]
-    whole = [torch.randn(2, hkv, b * block_size + s + 4, d, generator=gen) for b, s in zip(blocks, slots)]
+    whole = [torch.randn(2, hkv, b * block_size + s + 4, d, generator=gen).to(dtype) for b, s in zip(blocks, slots)]
     qkv = torch.randn(len(slots), (hq + 2 * hkv) * d, generator=gen)
     angles = torch.rand(len(slots), d // 2, generator=gen) * 6
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     prefix, own = [], []
     for w, b in zip(whole, blocks):
         for i in range(b):
-            blk = torch.randn(2, layers, hkv, block_size, d, generator=gen)
+            blk = torch.randn(2, layers, hkv, block_size, d, generator=gen).to(dtype)
             blk[:, 1] = w[:, :, i * block_size : (i + 1) * block_size]
             prefix.append(blk)
         own.append(w[:, :, b * block_size :].clone())
@@ -241,6 +243,9 @@ def test_attend_reads_shared_blocks_in_place_with_the_same_bits(ops, block_size,
     with pytest.raises(RuntimeError, match="L > layer"):
         ops.attend(qkv, [o[0:1] for o in own], [o[1:2] for o in own], slots, cos, sin, None, None, 1e-6, hq, hkv,
                    prefix, blocks, 3)
+    with pytest.raises(RuntimeError, match=r"of the buffers' dtype"):
+        ops.attend(qkv, [o[0:1] for o in own], [o[1:2] for o in own], slots, cos, sin, None, None, 1e-6, hq, hkv,
+                   [p.half() for p in prefix], blocks, 1)
 
 
 def decode(runner, prompt: list[int], steps: int, on: bool, positions_from: int | None = None):
@@ -421,8 +426,10 @@ def test_plain_and_int4_matmuls_decode_through_the_ops_and_bf16_says_why_not(tmp
                                     torch.zeros(1, 2), torch.zeros(1, 2), 1e-6, 0.0, 1, 1, False, [], [])
     spec = plain.spec  # caches the ops cannot index into go to the reference forward
     assert cpu_step.DecodeStep.takes([plain.new_cache(8)])
-    assert not cpu_step.DecodeStep.takes([KVCache.empty(spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                                                          torch.bfloat16, "cpu")])
+    half, bf16 = (KVCache.empty(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype, "cpu")
+                  for dtype in (torch.float16, torch.bfloat16))
+    assert cpu_step.DecodeStep.takes([bf16]) and not cpu_step.DecodeStep.takes([half])
+    assert not cpu_step.DecodeStep.takes([plain.new_cache(8), bf16])  # one call reads one dtype
     assert "fp32 on the CPU" in plain.to(torch.bfloat16).use_cpu_decode()
 
 

@@ -142,11 +142,11 @@ def test_rope_qkv_refuses_what_does_not_fit(ops):
     qkv, rows = torch.zeros(3, 8 * 16), torch.zeros(3, 16)
     with pytest.raises(RuntimeError, match=r"slots 6\.\.8 are outside 0 blocks \(0 tokens\) and the buffers' 8"):
         ops.rope_qkv(qkv, keys, values, 6, rows, rows, None, None, 1e-6, 4, 2, [], 0, 0)
-    with pytest.raises(RuntimeError, match=r"rope_qkv: blocks must be contiguous fp32"):
+    with pytest.raises(RuntimeError, match=r"rope_qkv: blocks must be contiguous"):
         ops.rope_qkv(qkv, keys, values, 0, rows, rows, None, None, 1e-6, 4, 2, [torch.zeros(2, 1, 2, 4, 16)], 1, 4)
     with pytest.raises(RuntimeError, match="qkv's width must be"):
         ops.rope_qkv(torch.zeros(3, 17), keys, values, 0, rows, rows, None, None, 1e-6, 4, 2, [], 0, 0)
-    with pytest.raises(RuntimeError, match="must be contiguous fp32"):
+    with pytest.raises(RuntimeError, match="must be contiguous"):
         ops.rope_qkv(qkv, keys.transpose(2, 3), values, 0, rows, rows, None, None, 1e-6, 4, 2, [], 0, 0)
     with pytest.raises(RuntimeError, match="cos/sin must be"):
         ops.rope_qkv(qkv, keys, values, 0, rows[:2], rows, None, None, 1e-6, 4, 2, [], 0, 0)
@@ -185,7 +185,7 @@ def test_prefill_attention_refuses_what_does_not_fit(ops):
         ops.prefill_attention(q, [], 0, keys, keys, 0, 6)
     with pytest.raises(RuntimeError, match="multiple of 8"):
         ops.prefill_attention(torch.zeros(4, 2, 12), [], 0, torch.zeros(1, 1, 8, 12), torch.zeros(1, 1, 8, 12), 0, 0)
-    with pytest.raises(RuntimeError, match="blocks must be contiguous fp32"):
+    with pytest.raises(RuntimeError, match="blocks must be contiguous"):
         ops.prefill_attention(q, [torch.zeros(2, 1, 1, 4, 16)], 1, keys, keys, 4, 4)
     with pytest.raises(RuntimeError, match="width must be 0 .the widest. or 8, got 16"):
         ops.prefill_attention(q, [], 0, keys, keys, 0, 0, 16)
