@@ -231,11 +231,19 @@ inline Vec vset(float f) { return KVTOOL_PS(set1)(f); }
 // two for more, KT k values at a time, C vectors of outputs per pass (as many accumulators as the registers
 // hold). Streams side by side read faster than one stream, or than blocks side by side (docs/benchmarks.md,
 // "kvtool.kernels.cpu_decode").
+// The most vectors of a block's outputs a pass can hold in `most` registers, such that passes cover the block
+// exactly (a divisor of `per`: a pass past its end would read and write beyond the accumulators).
+constexpr int whole_passes(int per, int most) {
+  int c = std::max(1, std::min(per, most));
+  while (per % c != 0) --c;
+  return c;
+}
+
 template <int R, typename Finish>
 void blocked_gemv(const float* w, const float* xp, int64_t k, int64_t blocks, const Finish& finish) {
   constexpr int PER = BLOCK / VW, BUDGET = VW == 16 ? 16 : 12;  // accumulator registers
   constexpr int P = R == 1 ? 4 : 2;  // parts in flight: four weight streams for one row, two for more
-  constexpr int C = std::min<int>(PER, std::max<int>(1, BUDGET / (R * P)));
+  constexpr int C = whole_passes(PER, BUDGET / (R * P));
   constexpr int64_t KT = 16;
   const int64_t len = k / PARTS;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
