@@ -234,7 +234,7 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
          _kvtool_budgets, _fixed("fp32")),
     Peer("kvtool-int4", "kvtool serve --weights int4", lambda f, o: "int4 projections, 8-bit head", _kvtool("int4"),
          _kvtool_budgets, _fixed("int4")),
-    Peer("kvtool-bf16", "kvtool serve --weights bf16", lambda f, o: "bf16 projections and head, bf16 GEMMs",
+    Peer("kvtool-bf16", "kvtool serve --weights bf16", lambda f, o: "bf16 projections and head, bf16 GEMMs, bf16 KV",
          _kvtool("bf16"), _kvtool_budgets, _fixed("bf16")),
     Peer("llama.cpp", "llama-server", lambda f, o: f"GGUF {f.gguf_type or '(none)'}", _llama, _llama_budgets,
          lambda f, o: gguf_precision(f.gguf_type)),

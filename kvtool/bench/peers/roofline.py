@@ -187,7 +187,7 @@ def _llama(shape: Shape, rows: list[int], files, vllm: str) -> dict:
 
 
 # engine -> its reads a step at each row count, its KV element bytes and the dtype its prefill multiplies in
-READS = {"kvtool": _dense("fp32", 4), "kvtool-bf16": _dense("bf16", 4), "kvtool-int4": _int4, "llama.cpp": _llama,
+READS = {"kvtool": _dense("fp32", 4), "kvtool-bf16": _dense("bf16"), "kvtool-int4": _int4, "llama.cpp": _llama,
          "vllm": _dense(None), "vllm-bf16": _dense("bf16"), "kvtool-vllm": _dense(None),
          "transformers": _dense("fp32", 4)}
 
