@@ -55,7 +55,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU; or float32/bfloat16/float16
     weights: str = "dense"  # dense | int4: 4-bit projections, 8-bit head (CPU decode ~2x) | bf16: bf16 GEMMs (AMX)
     kv_dtype: str = "auto"  # the KV cache's elements where steps run the C++ CPU ops: auto | float32 | bfloat16
-    # (kvtool.engine.engine.kv_dtype_of says what auto picks); elsewhere the model's dtype
+    # (kvtool.cache.store.kv_dtype says what auto picks); elsewhere the model's dtype
     prefill_chunk: int = 2048  # prompt tokens per scheduler step (each forward): bounds activation memory and how
     # long one step stalls running streams; a later chunk attends over all earlier keys
     max_running: int = 16  # requests the scheduler batches in each step (kvtool serve --max-active sets it)
