@@ -55,15 +55,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     import kvtool
+    from kvtool.bench.loading import model_path
     from kvtool.bench.skill_library import library, messages, requests, write_library
     from kvtool.cache.manager import attach_prefix_cache
     from kvtool.engine import Engine
     from kvtool.skills.catalog import load_catalog
     from kvtool.skills.splice import SkillSplicer
-    from kvtool.testing.models import qwen25_gguf, smollm2_gguf
 
-    model = kvtool.load(str({"smollm2": smollm2_gguf, "qwen25": qwen25_gguf}[args.model]()), device="cpu",
-                        dtype="float32", progress=False)
+    model = kvtool.load(model_path(args.model, lambda m: print(m, file=sys.stderr)), device="cpu", dtype="float32",
+                        progress=False)
     skills, work = library(0), Path(os.environ.get("TMPDIR", "/tmp")) / "kvtool-repair-cost"
     chats = [(r, model.encode_chat(messages(r, skills))) for r in requests(skills, 8 * args.requests, 0, most=args.most)]
     chats = [(r, ids) for r, ids in chats if len(ids) < model.context_window - 1][: args.requests]

@@ -15,16 +15,9 @@ import torch
 from kvtool.kernels import cpu_decode
 
 
-def _has_avx2() -> bool:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return {"avx2", "fma"} <= set(flags.split())
-
-
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    shutil.which(os.environ.get("CXX", "c++")) is None or not _has_avx2() or cpu_decode.unavailable() is not None,
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(  # (_cpu_id: the flags -march=native builds for)
+    shutil.which(os.environ.get("CXX", "c++")) is None or not {"avx2", "fma"} <= set(cpu_decode._cpu_id().split())
+    or cpu_decode.unavailable() is not None,
     reason="needs a C++ compiler, an x86 CPU with AVX2 and FMA, and the ops built for this machine")]
 
 AVX2_BUILD = """
