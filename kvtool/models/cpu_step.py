@@ -1,8 +1,6 @@
-"""The decode step of a runner through the C++ ops of kvtool.kernels.cpu_decode.
-
-The ops take plain tensors; this module knows the runner's layers and weights, gathers the ops'
-arguments from them, and runs one new token of each of n sequences (ModelRunner.use_cpu_decode).
-"""
+"""The decode step of a runner through the C++ ops of kvtool.kernels.cpu_decode: the ops take plain tensors; this
+module gathers their arguments from the runner's layers and weights, and runs one new token of each of n sequences
+(ModelRunner.use_cpu_decode)."""
 
 from __future__ import annotations
 
@@ -55,9 +53,8 @@ def _weight(linear_module):
 
 
 class DecodeStep:
-    """One new token for each of n sequences through the model, each over its own KVCache. The arguments of
-    the `layers` op are gathered from the runner once per kind of step (gathering them took ~0.5 ms, 30 layers
-    of module attribute lookups); load_state_dict() copies new values into those same tensors, and the runner
+    """One new token for each of n sequences through the model, each over its own KVCache. The `layers` op's
+    arguments are gathered once per kind of step: load_state_dict() copies into those same tensors, and the runner
     starts a new DecodeStep whenever it swaps weight objects (fuse, packing, int4, a move)."""
 
     def __init__(self, runner):

@@ -282,7 +282,8 @@ def test_decode_steps_equal_the_reference_forward(tmp_path, family):
 
 def test_decode_steps_without_a_tap_take_the_ops(tmp_path):
     """Up to GEMV_MAX_ROWS sequences every layer runs in one `layers` call; more go layer by layer, their
-    products through oneDNN; prefill, taps and steps of several tokens run the reference forward."""
+    products through oneDNN; beside a chunk of several tokens (the prefill pass) the decode rows take `attend`; taps,
+and steps with the ops off, run the reference forward."""
     tiny_checkpoint("llama", tmp_path)
     runner = tiny_runner("llama", tmp_path)
     cache = runner.new_cache(64)
@@ -297,7 +298,8 @@ def test_decode_steps_without_a_tap_take_the_ops(tmp_path):
     assert "kvtool_cpu::layers" in ops_of(lambda: runner.forward_batch(two))
     many = ops_of(lambda: runner.forward_batch([([7], cache)] + [([8], other) for other in others]))
     assert "kvtool_cpu::attend" in many and "kvtool_cpu::layers" not in many
-    assert not step_ops & ops_of(lambda: runner.forward_batch([([7, 8], cache), ([8], others[0])]))
+    mixed = ops_of(lambda: runner.forward_batch([([7, 8], cache), ([8], others[0])]))  # a chunk beside a decode row
+    assert {"kvtool_cpu::attend", "kvtool_cpu::prefill_attention"} <= mixed and "kvtool_cpu::layers" not in mixed
     runner.use_cpu_decode(False)
     assert not step_ops & ops_of(lambda: runner.forward([5], cache))
 

@@ -254,6 +254,43 @@ def test_batched_prefill_and_taps(tmp_path):
         torch.testing.assert_close(ca.layers[1].keys, cb.layers[1].keys, atol=1e-5, rtol=1e-5)
 
 
+def test_decode_rows_beside_a_prompt_chunk_take_the_decode_op(tmp_path):
+    """A packed forward of decode rows and a prompt chunk (a serving step where a prompt arrives) attends the rows of
+    one token through `attend`, the decode step's op, and the chunk through prefill_attention: logits and KV as the
+    decode step gives the rows alone and as the reference forward gives the whole batch."""
+    tiny_checkpoint("qwen3", tmp_path)
+    runner = tiny_runner("qwen3", tmp_path)
+    before = [list(range(3, 23)), list(range(30, 67)), list(range(70, 75))]
+    new = [[5], list(range(80, 91)), [7]]
+
+    def step(on, rows):
+        runner.use_cpu_prefill(on)
+        runner.use_cpu_decode(on)
+        caches = [runner.new_cache(64) for _ in before]
+        for ids, cache in zip(before, caches):
+            runner.forward(ids, cache, logits="none")
+        seqs = [(torch.tensor(new[j]), caches[j]) for j in rows]
+        return runner.forward_batch(seqs), [caches[j] for j in rows]
+
+    try:
+        names = ops_of(lambda: step(True, [0, 1, 2]))
+        mixed, alone, ref = step(True, [0, 1, 2]), step(True, [0, 2]), step(False, [0, 1, 2])
+    finally:
+        runner.use_cpu_prefill(True)
+        runner.use_cpu_decode(True)
+    assert {"kvtool_cpu::attend", "kvtool_cpu::prefill_attention"} <= names
+    for got, want in zip([mixed[0][0], mixed[0][2]], alone[0]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for got, want in zip([mixed[1][0], mixed[1][2]], alone[1]):
+        assert got.offset == want.offset
+        torch.testing.assert_close(got.layers[2].keys, want.layers[2].keys, atol=1e-6, rtol=1e-6)
+    for got, want in zip(mixed[0], ref[0]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    for got, want in zip(mixed[1], ref[1]):
+        assert got.offset == want.offset
+        torch.testing.assert_close(got.layers[1].values, want.layers[1].values, atol=1e-5, rtol=1e-5)
+
+
 def test_bf16_and_the_env_switch_keep_the_reference_prefill(tmp_path, monkeypatch):
     tiny_checkpoint("llama", tmp_path)
     runner = tiny_runner("llama", tmp_path, dense_copies=True)
