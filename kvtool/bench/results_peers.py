@@ -163,8 +163,8 @@ def quiet_block(peers: list[tuple[Path, dict]], readme: Path) -> list[str]:
                           "ratio to each peer, above 1 in kvtool's favour; a `bench serve` row gives output tok/s, "
                           "TPOT p50, TTFT p50, TTFT p90.", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
                       *["| " + " | ".join(row) + " |" for row in rows]]
-    measured = sorted(((p, r) for p, r in peers if roofline_rows(r) is not None), key=lambda pr: pr[1]["date"])
-    if measured:  # the newest record that measured the machine, quiet or not: its load said beside it
+    measured = sorted(((p, r) for p, r in peers if roofline_rows(r)), key=lambda pr: pr[1]["date"])
+    if measured:  # the newest record with rows against the machine's measure, quiet or not: its load said beside it
         path, rec = measured[-1]
         used[path] = rec
         lines += ["", f"Roofline of {path.parent.name} ({rec['model']}, {threads_text(rec)}, "
