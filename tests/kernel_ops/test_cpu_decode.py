@@ -283,7 +283,7 @@ def test_decode_steps_equal_the_reference_forward(tmp_path, family):
 def test_decode_steps_without_a_tap_take_the_ops(tmp_path):
     """Up to GEMV_MAX_ROWS sequences every layer runs in one `layers` call; more go layer by layer, their
     products through oneDNN; beside a chunk of several tokens (the prefill pass) the decode rows take `attend`; taps,
-and steps with the ops off, run the reference forward."""
+    and steps with the ops off, run the reference forward."""
     tiny_checkpoint("llama", tmp_path)
     runner = tiny_runner("llama", tmp_path)
     cache = runner.new_cache(64)
