@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtool.models.cpu_step import DecodeStep, _product, _weight
+from kvtool.models.cpu_step import DecodeStep, _product, _weight, attend_layout
 
 
 class PrefillPass:
@@ -35,8 +35,7 @@ class PrefillPass:
     def attention(self, qkv: torch.Tensor, layer: int, caches: list, lengths: list[int], slots: list[int],
                   cos: torch.Tensor, sin: torch.Tensor, ones: tuple | None = None) -> torch.Tensor:
         """The attention output [N, hq d] of one layer for qkv [N, (hq + 2 hkv) d]; K and V go into the caches. The
-        sequences of one new token (`ones`: which, their rows, then attend's slots, cos, sin, prefix, prefix_count) go
-        through one call of `attend`, the decode step's op."""
+        sequences of one new token (`ones`, from singles()) go through one call of `attend`, the decode step's op."""
         s, attn = self.runner.spec, self.runner.model.layers[layer].self_attn
         hq, hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
         qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
@@ -57,13 +56,13 @@ class PrefillPass:
         return out
 
     @staticmethod
-    def singles(caches: list, lengths: list[int], slots: list[int], cos: torch.Tensor, sin: torch.Tensor) -> tuple:
-        """attention()'s `ones` for the sequences of one new token (decode rows beside a prompt's chunk)."""
+    def singles(caches: list, lengths: list[int], cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+        """attention()'s `ones` for the sequences of one new token (decode rows beside a prompt's chunk): which, their
+        rows, then attend's slots, cos, sin, prefix and prefix_count."""
         which = [j for j, t in enumerate(lengths) if t == 1]
         rows = (torch.tensor(lengths).cumsum(0)[which] - 1).to(cos.device)
-        blocks = [caches[j].layers[0].blocks for j in which]  # (reserved: the page holds the slot)
-        return (which, rows, [slots[j] - caches[j].layers[0].base for j in which], cos[rows].contiguous(),
-                sin[rows].contiguous(), [b for bl in blocks for b in bl], [len(bl) for bl in blocks])
+        slots, shared = attend_layout([caches[j] for j in which])  # (reserved: the page holds the slot)
+        return which, rows, slots, cos[rows].contiguous(), sin[rows].contiguous(), *shared
 
     def __call__(self, x: torch.Tensor, caches: list, lengths: list[int], cos: torch.Tensor,
                  sin: torch.Tensor) -> torch.Tensor:
@@ -72,7 +71,7 @@ class PrefillPass:
         slots = [cache.offset for cache in caches]
         for cache, t, slot in zip(caches, lengths, slots):
             cache.reserve(slot + t)
-        ones = self.singles(caches, lengths, slots, cos, sin) if 1 in lengths else None
+        ones = self.singles(caches, lengths, cos, sin) if 1 in lengths else None
         for i, layer in enumerate(self.runner.model.layers):
             attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
             qkv = _product(self.ops.rms_norm(x, norm.weight, norm.eps), attn._wqkv, attn._bqkv)

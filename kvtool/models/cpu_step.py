@@ -52,6 +52,12 @@ def _weight(linear_module):
     return getattr(linear_module, "packed", linear_module.weight)
 
 
+def attend_layout(caches: list) -> tuple[list[int], tuple[list, list[int]]]:
+    """`attend`'s slots (each cache's next token, reserved, after its blocks) and prefix, prefix_count (its blocks)."""
+    blocks = [c.layers[0].blocks for c in caches]
+    return [c.offset - c.layers[0].base for c in caches], ([b for bl in blocks for b in bl], [len(bl) for bl in blocks])
+
+
 class DecodeStep:
     """One new token for each of n sequences through the model, each over its own KVCache. The `layers` op's
     arguments are gathered once per kind of step: load_state_dict() copies into those same tensors, and the runner
@@ -132,8 +138,7 @@ class DecodeStep:
         r, ops, hq, hkv = self.runner, self.ops, self.hq, self.hkv
         for cache in caches:
             cache.reserve(cache.offset + 1)
-        slots = [cache.offset - cache.layers[0].base for cache in caches]  # in the buffers, after the blocks
-        shared = [b for c in caches for b in c.layers[0].blocks], [len(c.layers[0].blocks) for c in caches]
+        slots, shared = attend_layout(caches)
         cos, sin = r.rope_cos_sin(torch.tensor(positions, device=r.device))  # [n, D] each
         x = r.model.embed_tokens(tokens)  # [n, hidden]
         fused = self.layer_args(len(caches))
