@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/silu.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/library.h>
@@ -626,32 +627,44 @@ at::Tensor gemv_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 }
 
 // y = x / sqrt(mean(x^2) + eps) * w over the last dimension of x [rows, n], rows split over the threads
-// (each row by one thread, so the same bits at any thread count).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+// (each row by one thread, so the same bits at any thread count). `half`: y in bf16, each value rounded to nearest
+// even (for a bf16 product, which would round it so).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool half = false) {
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "rms_norm: x must be contiguous fp32 [rows, n]");
   const int64_t rows = x.size(0), n = x.size(1);
   TORCH_CHECK(w.numel() == n && w.is_contiguous() && w.scalar_type() == at::kFloat, "rms_norm: w must be fp32 [n]");
-  at::Tensor y = at::empty({rows, n}, x.options());
+  at::Tensor y = at::empty({rows, n}, x.options().dtype(half ? at::kBFloat16 : at::kFloat));
   const float* wp = w.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xp = x.data_ptr<float>() + r * n;
-      float* yp = y.data_ptr<float>() + r * n;
-      const float ss = dot(xp, xp, n);
-      const float scale = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
-      for (int64_t i = 0; i < n; ++i) yp[i] = xp[i] * scale * wp[i];
-    }
-  });
+  auto norm = [&](auto* out) {
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float* xp = x.data_ptr<float>() + r * n;
+        const float ss = dot(xp, xp, n);
+        const float scale = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+        for (int64_t i = 0; i < n; ++i) kvtool_cpu::narrow(xp[i] * scale * wp[i], out + r * n + i);
+      }
+    });
+  };
+  if (half) {
+    norm(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+  } else {
+    norm(y.data_ptr<float>());
+  }
   return y;
 }
 
 // silu(gate) * up for gu [rows, 2I] holding gate then up, through ATen's silu (vectorized, and the reference
 // forward's own, so the same bits): a scalar loop of exps took 13 ms of a 64-row step across the 30 layers.
 // Many rows (a prefill) go in blocks split over the threads, each multiplied by up while it is in cache.
+// A bf16 gu (a bf16 gate_up product) gives a bf16 result: each block widened exactly, computed in fp32 as the fp32
+// path does and rounded to nearest even as written, so the bits of the fp32 path's result rounded afterwards,
+// without the full-size fp32 copies in and out.
 at::Tensor silu_mul(const at::Tensor& gu) {
-  TORCH_CHECK(gu.is_contiguous() && gu.scalar_type() == at::kFloat && gu.dim() == 2 && gu.size(1) % 2 == 0,
-              "silu_mul: gu must be contiguous fp32 [rows, 2I]");
+  const bool half = gu.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(gu.is_contiguous() && (half || gu.scalar_type() == at::kFloat) && gu.dim() == 2 &&
+                  gu.size(1) % 2 == 0,
+              "silu_mul: gu must be contiguous fp32 or bf16 [rows, 2I]");
   const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
   at::Tensor out = at::empty({rows, inter}, gu.options());
   // a block of ~16K values; fewer rows than one block run as one block, whose silu ATen may split itself
@@ -665,8 +678,22 @@ at::Tensor silu_mul(const at::Tensor& gu) {
       const int64_t n = std::min(grain, end - r);
       at::Tensor block = out.narrow(0, r, n);
       const at::Tensor part = gu.narrow(0, r, n);
-      at::silu_out(block, part.narrow(1, 0, inter));
-      block.mul_(part.narrow(1, inter, inter));
+      if (half) {  // widened into a block of fp32, ATen's silu there, * up and rounded in one pass
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(gu.data_ptr<at::BFloat16>()) + r * 2 * inter;
+        uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + r * inter;
+        std::vector<float> gate(n * inter);
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < inter; ++j) gate[i * inter + j] = bf16_to_float(src[i * 2 * inter + j]);
+        at::Tensor g = at::from_blob(gate.data(), {n, inter}, at::TensorOptions().dtype(at::kFloat));
+        at::silu_(g);
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < inter; ++j)
+            kvtool_cpu::narrow(gate[i * inter + j] * bf16_to_float(src[i * 2 * inter + inter + j]),
+                               dst + i * inter + j);
+      } else {
+        at::silu_out(block, part.narrow(1, 0, inter));
+        block.mul_(part.narrow(1, inter, inter));
+      }
     }
   });
   return out;
@@ -989,7 +1016,7 @@ at::Tensor layers(const at::Tensor& x0, at::TensorList norms, at::TensorList mat
 }  // namespace
 
 TORCH_LIBRARY(kvtool_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps, bool half=False) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("gemv(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("gemv_q4(Tensor x, Tensor codes, Tensor scale_zero, Tensor? bias, Tensor? residual) -> Tensor");

@@ -24,7 +24,7 @@ registers across the keys. The ops that write or read the KV cache (`attend`, `r
 take it in fp32 or in bf16 (EngineConfig.kv_dtype), the blocks and buffers of one call alike: K and V are
 computed in fp32 and rounded to nearest even as written, widened exactly as read, every sum in fp32; bf16
 halves the bytes a step's attention reads. `silu_mul` goes through ATen's silu, vectorized and the reference
-forward's own.
+forward's own; for bf16 weights, `rms_norm` and `silu_mul` write bf16 (fp32 math, rounded to nearest even).
 
 ModelRunner.run (forward, forward_batch) takes this path for one new token of each sequence, without a tap,
 once `use_cpu_decode()` turned it on (kvtool.load does, for fp32 CPU models). Prefill chunks take

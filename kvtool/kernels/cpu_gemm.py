@@ -13,7 +13,8 @@ and AVX-512), `blocked` views them as a plain tensor, which the decode gemv read
 which kvtool.load calls): `dense` is remade from the blocked bytes when something asks for it, and the
 weights are held once. Otherwise packing costs one more copy of the projection and head weights.
 `weights="bf16"` (kvtool.load) packs bf16 copies instead: every projection runs on oneDNN's bf16 kernels (AMX
-or AVX-512 BF16 where the CPU has them), x and the output rounded to bf16, and the head's products of a few rows
+or AVX-512 BF16 where the CPU has them), x and the output rounded to bf16 (the C++ RMSNorm and silu_mul give x in
+bf16, and silu_mul takes gate_up's in bf16: no fp32 copies converted), and the head's products of a few rows
 (decode steps, a prompt's last token) run the C++ gemv over its bf16 values, widened exactly, so the logits
 keep fp32's resolution. Its top-1 agreement with fp32 is in `kvtool bench decode`.
 It is on by default on x86_64, where it was measured (docs/benchmarks.md, "kvtool.kernels.cpu_gemm").
@@ -146,24 +147,28 @@ def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> PackedWeig
 
 
 def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None, exact_rows: int = 0) -> torch.Tensor:
-    """x [..., K] @ W.T + bias (+ residual) through oneDNN (a bf16 weight: x and the product rounded to bf16, bias and
-    residual added in fp32; with `exact_rows`, up to that many rows through the C++ ops' gemv once they are loaded:
-    fp32 x and sums over the weight widened exactly); other dtypes, and inputs that need gradients, take the
-    reference."""
-    if x.dtype != torch.float32 or (x.requires_grad and torch.is_grad_enabled()) or x.shape[-1] != w.shape[1]:
+                  residual: torch.Tensor | None = None, exact_rows: int = 0, half_out: bool = False) -> torch.Tensor:
+    """x [..., K] @ W.T + bias (+ residual) through oneDNN (a bf16 weight: x, fp32 or already bf16, and the product
+    rounded to bf16, bias and residual added in fp32, or with `half_out` and neither the bf16 product itself; with
+    `exact_rows`, up to that many fp32 rows through the C++ ops' gemv once they are loaded: sums over the weight
+    widened exactly); other dtypes, and inputs that need gradients, take the reference."""
+    takes = (torch.float32, torch.bfloat16) if w.half else (torch.float32,)
+    if x.dtype not in takes or (x.requires_grad and torch.is_grad_enabled()) or x.shape[-1] != w.shape[1]:
         y = F.linear(x, w.dense.to(x.dtype), bias)
-    elif w.half and cpu_decode.loaded() and x.numel() <= exact_rows * x.shape[-1]:
+    elif not w.half and residual is not None:  # one oneDNN call: the residual as a binary post-op
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w.packed, bias, "add")
+    elif not w.half:
+        return torch.ops.mkldnn._linear_pointwise(x, w.packed, bias, "none", [], "")
+    elif x.dtype == torch.float32 and cpu_decode.loaded() and x.numel() <= exact_rows * x.shape[-1]:
         y = torch.ops.kvtool_cpu.gemv(x.reshape(-1, x.shape[-1]).contiguous(), w.held, bias, None)
         y = y.reshape(*x.shape[:-1], w.shape[0])
-    elif w.half:
-        y = torch.ops.mkldnn._linear_pointwise(x.bfloat16(), w.packed, None, "none", [], "").float()
-        y = y if bias is None else y + bias
-    elif residual is not None:  # one oneDNN call: the residual as a binary post-op
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w.packed, bias, "add")
     else:
-        return torch.ops.mkldnn._linear_pointwise(x, w.packed, bias, "none", [], "")
-    return y if residual is None else y + residual
+        y = torch.ops.mkldnn._linear_pointwise(x.bfloat16(), w.packed, None, "none", [], "")
+        if half_out and bias is None and residual is None:
+            return y
+        y = y if bias is None else bias + y  # fp32 + bf16 promotes: y is widened inside the add, not copied first
+        y = y if residual is not None else y.float()
+    return y if residual is None else residual + y
 
 
 def packed_linear_reference(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -74,11 +74,11 @@ class PrefillPass:
         ones = self.singles(caches, lengths, cos, sin) if 1 in lengths else None
         for i, layer in enumerate(self.runner.model.layers):
             attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
-            qkv = _product(self.ops.rms_norm(x, norm.weight, norm.eps), attn._wqkv, attn._bqkv)
+            qkv = _product(x, attn._wqkv, attn._bqkv, norm=norm)
             x = _product(self.attention(qkv, i, caches, lengths, slots, cos, sin, ones), _weight(attn.o_proj),
                          residual=x)
             norm = layer.post_attention_layernorm
-            gate_up = _product(self.ops.rms_norm(x, norm.weight, norm.eps), mlp._wgu)
+            gate_up = _product(x, mlp._wgu, norm=norm, half_out=True)
             x = _product(self.ops.silu_mul(gate_up), _weight(mlp.down_proj), residual=x)
         return x
 

@@ -35,9 +35,15 @@ def _dense(w) -> torch.Tensor | None:
     return dense if isinstance(dense, torch.Tensor) and dense.is_contiguous() else None
 
 
-def _product(x: torch.Tensor, w, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None):
-    """x @ W.T (+ bias) (+ residual) for any of the runner's weights: `gemv` over the dense values for up to
-    GEMV_MAX_ROWS rows (where gemv_takes them), else the runner's own product (oneDNN-packed, int4 or F.linear)."""
+def _product(x: torch.Tensor, w, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+             norm=None, half_out: bool = False):
+    """x (or `norm`(x), the C++ RMSNorm) @ W.T (+ bias) (+ residual) for any of the runner's weights: `gemv` over
+    the dense values for up to GEMV_MAX_ROWS rows (where gemv_takes them), else the runner's own product (oneDNN,
+    int4 or F.linear). A bf16 weight takes the norm in bf16, and with half_out gives a bare product in bf16."""
+    half = isinstance(w, cpu_gemm.PackedWeight) and w.half
+    x = x if norm is None else torch.ops.kvtool_cpu.rms_norm(x, norm.weight, norm.eps, half)
+    if half:
+        return cpu_gemm.packed_linear(x, w, bias, residual, half_out=half_out)
     dense = _dense(w)
     if dense is not None and gemv_takes(x.shape[0], x.shape[1]):
         return torch.ops.kvtool_cpu.gemv(x, dense, bias, residual)
@@ -119,7 +125,7 @@ class DecodeStep:
         for i, layer in enumerate(self.runner.model.layers):
             attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
             kv = [cache.layers[i] for cache in caches]
-            qkv = _product(ops.rms_norm(x, norm.weight, norm.eps), attn._wqkv, attn._bqkv)
+            qkv = _product(x, attn._wqkv, attn._bqkv, norm=norm)
             qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
             eps = attn.q_norm.eps if attn.qk_norm else 0.0
             out = ops.attend(qkv, [layer_kv.buffers[0] for layer_kv in kv], [layer_kv.buffers[1] for layer_kv in kv],
@@ -128,7 +134,7 @@ class DecodeStep:
                 layer_kv.offset += 1
             x = _product(out, _weight(attn.o_proj), residual=x)
             norm = layer.post_attention_layernorm
-            gate_up = _product(ops.rms_norm(x, norm.weight, norm.eps), mlp._wgu)
+            gate_up = _product(x, mlp._wgu, norm=norm, half_out=True)
             x = _product(ops.silu_mul(gate_up), _weight(mlp.down_proj), residual=x)
         return x
 

@@ -243,6 +243,23 @@ def test_a_bf16_packed_product_rounds_x_and_its_output_to_bf16(rows):
     assert torch.equal(cpu_gemm.packed_linear(x, half), cpu_gemm.packed_linear(x, half).bfloat16().float())
 
 
+
+@bf16_runs
+def test_a_bf16_product_can_stay_bf16_for_the_next_product():
+    """half_out leaves a bare bf16 product in bf16 (the values packed_linear would widen), and a bf16 x goes to
+    oneDNN as it is: the gate_up -> silu_mul -> down chain without fp32 copies between."""
+    gen = torch.Generator().manual_seed(4)
+    weight, x, residual = torch.randn(96, 64, generator=gen), torch.randn(7, 64, generator=gen), torch.randn(7, 96)
+    half = cpu_gemm.pack(weight, torch.bfloat16)
+    kept = cpu_gemm.packed_linear(x, half, half_out=True)
+    assert kept.dtype == torch.bfloat16 and torch.equal(kept.float(), cpu_gemm.packed_linear(x, half))
+    assert cpu_gemm.packed_linear(x, half, residual=residual, half_out=True).dtype == torch.float32  # a sum: fp32
+    assert torch.equal(cpu_gemm.packed_linear(x.bfloat16(), half, residual=residual),
+                       cpu_gemm.packed_linear(x, half, residual=residual))
+    dense = cpu_gemm.pack(weight) if cpu_gemm._op_works() is None else None
+    if dense is not None:  # an fp32 weight takes fp32 x only; a bf16 one goes through the reference
+        assert cpu_gemm.packed_linear(x.bfloat16(), dense).dtype == torch.bfloat16
+
 def _bf16_checkpoint(family: str, folder):
     """A tiny checkpoint whose weights are all bf16 values, so a dense runner holds exactly what a bf16 one does."""
     from safetensors.torch import load_file, save_file

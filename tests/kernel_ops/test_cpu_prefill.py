@@ -53,6 +53,8 @@ def test_rms_norm_over_many_rows_equals_torch_at_any_thread_count(ops, rows, n):
     outs = at_threads(lambda: ops.rms_norm(x, w, 1e-5))
     assert_same_bits(outs)
     torch.testing.assert_close(outs[0], F.rms_norm(x, (n,), w, 1e-5), atol=1e-6, rtol=1e-5)
+    half = ops.rms_norm(x, w, 1e-5, True)  # for a bf16 product: the fp32 result rounded to nearest even
+    assert half.dtype == torch.bfloat16 and torch.equal(half, outs[0].bfloat16())
 
 
 @pytest.mark.parametrize("rows,inter", [(1, 100), (45, 1536), (513, 7), (3, 1)])
@@ -62,6 +64,20 @@ def test_silu_mul_over_many_rows_gives_the_reference_bits(ops, rows, inter):
     outs = at_threads(lambda: ops.silu_mul(gu))
     for out in outs:
         assert torch.equal(out, F.silu(gu[:, :inter]) * gu[:, inter:])
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 100), (16, 1536), (513, 7)])
+def test_silu_mul_of_a_bf16_gate_up_is_the_fp32_result_rounded(ops, rows, inter):
+    """A bf16 gate_up (the bf16 weights' product) gives bf16: the fp32 path's bits over the widened values, rounded
+    to nearest even, whatever the split, under inference mode too."""
+    gu = (torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4).bfloat16()
+    want = (F.silu(gu[:, :inter].float()) * gu[:, inter:].float()).bfloat16()
+    with torch.inference_mode():
+        outs = at_threads(lambda: ops.silu_mul(gu))
+    for out in outs:
+        assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        ops.silu_mul(gu.half())
 
 
 def test_silu_mul_under_inference_mode_on_many_threads(ops):
