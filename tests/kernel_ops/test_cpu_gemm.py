@@ -243,7 +243,6 @@ def test_a_bf16_packed_product_rounds_x_and_its_output_to_bf16(rows):
     assert torch.equal(cpu_gemm.packed_linear(x, half), cpu_gemm.packed_linear(x, half).bfloat16().float())
 
 
-
 @bf16_runs
 def test_a_bf16_product_can_stay_bf16_for_the_next_product():
     """half_out leaves a bare bf16 product in bf16 (the values packed_linear would widen), and a bf16 x goes to
