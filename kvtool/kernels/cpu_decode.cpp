@@ -674,6 +674,7 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     c10::InferenceMode guard(inference);
+    std::vector<float> gate(half ? std::min(grain, end - begin) * inter : 0);  // a bf16 block widened, per thread
     for (int64_t r = begin; r < end; r += grain) {  // each thread's share, a block at a time
       const int64_t n = std::min(grain, end - r);
       at::Tensor block = out.narrow(0, r, n);
@@ -681,7 +682,6 @@ at::Tensor silu_mul(const at::Tensor& gu) {
       if (half) {  // widened into a block of fp32, ATen's silu there, * up and rounded in one pass
         const uint16_t* src = reinterpret_cast<const uint16_t*>(gu.data_ptr<at::BFloat16>()) + r * 2 * inter;
         uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + r * inter;
-        std::vector<float> gate(n * inter);
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < inter; ++j) gate[i * inter + j] = bf16_to_float(src[i * 2 * inter + j]);
         at::Tensor g = at::from_blob(gate.data(), {n, inter}, at::TensorOptions().dtype(at::kFloat));
