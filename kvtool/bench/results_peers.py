@@ -1,6 +1,6 @@
 """The `kvtool bench peers` tables of the results index: every record's full table (benchmarks/results/README.md)
-and the project README's table of the latest quiet record per model and workload, each figure the median of the
-record's rounds with their min-max, and the command that reproduces it.
+and the project README's table of the latest quiet record per model, workload and set of engines, each figure the
+median of the record's rounds with their min-max, and the command that reproduces it.
 
 A record is quiet only when it says so (``"quiet": true``: its load, sampled throughout, never passed the core
 count); a record without the field was made before the load was sampled throughout, and counts as noisy.
@@ -22,6 +22,7 @@ PEER_COLUMNS = ("kvtool", "kvtool-int4", "kvtool-bf16", "llama.cpp", "vllm", "vl
 VLLM_BENCH_ROWS = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT median (ms)"),
                    ("p90_ttft_ms", "TTFT p90 (ms)"), ("p99_ttft_ms", "TTFT p99 (ms)"),
                    ("median_tpot_ms", "TPOT median (ms)"), ("p99_tpot_ms", "TPOT p99 (ms)"))
+JUDGED_ROWS = ("output_throughput", "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms")  # the README's: what targets judge
 
 
 def is_quiet(record: dict) -> bool:
@@ -48,9 +49,9 @@ def _mean(xs):
     return sum(xs) / len(xs)
 
 
-def workload_rows(record: dict) -> list[tuple[str, str, object]]:
-    """(workload, label, engine entry -> cell) for every figure the record's workloads produce; each stream count is
-    a workload of its own ("streams 8"), so a record of other counts does not hide it in the README."""
+def workload_rows(record: dict, judged: bool = False) -> list[tuple[str, str, object]]:
+    """(workload, label, engine entry -> cell) for every figure the record's workloads produce (`bench serve`'s judged
+    four where ``judged``); each stream count is a workload of its own, so a record of other counts hides none."""
     c = record["config"]
     rows = [("memory", "RSS after one request (MiB)", lambda e: spread(e, "memory.rss_mib")),
             ("decode", f"decode bs=1, {c['decode_tokens']} tokens (tok/s)", lambda e: spread(e, "decode_tok_s"))]
@@ -64,7 +65,8 @@ def workload_rows(record: dict) -> list[tuple[str, str, object]]:
     for w in CLIENT_ROWS:
         if client_load(c, w) and w in c.get("workloads", []):
             rows += [(w, f"{w} (vLLM bench serve), {client_load_text(c, w)}: {label}",
-                      lambda e, key=key, w=w: spread(e, f"{result_key(w)}.{key}")) for key, label in VLLM_BENCH_ROWS]
+                      lambda e, key=key, w=w: spread(e, f"{result_key(w)}.{key}")) for key, label in VLLM_BENCH_ROWS
+                     if key in JUDGED_ROWS or not judged]
     return [r for r in rows if r[0].split()[0] in c.get("workloads", [])]
 
 
@@ -127,33 +129,41 @@ def _x(v) -> str:
     return "n/a" if v is None else f"{v:.2f}x"
 
 
+def _ran(record: dict, workload: str) -> frozenset:  # the engines with a figure of `workload` in the record
+    names = columns([record])
+    got = [cells(record, get, names) for wl, _, get in workload_rows(record) if wl == workload]
+    return frozenset(n for i, n in enumerate(names) if any(_has_figures([row[i]]) for row in got))
+
+
 def quiet_block(peers: list[tuple[Path, dict]], readme: Path) -> list[str]:
-    """The README's peer table: per model, thread count and workload, the latest quiet record's figures; then each
-    record's ratios at equal precision (report.equal_table) and the command that reproduces it."""
-    latest: dict[tuple[str, str], tuple[Path, dict]] = {}
+    """The README's peer table: per model, thread count and workload, the latest quiet record of each set of engines
+    (a later record that ran them all hides it); then each record's ratios at equal precision and its command."""
+    latest: dict[tuple[str, str], list[tuple[Path, dict, frozenset]]] = {}
     for path, rec in sorted(((p, r) for p, r in peers if is_quiet(r)), key=lambda pr: pr[1]["date"]):
         for workload in dict.fromkeys(wl for wl, _, _ in workload_rows(rec)):
-            latest[(f"{rec['model']}, {threads_text(rec)}", workload)] = (path, rec)
+            ran, key = _ran(rec, workload), (f"{rec['model']}, {threads_text(rec)}", workload)
+            if ran:
+                latest[key] = [old for old in latest.get(key, []) if not old[2] <= ran] + [(path, rec, ran)]
     if not latest:
         noisy = len(peers)
         return ["(no quiet `kvtool bench peers` record yet: " + (f"the {noisy} recorded here are noisy, their load "
                 "passed the core count or was not sampled throughout, so they stay in benchmarks/results/ only)"
                 if noisy else "none recorded)")]
-    names = columns([rec for _, rec in latest.values()])
+    names = columns([rec for runs in latest.values() for _, rec, _ in runs])
     lines = ["| model | workload | " + " | ".join(names) + " | record |", "|" + "---|" * (len(names) + 3)]
     used: dict[Path, dict] = {}
     for model in sorted({m for m, _ in latest}):
         first = True
         for workload in [w for m, w in latest if m == model]:
-            path, rec = latest[(model, workload)]
-            used[path] = rec
-            link = str(path.relative_to(readme.parent))
-            for wl, label, get in workload_rows(rec):
-                row = cells(rec, get, names)
-                if wl == workload and _has_figures(row):
-                    lines.append(f"| {model if first else ''} | {label} | " + " | ".join(row) +
-                                 f" | [{path.parent.name}]({link}) |")
-                    first = False
+            for path, rec, _ in latest[(model, workload)]:
+                used[path] = rec
+                link = str(path.relative_to(readme.parent))
+                for wl, label, get in workload_rows(rec, judged=True):
+                    row = cells(rec, get, names)
+                    if wl == workload and _has_figures(row):
+                        lines.append(f"| {model if first else ''} | {label} | " + " | ".join(row) +
+                                     f" | [{path.parent.name}]({link}) |")
+                        first = False
     lines += ["", "Each cell is the median of the record's rounds (every engine run at least twice, in alternating "
                   "order), min-max in brackets."]
     for path, rec in used.items():

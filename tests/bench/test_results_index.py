@@ -92,6 +92,26 @@ def test_a_record_of_other_stream_counts_keeps_the_older_counts_in_the_readme(tm
     assert "|  | 16 streams x 128 (tok/s) | 70.0 |" in table and "|  | 64 streams x 128 (tok/s) | 85.0 |" in table
 
 
+def test_a_record_of_other_engines_keeps_the_older_engines_figures_until_a_record_runs_them_all(tmp_path):
+    results = tmp_path / "benchmarks" / "results"
+    both = _peers("2026-11-01 10:00", 10.0, True, ("decode",))
+    _write(results / "peers-both", "report.json", both)
+    int4_only = _peers("2026-12-01 08:00", 30.0, True, ("decode",))
+    int4_only["engines"]["kvtool"] = {"status": "missing"}
+    _write(results / "peers-int4", "report.json", int4_only)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{BEGIN}\n{END}\n")
+    update(results, readme)
+    table = readme.read_text()
+    # the newer record ran kvtool-int4 alone: both rows stay, each its own record's
+    assert "| 10.0 (9.00-12.0) | 10.0 (9.00-12.0) | not run | missing |" in table and "[peers-both]" in table
+    assert "| missing | 30.0 (29.0-32.0) | not run | missing |" in table and "[peers-int4]" in table
+    _write(results / "peers-all", "report.json", _peers("2026-12-02 08:00", 50.0, True, ("decode",)))
+    update(results, readme)
+    table = readme.read_text()
+    assert "[peers-all]" in table and "[peers-both]" not in table and "[peers-int4]" not in table
+
+
 def test_each_thread_count_keeps_its_rows_and_its_ratios_at_equal_precision(tmp_path):
     from kvtool.bench.peers.judge import best, pairs
 
