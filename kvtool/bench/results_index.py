@@ -1,6 +1,6 @@
 """Regenerate benchmarks/results/README.md from the JSON records there: the latest figure of every benchmark on
-every device, each with its file, and the peer table (kvtool beside llama.cpp, vLLM and transformers) that the
-project README shows between its results markers.
+every device, each with its file, and the current peer figures (kvtool beside llama.cpp, vLLM and transformers)
+whose ratios at equal precision the project README shows between its results markers.
 
     python -m kvtool.bench.results_index            # rewrite both
     python -m kvtool.bench.results_index --check    # exit 1 if either is out of date
@@ -260,19 +260,22 @@ def results_readme(folder: Path) -> str:
         model = Path(model).name if model.startswith("/") else model  # a file path: its name
         lines.append(f"| {kind(rec)} | {model} | {rec.get('device', '-')} | {date} | {text} | [{rel}]({rel}) |")
     peers = [(p, r) for p, r, _ in rows if kind(r) == "peers"]
+    lines += ["", "## Current figures", "", "The quiet `kvtool bench peers` records behind the project README's ratios: "
+              "per model, thread count and workload, the latest of each set of engines.", "",
+              *quiet_block(peers, folder / "README.md")]
     for path, rec in peers:
         lines += ["", f"## Peers: {rec['model']}", "", *peer_table(path, rec, str(path.relative_to(folder)))]
     return "\n".join(lines) + "\n"
 
 
 def readme_block(folder: Path, readme: Path) -> str:
-    """The project README's results block: the latest quiet `kvtool bench peers` record per model and workload
-    (results_peers.quiet_block), linked from the README's folder."""
+    """The project README's results block: kvtool's ratios to its peers at equal precision in the latest quiet
+    `kvtool bench peers` records (results_peers.quiet_block), the roofline, the skill and edit records."""
     peers = [(p, r) for p, r, _ in latest(load_records(folder)) if kind(r) == "peers"]
     rel = folder.relative_to(readme.parent)
-    lines = [BEGIN, "", *quiet_block(peers, readme), "", *family_rows(folder, readme), "",
-             f"Every engine's figures of every record, quiet or noisy, and every benchmark's latest record, each with "
-             f"its file: [{rel}/README.md]({rel}/README.md).", END]
+    lines = [BEGIN, "", *quiet_block(peers, readme, figures=False), "", *family_rows(folder, readme), "",
+             f"Every engine's figures behind these ratios, each record's command, and every record, quiet or noisy, "
+             f"with its file: [{rel}/README.md]({rel}/README.md).", END]
     return "\n".join(lines)
 
 

@@ -1,6 +1,6 @@
 """The `kvtool bench peers` tables of the results index: every record's full table (benchmarks/results/README.md)
-and the project README's table of the latest quiet record per model, workload and set of engines, each figure the
-median of the record's rounds with their min-max, and the command that reproduces it.
+and the current figures of the latest quiet record per model, workload and set of engines (each the median of the
+record's rounds with their min-max, and the command that reproduces it), whose ratios the project README shows.
 
 A record is quiet only when it says so (``"quiet": true``: its load, sampled throughout, never passed the core
 count); a record without the field was made before the load was sampled throughout, and counts as noisy.
@@ -135,9 +135,10 @@ def _ran(record: dict, workload: str) -> frozenset:  # the engines with a figure
     return frozenset(n for i, n in enumerate(names) if any(_has_figures([row[i]]) for row in got))
 
 
-def quiet_block(peers: list[tuple[Path, dict]], readme: Path) -> list[str]:
-    """The README's peer table: per model, thread count and workload, the latest quiet record of each set of engines
-    (a later record that ran them all hides it); then each record's ratios at equal precision and its command."""
+def quiet_block(peers: list[tuple[Path, dict]], readme: Path, figures: bool = True) -> list[str]:
+    """The latest quiet record per model, thread count, workload and set of engines (a later record that ran them all
+    hides it): with ``figures`` its figures (links from `readme`'s folder) and its command, else its ratios at equal
+    precision and the newest roofline (the project README's part)."""
     latest: dict[tuple[str, str], list[tuple[Path, dict, frozenset]]] = {}
     for path, rec in sorted(((p, r) for p, r in peers if is_quiet(r)), key=lambda pr: pr[1]["date"]):
         for workload in dict.fromkeys(wl for wl, _, _ in workload_rows(rec)):
@@ -166,20 +167,21 @@ def quiet_block(peers: list[tuple[Path, dict]], readme: Path) -> list[str]:
                         first = False
     lines += ["", "Each cell is the median of the record's rounds (every engine run at least twice, in alternating "
                   "order), min-max in brackets."]
+    ratios = []
     for path, rec in used.items():
         head, rows = equal_table(rec)
         if rows:
-            lines += ["", f"Equal precision, {path.parent.name} ({rec['model']}, {threads_text(rec)}): kvtool's "
-                          "ratio to each peer, above 1 in kvtool's favour; a `bench serve` row gives output tok/s, "
-                          "TPOT p50, TTFT p50, TTFT p90.", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
-                      *["| " + " | ".join(row) + " |" for row in rows]]
+            ratios += ["", f"{path.parent.name} ({rec['model']}, {threads_text(rec)}):", "",
+                       "| " + " | ".join(head) + " |", "|" + "---|" * len(head), *["| " + " | ".join(r) + " |" for r in rows]]
     measured = sorted(((p, r) for p, r in peers if roofline_rows(r)), key=lambda pr: pr[1]["date"])
     if measured:  # the newest record with rows against the machine's measure, quiet or not: its load said beside it
         path, rec = measured[-1]
         used[path] = rec
-        lines += ["", f"Roofline of {path.parent.name} ({rec['model']}, {threads_text(rec)}, "
-                      f"{'quiet' if is_quiet(rec) else 'noisy'}, {load_text(rec)}; docs/benchmarks.md, \"Roofline\"): "
-                      f"{summary(rec)}."]
+        ratios += ["", f"Roofline of {path.parent.name} ({rec['model']}, {threads_text(rec)}, "
+                       f"{'quiet' if is_quiet(rec) else 'noisy'}, {load_text(rec)}; docs/benchmarks.md, \"Roofline\"): "
+                       f"{summary(rec)}."]
+    if not figures:
+        return ratios[1:]
     lines += ["", "Reproduce a record with its command:", ""]
     for path, rec in used.items():
         lines.append(f"- {path.parent.name} ({rec['date'][:10]}, {load_text(rec)}): `{rec['command']}`")

@@ -108,9 +108,9 @@ def test_the_report_and_the_readme_give_each_fraction():
     # the README: the newest measured record, noisy or not, with its load; an older one without it does not count
     old = {**record(False), "date": "2026-12-06 10:00:00 UTC", "quiet": True}
     readme = Path("README.md").resolve()
-    lines = quiet_block([(readme.parent / "a/peers-old/report.json", old),
-                         (readme.parent / "a/peers-new/report.json", rec)], readme)
-    [roof] = [x for x in lines if x.startswith("Roofline")]
+    peers = [(readme.parent / "a/peers-old/report.json", old), (readme.parent / "a/peers-new/report.json", rec)]
+    [roof] = [x for x in quiet_block(peers, readme, figures=False) if x.startswith("Roofline")]
+    lines = quiet_block(peers, readme)  # the figures and the commands
     assert roof.startswith("Roofline of peers-new (SmolLM2, 1 thread, noisy, load 0.50-2.50 on 2 cores;")
     assert line in roof
     assert any(x.startswith("- peers-new") for x in lines)  # and the command that reproduces it

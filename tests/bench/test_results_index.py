@@ -63,7 +63,8 @@ def test_the_readme_shows_the_latest_quiet_record_per_model_and_workload(tmp_pat
     assert "quick" not in index
     body = readme.read_text()
     assert body.startswith("# x\n\nbefore\n") and body.endswith(f"{END}\nafter\n") and "stale" not in body
-    table = body.split(BEGIN)[1].split(END)[0]
+    assert "[benchmarks/results/README.md](benchmarks/results/README.md)" in body.split(BEGIN)[1].split(END)[0]
+    table = index.split("## Current figures")[1].split("## Peers")[0]  # the figures behind the README's ratios
     # decode from the newest quiet record; the other workloads only the older quiet record ran
     assert "|  | decode bs=1, 256 tokens (tok/s) | 42.0 (41.0-44.0) | 42.0 (41.0-44.0) | not run | missing |" in table
     assert "| SmolLM2, 2 threads | RSS after one request (MiB) | 700 (690-720) |" in table
@@ -86,7 +87,7 @@ def test_a_record_of_other_stream_counts_keeps_the_older_counts_in_the_readme(tm
     readme = tmp_path / "README.md"
     readme.write_text(f"{BEGIN}\n{END}\n")
     update(results, readme)
-    table = readme.read_text()
+    table = (results / "README.md").read_text()
     assert "| 8 streams x 128 (tok/s) | 90.0 | 90.0 | not run | missing | not run | not run | not run | [peers-8]" \
         in table
     assert "|  | 16 streams x 128 (tok/s) | 70.0 |" in table and "|  | 64 streams x 128 (tok/s) | 85.0 |" in table
@@ -102,13 +103,13 @@ def test_a_record_of_other_engines_keeps_the_older_engines_figures_until_a_recor
     readme = tmp_path / "README.md"
     readme.write_text(f"{BEGIN}\n{END}\n")
     update(results, readme)
-    table = readme.read_text()
+    table = (results / "README.md").read_text().split("## Peers")[0]
     # the newer record ran kvtool-int4 alone: both rows stay, each its own record's
     assert "| 10.0 (9.00-12.0) | 10.0 (9.00-12.0) | not run | missing |" in table and "[peers-both]" in table
     assert "| missing | 30.0 (29.0-32.0) | not run | missing |" in table and "[peers-int4]" in table
     _write(results / "peers-all", "report.json", _peers("2026-12-02 08:00", 50.0, True, ("decode",)))
     update(results, readme)
-    table = readme.read_text()
+    table = (results / "README.md").read_text().split("## Peers")[0]
     assert "[peers-all]" in table and "[peers-both]" not in table and "[peers-int4]" not in table
 
 
@@ -128,11 +129,11 @@ def test_each_thread_count_keeps_its_rows_and_its_ratios_at_equal_precision(tmp_
     readme = tmp_path / "README.md"
     readme.write_text(f"{BEGIN}\n{END}\n")
     update(results, readme)
-    table = readme.read_text()
+    figures, table = (results / "README.md").read_text(), readme.read_text()
     # the newer 2-thread record does not hide the 1-thread one: like is compared with like
-    assert "| SmolLM2, 1 thread | decode bs=1, 256 tokens (tok/s) | 10.0 (9.00-12.0) |" in table
-    assert "| SmolLM2, 2 threads | decode bs=1, 256 tokens (tok/s) | 18.0 (17.0-20.0) |" in table
-    assert "Equal precision, peers-1t (SmolLM2, 1 thread)" in table
+    assert "| SmolLM2, 1 thread | decode bs=1, 256 tokens (tok/s) | 10.0 (9.00-12.0) |" in figures
+    assert "| SmolLM2, 2 threads | decode bs=1, 256 tokens (tok/s) | 18.0 (17.0-20.0) |" in figures
+    assert "peers-1t (SmolLM2, 1 thread):" in table and "10.0 (9.00-12.0)" not in table  # the README: ratios
     assert "| workload | kvtool / vllm, fp32 | kvtool best / vllm best |" in table
     assert table.count("| decode bs=1 (tok/s) | 2.00x | 2.00x |") == 2
 
