@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from kvtool.bench.results_peers import is_quiet, peer_table, quiet_block
+from kvtool.bench.results_peers import is_quiet, peer_table, quiet_block, ratio_block
 
 BEGIN, END = "<!-- results:begin (python -m kvtool.bench.results_index) -->", "<!-- results:end -->"
 HEADLINES: dict[str, Callable[[dict], str]] = {}
@@ -270,10 +270,10 @@ def results_readme(folder: Path) -> str:
 
 def readme_block(folder: Path, readme: Path) -> str:
     """The project README's results block: kvtool's ratios to its peers at equal precision in the latest quiet
-    `kvtool bench peers` records (results_peers.quiet_block), the roofline, the skill and edit records."""
+    `kvtool bench peers` records (results_peers.ratio_block), the roofline, the skill and edit records."""
     peers = [(p, r) for p, r, _ in latest(load_records(folder)) if kind(r) == "peers"]
     rel = folder.relative_to(readme.parent)
-    lines = [BEGIN, "", *quiet_block(peers, readme, figures=False), "", *family_rows(folder, readme), "",
+    lines = [BEGIN, "", *ratio_block(peers), "", *family_rows(folder, readme), "",
              f"Every engine's figures behind these ratios, each record's command, and every record, quiet or noisy, "
              f"with its file: [{rel}/README.md]({rel}/README.md).", END]
     return "\n".join(lines)

@@ -129,60 +129,74 @@ def _x(v) -> str:
     return "n/a" if v is None else f"{v:.2f}x"
 
 
-def _ran(record: dict, workload: str) -> frozenset:  # the engines with a figure of `workload` in the record
-    names = columns([record])
-    got = [cells(record, get, names) for wl, _, get in workload_rows(record) if wl == workload]
-    return frozenset(n for i, n in enumerate(names) if any(_has_figures([row[i]]) for row in got))
+def _ran(record: dict) -> dict[str, frozenset]:  # per workload of the record, the engines with a figure of it
+    names, ran = columns([record]), {}
+    for wl, _, get in workload_rows(record):
+        row = cells(record, get, names)
+        ran[wl] = ran.get(wl, frozenset()) | {n for n, cell in zip(names, row) if _has_figures([cell])}
+    return ran
 
 
-def quiet_block(peers: list[tuple[Path, dict]], readme: Path, figures: bool = True) -> list[str]:
-    """The latest quiet record per model, thread count, workload and set of engines (a later record that ran them all
-    hides it): with ``figures`` its figures (links from `readme`'s folder) and its command, else its ratios at equal
-    precision and the newest roofline (the project README's part)."""
+def _current(peers: list[tuple[Path, dict]]) -> list[tuple[str, str, Path, dict]]:
+    """(model and threads, workload, path, record): per model and workload, the latest quiet record of each set of
+    engines (hidden by a later one that ran them all), in the table's order."""
     latest: dict[tuple[str, str], list[tuple[Path, dict, frozenset]]] = {}
     for path, rec in sorted(((p, r) for p, r in peers if is_quiet(r)), key=lambda pr: pr[1]["date"]):
-        for workload in dict.fromkeys(wl for wl, _, _ in workload_rows(rec)):
-            ran, key = _ran(rec, workload), (f"{rec['model']}, {threads_text(rec)}", workload)
+        for workload, ran in _ran(rec).items():
+            key = (f"{rec['model']}, {threads_text(rec)}", workload)
             if ran:
                 latest[key] = [old for old in latest.get(key, []) if not old[2] <= ran] + [(path, rec, ran)]
-    if not latest:
-        noisy = len(peers)
-        return ["(no quiet `kvtool bench peers` record yet: " + (f"the {noisy} recorded here are noisy, their load "
-                "passed the core count or was not sampled throughout, so they stay in benchmarks/results/ only)"
-                if noisy else "none recorded)")]
-    names = columns([rec for runs in latest.values() for _, rec, _ in runs])
+    return [(model, w, path, rec) for model in sorted({m for m, _ in latest}) for m, w in latest if m == model
+            for path, rec, _ in latest[(m, w)]]
+
+
+def _none_quiet(peers: list) -> list[str]:
+    return ["(no quiet `kvtool bench peers` record yet: " + (f"the {len(peers)} recorded here are noisy, their load "
+            "passed the core count or was not sampled throughout, so they stay in benchmarks/results/ only)"
+            if peers else "none recorded)")]
+
+
+def _roofline_record(peers: list) -> list[tuple[Path, dict]]:  # the newest measured against the machine, quiet or not
+    return sorted(((p, r) for p, r in peers if roofline_rows(r)), key=lambda pr: pr[1]["date"])[-1:]
+
+
+def quiet_block(peers: list[tuple[Path, dict]], readme: Path) -> list[str]:
+    """The current figures (_current), linked from `readme`'s folder, and the commands of their records."""
+    current = _current(peers)
+    if not current:
+        return _none_quiet(peers)
+    names = columns([rec for *_, rec in current])
     lines = ["| model | workload | " + " | ".join(names) + " | record |", "|" + "---|" * (len(names) + 3)]
-    used: dict[Path, dict] = {}
-    for model in sorted({m for m, _ in latest}):
-        first = True
-        for workload in [w for m, w in latest if m == model]:
-            for path, rec, _ in latest[(model, workload)]:
-                used[path] = rec
-                link = str(path.relative_to(readme.parent))
-                for wl, label, get in workload_rows(rec, judged=True):
-                    row = cells(rec, get, names)
-                    if wl == workload and _has_figures(row):
-                        lines.append(f"| {model if first else ''} | {label} | " + " | ".join(row) +
-                                     f" | [{path.parent.name}]({link}) |")
-                        first = False
-    lines += ["", "Each cell is the median of the record's rounds (every engine run at least twice, in alternating "
-                  "order), min-max in brackets."]
-    ratios = []
-    for path, rec in used.items():
-        head, rows = equal_table(rec)
-        if rows:
-            ratios += ["", f"{path.parent.name} ({rec['model']}, {threads_text(rec)}):", "",
-                       "| " + " | ".join(head) + " |", "|" + "---|" * len(head), *["| " + " | ".join(r) + " |" for r in rows]]
-    measured = sorted(((p, r) for p, r in peers if roofline_rows(r)), key=lambda pr: pr[1]["date"])
-    if measured:  # the newest record with rows against the machine's measure, quiet or not: its load said beside it
-        path, rec = measured[-1]
+    used, shown = {}, set()
+    for model, workload, path, rec in current:
         used[path] = rec
-        ratios += ["", f"Roofline of {path.parent.name} ({rec['model']}, {threads_text(rec)}, "
-                       f"{'quiet' if is_quiet(rec) else 'noisy'}, {load_text(rec)}; docs/benchmarks.md, \"Roofline\"): "
-                       f"{summary(rec)}."]
-    if not figures:
-        return ratios[1:]
-    lines += ["", "Reproduce a record with its command:", ""]
-    for path, rec in used.items():
+        link = str(path.relative_to(readme.parent))
+        for wl, label, get in workload_rows(rec, judged=True):
+            row = cells(rec, get, names)
+            if wl == workload and _has_figures(row):
+                lines.append(f"| {model if model not in shown else ''} | {label} | " + " | ".join(row) +
+                             f" | [{path.parent.name}]({link}) |")
+                shown.add(model)
+    lines += ["", "Each cell is the median of the record's rounds (every engine run at least twice, in alternating "
+                  "order), min-max in brackets.", "", "Reproduce a record with its command:", ""]
+    for path, rec in {**used, **dict(_roofline_record(peers))}.items():
         lines.append(f"- {path.parent.name} ({rec['date'][:10]}, {load_text(rec)}): `{rec['command']}`")
     return lines
+
+
+def ratio_block(peers: list[tuple[Path, dict]]) -> list[str]:
+    """The project README's part: the current records' ratios at equal precision, and the newest roofline line."""
+    current = _current(peers)
+    if not current:
+        return _none_quiet(peers)
+    lines = []
+    for path, rec in {path: rec for _, _, path, rec in current}.items():
+        head, rows = equal_table(rec)
+        if rows:
+            lines += ["", f"{path.parent.name} ({rec['model']}, {threads_text(rec)}):", "",
+                      "| " + " | ".join(head) + " |", "|" + "---|" * len(head), *["| " + " | ".join(r) + " |" for r in rows]]
+    for path, rec in _roofline_record(peers):
+        lines += ["", f"Roofline of {path.parent.name} ({rec['model']}, {threads_text(rec)}, "
+                      f"{'quiet' if is_quiet(rec) else 'noisy'}, {load_text(rec)}; docs/benchmarks.md, \"Roofline\"): "
+                      f"{summary(rec)}."]
+    return lines[1:]

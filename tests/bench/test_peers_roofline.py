@@ -12,7 +12,7 @@ import pytest
 from kvtool.bench.peers import roofline
 from kvtool.bench.peers.config import PeersConfig
 from kvtool.bench.peers.report import _roofline_md
-from kvtool.bench.results_peers import peer_table, quiet_block
+from kvtool.bench.results_peers import peer_table, quiet_block, ratio_block
 from kvtool.models.spec import ModelSpec
 
 # SmolLM2-135M's config.json, the fields the formulas read
@@ -109,7 +109,7 @@ def test_the_report_and_the_readme_give_each_fraction():
     old = {**record(False), "date": "2026-12-06 10:00:00 UTC", "quiet": True}
     readme = Path("README.md").resolve()
     peers = [(readme.parent / "a/peers-old/report.json", old), (readme.parent / "a/peers-new/report.json", rec)]
-    [roof] = [x for x in quiet_block(peers, readme, figures=False) if x.startswith("Roofline")]
+    [roof] = [x for x in ratio_block(peers) if x.startswith("Roofline")]
     lines = quiet_block(peers, readme)  # the figures and the commands
     assert roof.startswith("Roofline of peers-new (SmolLM2, 1 thread, noisy, load 0.50-2.50 on 2 cores;")
     assert line in roof
